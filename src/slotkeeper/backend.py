@@ -1,0 +1,106 @@
+"""Discovering an attached or embedded backend: its model, slots, per-slot context and fingerprint.
+
+Refuses a backend that cannot save slots, and checks that its --slot-save-path is the directory we were given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from pathlib import Path
+from typing import Any
+
+from slotkeeper.cache.fingerprint import (
+    backend_fingerprint,
+    local_model_path,
+    model_file_identity,
+    remote_model_identity,
+)
+from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.errors import SlotkeeperError, UpstreamError
+from slotkeeper.types import BackendInfo
+from slotkeeper.upstream.client import UpstreamClient
+
+log = logging.getLogger("slotkeeper.backend")
+
+
+class BackendNotUsable(SlotkeeperError):
+    """The backend is up but cannot do what slotkeeper needs; the message says what to change."""
+
+
+async def discover(client: UpstreamClient, store: SnapshotStore, slot_dir: Path, alias: str | None) -> BackendInfo:
+    props: dict[str, Any] = await client.get_json("/props")
+    slots: list[dict[str, Any]] = await client.get_json("/slots")
+    models: dict[str, Any] = await client.get_json("/v1/models")
+    await _check_slot_actions(client)
+    await _check_slot_dir(client, slot_dir)
+
+    n_slots = int(props.get("total_slots") or len(slots) or 1)
+    n_ctx_slot = int(slots[0].get("n_ctx") or props["default_generation_settings"]["n_ctx"])
+    model_path = str(props.get("model_path") or "")
+    meta = (models.get("data") or [{}])[0].get("meta") or {}
+    local = local_model_path(props)
+    if local is not None:
+        identity = await asyncio.to_thread(model_file_identity, local, store)
+    else:
+        identity = remote_model_identity(props, meta)
+        log.warning(
+            "the model file %r is not readable from here: the fingerprint uses what the server reports about it, "
+            "which cannot tell apart two models of the same shape", model_path,
+        )
+    build = str(props.get("build_info") or "")
+    layout = {"n_slots": n_slots, "n_ctx_slot": n_ctx_slot, "build": build}
+    return BackendInfo(
+        url=client.base_url,
+        model_id=alias or _model_id(props),
+        model_path=model_path,
+        n_slots=n_slots,
+        n_ctx_slot=n_ctx_slot,
+        build_info=build,
+        fingerprint=backend_fingerprint(identity, layout),
+    )
+
+
+def _model_id(props: dict[str, Any]) -> str:
+    """The served model's name: its alias, or the file name without .gguf when the alias is just the path."""
+    alias = str(props.get("model_alias") or "")
+    path = str(props.get("model_path") or "")
+    if alias and alias != path:
+        return alias
+    name = Path(path or alias or "model").name
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+async def _check_slot_actions(client: UpstreamClient) -> None:
+    """An invalid file name is refused with 400 when slot actions work and 501 when they are off; no side effects."""
+    try:
+        await client.post_json("/slots/0?action=save", {"filename": "probe..invalid"}, timeout=10.0)
+    except UpstreamError as exc:
+        if exc.status_code == 501:
+            raise BackendNotUsable(
+                "the backend cannot save or restore slots: start llama-server with --slot-save-path DIR "
+                "and give slotkeeper the same directory as --slot-dir"
+            ) from exc
+        if exc.status_code == 400:
+            return
+        raise
+
+
+async def _check_slot_dir(client: UpstreamClient, slot_dir: Path) -> None:
+    """Ask the backend to save into a probe file and look for it in our slot dir, so a wrong --slot-dir is caught."""
+    name = f"slotkeeper-probe-{secrets.token_hex(4)}.bin"
+    try:
+        await client.post_json("/slots/0?action=save", {"filename": name}, timeout=15.0)
+    except UpstreamError as exc:
+        raise BackendNotUsable(f"the backend refused a probe save: {exc.message}") from exc
+    except SlotkeeperError as exc:
+        log.warning("could not check the slot dir (the slot stayed busy): %s", exc.message)
+        return
+    probe = slot_dir / name
+    if not probe.exists():
+        raise BackendNotUsable(
+            f"the backend saved a probe file that did not appear in {slot_dir}: --slot-dir must be the directory "
+            "llama-server was started with as --slot-save-path"
+        )
+    probe.unlink()

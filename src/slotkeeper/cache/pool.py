@@ -1,0 +1,269 @@
+"""The slot pool: the single owner of "slot i holds session S's state, changed since its last save".
+
+Every decision (which slot, hot or not, who to save) is taken synchronously right after the pool wakes up, never on
+a value read before an `await`; the slow work (save, restore) then runs while the slot is marked busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.errors import SnapshotError, UpstreamError, UpstreamUnavailable
+from slotkeeper.types import CacheOutcome, SessionKey
+from slotkeeper.upstream.client import UpstreamClient
+
+log = logging.getLogger("slotkeeper.pool")
+
+
+class TurnEnd(enum.Enum):
+    """How a leased turn ended, which decides what the slot holds afterwards."""
+
+    COMPLETED = "completed"  # the slot holds the session's state up to this turn: save it later
+    CANCELLED = "cancelled"  # the client hung up: the slot holds a prefix of the session's state
+    REJECTED = "rejected"  # the backend refused the request before touching the slot
+    FAILED = "failed"  # the backend broke mid-turn: the slot's content is unknown, nothing is saved from it
+
+
+@dataclass
+class SlotState:
+    slot_id: int
+    occupant: SessionKey | None = None
+    dirty: bool = False
+    busy: bool = False
+    generation: int = 0
+    last_used: float = 0.0
+    n_tokens: int = 0
+
+
+@dataclass
+class SlotLease:
+    """A slot held for one turn. `release` is synchronous so it is safe in cancelled code paths."""
+
+    slot_id: int
+    key: SessionKey
+    outcome: CacheOutcome
+    restored_tokens: int = 0
+    restore_ms: float = 0.0
+    save_ms: float = 0.0
+    _release: Callable[[SlotLease, TurnEnd, int], None] | None = field(default=None, repr=False)
+
+    def release(self, end: TurnEnd, n_tokens: int = 0) -> None:
+        if self._release is not None:
+            release, self._release = self._release, None
+            release(self, end, n_tokens)
+
+
+class SlotPool:
+    def __init__(
+        self,
+        n_slots: int,
+        client: UpstreamClient,
+        store: SnapshotStore,
+        fingerprint: str,
+        n_ctx_slot: int,
+        save_idle_seconds: float = 2.0,
+    ) -> None:
+        self.slots = [SlotState(i) for i in range(n_slots)]
+        self._client = client
+        self._store = store
+        self._fingerprint = fingerprint
+        self._n_ctx_slot = n_ctx_slot
+        self._save_idle_seconds = save_idle_seconds
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._timers: set[asyncio.Task[None]] = set()
+        self.saves = 0
+        self.restores = 0
+        self.failed_saves = 0
+
+    # -- leasing --------------------------------------------------------------------------------------------
+
+    async def acquire(self, key: SessionKey) -> SlotLease:
+        """Wait for a slot for `key`, bring the session's best state into it, and lease it."""
+        slot = await self._take(lambda: self._choose(key))
+        previous, previous_dirty = slot.occupant, slot.dirty
+        slot.occupant, slot.dirty = key, False
+        slot.generation += 1
+        lease = SlotLease(slot.slot_id, key, CacheOutcome.COLD, _release=self._finish)
+        if previous == key:
+            slot.dirty = previous_dirty
+            lease.outcome = CacheOutcome.HOT
+            return lease
+        try:
+            if previous is not None and previous_dirty:
+                lease.save_ms = await self._save(slot.slot_id, previous)
+            await self._bring_in(slot, lease)
+        except BaseException:
+            lease.release(TurnEnd.FAILED)
+            raise
+        return lease
+
+    def _choose(self, key: SessionKey) -> SlotState | None:
+        own = next((s for s in self.slots if s.occupant == key), None)
+        if own is not None:
+            return None if own.busy else own  # one session's turns run one after another, in its own slot
+        idle = [s for s in self.slots if not s.busy]
+        if not idle:
+            return None
+        empty = [s for s in idle if s.occupant is None]
+        return empty[0] if empty else min(idle, key=lambda s: s.last_used)
+
+    async def _take(self, choose: Callable[[], SlotState | None]) -> SlotState:
+        while True:
+            slot = choose()
+            if slot is not None:
+                slot.busy = True
+                return slot
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _finish(self, lease: SlotLease, end: TurnEnd, n_tokens: int) -> None:
+        slot = self.slots[lease.slot_id]
+        slot.busy = False
+        slot.last_used = time.monotonic()
+        if end is TurnEnd.FAILED:
+            slot.occupant, slot.dirty, slot.n_tokens = None, False, 0
+        elif end in (TurnEnd.COMPLETED, TurnEnd.CANCELLED):
+            slot.dirty = not lease.key.is_default
+            slot.n_tokens = n_tokens or slot.n_tokens
+        self._wake()
+        if slot.dirty:
+            self._schedule_idle_save(slot)
+
+    # -- bringing a state in --------------------------------------------------------------------------------
+
+    async def _bring_in(self, slot: SlotState, lease: SlotLease) -> None:
+        key = lease.key
+        if key.is_default:
+            return
+        snapshot = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint)
+        if snapshot is None:
+            return
+        if snapshot.n_tokens > self._n_ctx_slot:
+            log.warning("snapshot of %s has %d tokens, more than a slot's %d: cold", key, snapshot.n_tokens,
+                        self._n_ctx_slot)
+            return
+        started = time.perf_counter()
+        try:
+            result = await self._client.slot_action(slot.slot_id, "restore", snapshot.filename)
+        except UpstreamError as exc:
+            # A failed restore empties the slot; the file passed our checks, so the backend disagrees with it.
+            slot.occupant = key
+            await asyncio.to_thread(self._store.quarantine, snapshot, f"backend refused the restore: {exc.message}")
+            return
+        except UpstreamUnavailable:
+            raise
+        lease.restore_ms = (time.perf_counter() - started) * 1000
+        lease.outcome = CacheOutcome.RESTORED
+        lease.restored_tokens = result.n_tokens
+        self.restores += 1
+        slot.n_tokens = result.n_tokens
+        await asyncio.to_thread(self._store.mark_used, key)
+
+    # -- saving ---------------------------------------------------------------------------------------------
+
+    async def _save(self, slot_id: int, key: SessionKey) -> float:
+        """Save the slot's state as `key`'s snapshot. A failure is logged and costs only the snapshot's freshness."""
+        temp = self._store.temp_name(key, self._fingerprint)
+        started = time.perf_counter()
+        try:
+            result = await self._client.slot_action(slot_id, "save", temp)
+            await asyncio.to_thread(self._store.commit, key, temp, self._fingerprint, result.n_tokens)
+        except (UpstreamError, UpstreamUnavailable, SnapshotError) as exc:
+            self.failed_saves += 1
+            await asyncio.to_thread(self._store.discard_temp, temp)
+            log.error("saving slot %d as %s failed: %s", slot_id, key, exc.message)
+            return 0.0
+        elapsed = (time.perf_counter() - started) * 1000
+        self.saves += 1
+        log.info("saved slot %d as %s: %d tokens, %d bytes, %.1f ms", slot_id, key, result.n_tokens,
+                 result.n_bytes, elapsed)
+        return elapsed
+
+    def _schedule_idle_save(self, slot: SlotState) -> None:
+        if self._save_idle_seconds < 0:
+            return
+        task = asyncio.get_running_loop().create_task(self._idle_save(slot, slot.generation))
+        self._timers.add(task)
+        task.add_done_callback(self._timers.discard)
+
+    async def _idle_save(self, slot: SlotState, generation: int) -> None:
+        await asyncio.sleep(self._save_idle_seconds)
+        if slot.busy or slot.generation != generation or not slot.dirty or slot.occupant is None:
+            return
+        await self._save_held(slot)
+
+    async def _save_held(self, slot: SlotState) -> None:
+        """Take an idle slot, save its dirty occupant, and give the slot back."""
+        key = slot.occupant
+        assert key is not None
+        slot.busy = True
+        slot.dirty = False
+        try:
+            await self._save(slot.slot_id, key)
+        finally:
+            slot.busy = False
+            self._wake()
+
+    # -- operator actions -----------------------------------------------------------------------------------
+
+    async def flush(self) -> int:
+        """Save every changed slot (waiting for running turns); returns how many were saved. Used at shutdown."""
+        saved = 0
+        for slot in self.slots:
+            await self._take(lambda s=slot: None if s.busy else s)  # type: ignore[misc]
+            try:
+                if slot.dirty and slot.occupant is not None:
+                    slot.dirty = False
+                    await self._save(slot.slot_id, slot.occupant)
+                    saved += 1
+            finally:
+                slot.busy = False
+                self._wake()
+        return saved
+
+    async def clear(self) -> list[int]:
+        """Save changed slots, then erase every slot; returns the slot ids erased."""
+        erased = []
+        for slot in self.slots:
+            await self._take(lambda s=slot: None if s.busy else s)  # type: ignore[misc]
+            try:
+                if slot.dirty and slot.occupant is not None:
+                    await self._save(slot.slot_id, slot.occupant)
+                await self._client.slot_action(slot.slot_id, "erase")
+                erased.append(slot.slot_id)
+                slot.occupant, slot.dirty, slot.n_tokens = None, False, 0
+            finally:
+                slot.busy = False
+                self._wake()
+        return erased
+
+    def forget(self, key: SessionKey) -> None:
+        """Stop attributing any slot to `key` (its snapshot was deleted), so nothing saves it again."""
+        for slot in self.slots:
+            if slot.occupant == key:
+                slot.dirty = False
+                if not slot.busy:
+                    slot.occupant = None
+
+    async def aclose(self) -> None:
+        for task in list(self._timers):
+            task.cancel()
+        await asyncio.gather(*self._timers, return_exceptions=True)

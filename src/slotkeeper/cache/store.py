@@ -1,0 +1,286 @@
+"""The snapshot store: slot files in the backend's slot directory plus their SQLite index.
+
+A file is listed in the index only once it was completely written, fsynced and renamed; anything else in the
+directory is a leftover. Every lookup re-checks size, checksum and fingerprint before a file may be restored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from slotkeeper.errors import SnapshotError
+from slotkeeper.types import SessionKey, Snapshot
+
+log = logging.getLogger("slotkeeper.store")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS snapshots (
+    model       TEXT NOT NULL,
+    session_id  TEXT NOT NULL,
+    kind        TEXT NOT NULL DEFAULT 'session',
+    filename    TEXT NOT NULL UNIQUE,
+    fingerprint TEXT NOT NULL,
+    n_tokens    INTEGER NOT NULL,
+    n_bytes     INTEGER NOT NULL,
+    checksum    TEXT NOT NULL,
+    created     REAL NOT NULL,
+    last_used   REAL NOT NULL,
+    hits        INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (model, session_id, kind)
+);
+CREATE TABLE IF NOT EXISTS file_identities (
+    path        TEXT NOT NULL,
+    size        INTEGER NOT NULL,
+    mtime_ns    INTEGER NOT NULL,
+    identity    TEXT NOT NULL,
+    PRIMARY KEY (path, size, mtime_ns)
+);
+"""
+_COLUMNS = "model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits"
+# Our own names: 40 hex digits, a dash and a nonce; temporaries carry `.tmp-<nonce>` before `.bin`.
+_FINAL_NAME = re.compile(r"^[0-9a-f]{40}-[0-9a-f]{8}\.bin$")
+_TEMP_NAME = re.compile(r"^[0-9a-f]{40}\.tmp-[0-9a-f]{8}\.bin$")
+QUARANTINE_DIR = "quarantine"
+_CHUNK = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileReport:
+    temporaries_removed: int
+    orphans_removed: int
+    rows_dropped: int
+
+
+def file_checksum(path: Path) -> str:
+    """xxh3-128 of a whole file: fast enough to run on every restore of a multi-gigabyte snapshot."""
+    digest = xxhash.xxh3_128()
+    with path.open("rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def make_private_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+class SnapshotStore:
+    """Owns the index rows and the files they name. Thread-safe; callers run it off the event loop."""
+
+    def __init__(self, slot_dir: Path, index_path: Path) -> None:
+        self.slot_dir = slot_dir
+        make_private_dir(slot_dir)
+        make_private_dir(index_path.parent)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(index_path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- saving ---------------------------------------------------------------------------------------------
+
+    def temp_name(self, key: SessionKey, fingerprint: str) -> str:
+        """A fresh temporary file name for the backend to write a save into."""
+        return f"{key.file_stem(fingerprint)}.tmp-{secrets.token_hex(4)}.bin"
+
+    def commit(self, key: SessionKey, temp_name: str, fingerprint: str, n_tokens: int) -> Snapshot:
+        """Make a finished save durable and index it; the previous snapshot of the session is replaced only now."""
+        temp_path = self.slot_dir / temp_name
+        if n_tokens <= 0:
+            _unlink_quietly(temp_path)
+            raise SnapshotError(f"the backend saved 0 tokens for {key}; the previous snapshot is kept")
+        try:
+            with temp_path.open("rb") as fh:
+                os.fsync(fh.fileno())
+            n_bytes = temp_path.stat().st_size
+            checksum = file_checksum(temp_path)
+            final_name = f"{key.file_stem(fingerprint)}-{secrets.token_hex(4)}.bin"
+            os.replace(temp_path, self.slot_dir / final_name)
+            _fsync_dir(self.slot_dir)
+        except OSError as exc:
+            _unlink_quietly(temp_path)
+            raise SnapshotError(f"could not finish the snapshot of {key}: {exc}") from exc
+        now = time.time()
+        with self._lock:
+            previous = self._row(key)
+            self._db.execute(
+                "INSERT INTO snapshots (model, session_id, kind, filename, fingerprint, n_tokens, n_bytes, checksum,"
+                " created, last_used, hits) VALUES (?, ?, 'session', ?, ?, ?, ?, ?, ?, ?, 0)"
+                " ON CONFLICT(model, session_id, kind) DO UPDATE SET filename=excluded.filename,"
+                " fingerprint=excluded.fingerprint, n_tokens=excluded.n_tokens, n_bytes=excluded.n_bytes,"
+                " checksum=excluded.checksum, last_used=excluded.last_used",
+                (key.model, key.session_id, final_name, fingerprint, n_tokens, n_bytes, checksum, now, now),
+            )
+            snapshot = self._row(key)
+        if previous is not None and previous.filename != final_name:
+            _unlink_quietly(self.slot_dir / previous.filename)
+        assert snapshot is not None
+        return snapshot
+
+    def discard_temp(self, temp_name: str) -> None:
+        _unlink_quietly(self.slot_dir / temp_name)
+
+    # -- restoring ------------------------------------------------------------------------------------------
+
+    def checked_snapshot(self, key: SessionKey, fingerprint: str) -> Snapshot | None:
+        """The session's snapshot if its file is intact and made by this backend; else None (bad files quarantined)."""
+        with self._lock:
+            snapshot = self._row(key)
+        if snapshot is None:
+            return None
+        path = self.slot_dir / snapshot.filename
+        reason = self._problem(snapshot, path, fingerprint)
+        if reason is None:
+            return snapshot
+        self.quarantine(snapshot, reason)
+        return None
+
+    def _problem(self, snapshot: Snapshot, path: Path, fingerprint: str) -> str | None:
+        if snapshot.fingerprint != fingerprint:
+            return f"fingerprint mismatch (file {snapshot.fingerprint}, backend {fingerprint})"
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            return "file is missing"
+        if not path.is_file() or path.is_symlink():
+            return "not a regular file"
+        if st.st_size != snapshot.n_bytes:
+            return f"size {st.st_size} bytes, index says {snapshot.n_bytes} (truncated or replaced)"
+        if file_checksum(path) != snapshot.checksum:
+            return "checksum mismatch (the file changed after it was saved)"
+        return None
+
+    def quarantine(self, snapshot: Snapshot, reason: str) -> None:
+        """Drop the index row and move the file aside so it is never handed to the backend again."""
+        with self._lock:
+            self._db.execute(
+                "DELETE FROM snapshots WHERE model=? AND session_id=? AND filename=?",
+                (snapshot.model, snapshot.session_id, snapshot.filename),
+            )
+        source = self.slot_dir / snapshot.filename
+        if source.exists() or source.is_symlink():
+            target_dir = self.slot_dir / QUARANTINE_DIR
+            make_private_dir(target_dir)
+            try:
+                os.replace(source, target_dir / f"{snapshot.filename}.{int(time.time())}")
+            except OSError as exc:
+                log.error("could not move %s aside: %s", source, exc)
+        log.warning("snapshot %s/%s quarantined: %s", snapshot.model, snapshot.session_id, reason)
+
+    def mark_used(self, key: SessionKey) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE snapshots SET last_used=?, hits=hits+1 WHERE model=? AND session_id=? AND kind='session'",
+                (time.time(), key.model, key.session_id),
+            )
+
+    # -- listing and deleting -------------------------------------------------------------------------------
+
+    def get(self, key: SessionKey) -> Snapshot | None:
+        with self._lock:
+            return self._row(key)
+
+    def list(self, model: str | None = None) -> list[Snapshot]:
+        query = f"SELECT {_COLUMNS} FROM snapshots WHERE kind='session'"
+        params: tuple[str, ...] = ()
+        if model is not None:
+            query += " AND model=?"
+            params = (model,)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY last_used DESC", params).fetchall()
+        return [Snapshot(*row) for row in rows]
+
+    def delete(self, key: SessionKey) -> Snapshot | None:
+        """Remove a session's row and file; returns what was removed, or None when there was nothing."""
+        with self._lock:
+            snapshot = self._row(key)
+            if snapshot is None:
+                return None
+            self._db.execute(
+                "DELETE FROM snapshots WHERE model=? AND session_id=? AND kind='session'", (key.model, key.session_id)
+            )
+        _unlink_quietly(self.slot_dir / snapshot.filename)
+        return snapshot
+
+    def reconcile(self) -> ReconcileReport:
+        """At start: remove our leftover temporaries and unindexed files, and rows whose file is gone.
+
+        Only names of our own shape are touched: the directory may be shared with other tools.
+        """
+        with self._lock:
+            indexed = {row[0] for row in self._db.execute("SELECT filename FROM snapshots")}
+        temps = orphans = 0
+        for entry in os.scandir(self.slot_dir):
+            if _TEMP_NAME.match(entry.name):
+                _unlink_quietly(Path(entry.path))
+                temps += 1
+            elif _FINAL_NAME.match(entry.name) and entry.name not in indexed:
+                _unlink_quietly(Path(entry.path))
+                orphans += 1
+        dropped = 0
+        for name in indexed:
+            if not (self.slot_dir / name).is_file():
+                with self._lock:
+                    self._db.execute("DELETE FROM snapshots WHERE filename=?", (name,))
+                dropped += 1
+        report = ReconcileReport(temps, orphans, dropped)
+        if temps or orphans or dropped:
+            log.info(
+                "slot dir reconciled: %d temporaries and %d unindexed files removed, %d rows without a file dropped",
+                temps, orphans, dropped,
+            )
+        return report
+
+    # -- model file identities (cached, so a 20 GB GGUF is not re-read at every start) ------------------------
+
+    def cached_identity(self, path: str, size: int, mtime_ns: int) -> str | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT identity FROM file_identities WHERE path=? AND size=? AND mtime_ns=?", (path, size, mtime_ns)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def remember_identity(self, path: str, size: int, mtime_ns: int, identity: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO file_identities (path, size, mtime_ns, identity) VALUES (?, ?, ?, ?)",
+                (path, size, mtime_ns, identity),
+            )
+
+    def _row(self, key: SessionKey) -> Snapshot | None:
+        row = self._db.execute(
+            f"SELECT {_COLUMNS} FROM snapshots WHERE model=? AND session_id=? AND kind='session'",
+            (key.model, key.session_id),
+        ).fetchone()
+        return None if row is None else Snapshot(*row)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.error("could not remove %s: %s", path, exc)

@@ -1,0 +1,110 @@
+"""The `slotkeeper` command: thin argument parsing that builds Settings and calls the library."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from slotkeeper import __version__
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slotkeeper",
+        description="Session-aware KV-cache proxy for llama.cpp's llama-server. Speaks the Ollama, OpenAI and "
+        "Anthropic APIs on port 11434 and keeps each conversation's slot state on disk.",
+    )
+    parser.add_argument("--version", action="version", version=f"slotkeeper {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve", help="run the proxy",
+        description="Run the proxy. With --upstream it attaches to a running llama-server; otherwise it serves "
+        "--model (or a generated tiny test model) with llama.cpp's embedded server from the xllamacpp package. "
+        "Every option can also be set as an environment variable SLOTKEEPER_<OPTION> (e.g. SLOTKEEPER_PORT).",
+    )
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default 11434)")
+    serve.add_argument("--upstream", metavar="URL", help="a running llama-server, e.g. http://127.0.0.1:8080")
+    serve.add_argument("--slot-dir", metavar="DIR",
+                       help="with --upstream: the directory llama-server was started with as --slot-save-path")
+    serve.add_argument("--model", metavar="PATH.gguf", help="embedded mode: the GGUF to serve")
+    serve.add_argument("--cache-dir", metavar="DIR",
+                       help="index, embedded slot files, logs (default ~/.cache/slotkeeper)")
+    serve.add_argument("--ctx-size", type=int, help="embedded mode: context tokens per slot (default 8192)")
+    serve.add_argument("--parallel", type=int, help="embedded mode: number of slots (default 1)")
+    serve.add_argument("--cache-ram", dest="cache_ram_mib", type=int, metavar="MIB",
+                       help="embedded mode: llama.cpp's host prompt cache size in MiB (0 turns it off)")
+    serve.add_argument("--model-alias", metavar="NAME", help="the model name clients see (default: the file name)")
+    serve.add_argument("--session-header", dest="session_headers", action="append", metavar="NAME",
+                       help="another header that carries a session id (repeatable)")
+    serve.add_argument("--save-idle-seconds", type=float, metavar="S",
+                       help="save a changed slot after S idle seconds (default 2; negative: only on switch/exit)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+
+    tiny = sub.add_parser("tiny-model", help="write the deterministic random-weight test model",
+                          description="Write a tiny random-weight llama GGUF with a ChatML template. Same options, "
+                          "same bytes. Its output is gibberish: it exists for tests and demos.")
+    tiny.add_argument("out", metavar="OUT.gguf")
+    tiny.add_argument("--seed", type=int, default=1234)
+    tiny.add_argument("--n-embd", type=int, default=256)
+    tiny.add_argument("--n-layer", type=int, default=4)
+    tiny.add_argument("--n-head", type=int, default=8)
+    tiny.add_argument("--n-head-kv", type=int, default=4)
+    tiny.add_argument("--n-ff", type=int, default=768)
+    tiny.add_argument("--context-length", type=int, default=32768)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "tiny-model":
+        return _tiny_model(args)
+    if args.command == "serve":
+        return _serve(args)
+    parser.print_help()
+    return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from slotkeeper.config import Settings
+
+    cli = {k: v for k, v in vars(args).items() if k != "command"}
+    try:
+        settings = Settings.build(cli)
+    except ValueError as exc:
+        print(f"slotkeeper: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    import uvicorn
+
+    from slotkeeper.web.app import create_app
+
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_config=None,
+                            timeout_graceful_shutdown=10, access_log=False)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
+
+    spec = TinyModelSpec(n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head, n_head_kv=args.n_head_kv,
+                         n_ff=args.n_ff, context_length=args.context_length, seed=args.seed)
+    try:
+        n_bytes = write_tiny_model(Path(args.out), spec)
+    except ValueError as exc:
+        print(f"slotkeeper: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out} ({n_bytes} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The OpenAI dialect: the backend speaks it natively, so translation is a pass-through with our fields swapped.
+
+Pure functions: they read a parsed request body and return new values; they never do I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from slotkeeper.errors import BadRequest, SlotkeeperError
+from slotkeeper.identity import OWN_BODY_FIELDS
+
+# Fields a client may not set because they are ours to decide (slot pinning and prompt caching).
+_CONTROLLED_FIELDS = frozenset({"id_slot", "cache_prompt"})
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or a 400 that says what is wrong with it."""
+    if not raw.strip():
+        raise BadRequest("the request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def system_texts(messages: object) -> list[str]:
+    """Texts of the system (and developer) messages, in order; content may be a string or a list of text parts."""
+    if not isinstance(messages, list):
+        return []
+    texts: list[str] = []
+    for message in messages:
+        if not isinstance(message, Mapping) or message.get("role") not in ("system", "developer"):
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts.extend(
+                str(part.get("text", ""))
+                for part in content
+                if isinstance(part, Mapping) and part.get("type") == "text"
+            )
+    return texts
+
+
+def check_chat_request(body: Mapping[str, Any]) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array of chat messages")
+
+
+def check_completion_request(body: Mapping[str, Any]) -> None:
+    if "prompt" not in body:
+        raise BadRequest("'prompt' is required")
+
+
+def upstream_body(body: Mapping[str, Any], slot_id: int) -> dict[str, Any]:
+    """The client's body minus our own fields, plus the slot we chose and prompt caching switched on."""
+    forwarded = {k: v for k, v in body.items() if k not in OWN_BODY_FIELDS and k not in _CONTROLLED_FIELDS}
+    forwarded["id_slot"] = slot_id
+    forwarded["cache_prompt"] = True
+    return forwarded
+
+
+def error_event(error: SlotkeeperError) -> bytes:
+    """An error after the stream has started: one `data:` event in the shape the backend itself uses."""
+    return b"data: " + json.dumps(error.openai_body()).encode("utf-8") + b"\n\n"

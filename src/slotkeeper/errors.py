@@ -1,0 +1,81 @@
+"""slotkeeper's one error tree; each error knows its HTTP status and how it renders to a client.
+
+    SlotkeeperError                 500  server_error
+    ├── BadRequest                  400  invalid_request_error
+    ├── NotFound                    404  not_found_error
+    ├── UpstreamError               (the backend's status)   a non-2xx answer from the backend, body kept
+    ├── UpstreamUnavailable         502  the backend could not be reached or broke the connection
+    └── SnapshotError               (never reaches a client) a snapshot file could not be used or written
+
+Cache problems (SnapshotError) are caught where they happen and turned into a cold prefill; they never fail a request.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class SlotkeeperError(Exception):
+    status_code: int = 500
+    error_type: str = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def openai_body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "code": self.status_code}}
+
+
+class BadRequest(SlotkeeperError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class NotFound(SlotkeeperError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class UpstreamUnavailable(SlotkeeperError):
+    status_code = 502
+    error_type = "upstream_unavailable"
+
+
+class UpstreamError(SlotkeeperError):
+    """The backend answered with an error status; its body is passed through unchanged when it is JSON."""
+
+    def __init__(self, status_code: int, body: bytes) -> None:
+        self.status_code = status_code
+        self.body = body
+        self.error_type = "upstream_error"
+        super().__init__(_message_from_body(body) or f"backend answered HTTP {status_code}")
+
+    def openai_body(self) -> dict[str, Any]:
+        try:
+            parsed = json.loads(self.body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and "error" in parsed:
+            return parsed
+        return super().openai_body()
+
+
+class SnapshotError(SlotkeeperError):
+    """A snapshot could not be saved, checked or restored. Handled inside the cache layer."""
+
+
+def _message_from_body(body: bytes) -> str | None:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        text = body.decode("utf-8", "replace").strip()
+        return text[:500] or None
+    if isinstance(parsed, dict):
+        err = parsed.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+    return None

@@ -1,0 +1,82 @@
+"""Session identity: which conversation a request belongs to, from its headers, body fields or system prompt.
+
+Pure functions over already-parsed input; the precedence is the one users were promised (README "Session rules").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+
+from slotkeeper.errors import BadRequest
+from slotkeeper.types import IdSource, SessionKey
+
+# Checked in this order; the first one present with a usable value wins.
+SESSION_HEADERS: tuple[str, ...] = (
+    "x-session-id",
+    "x-conversation-id",
+    "session-id",
+    "conversation-id",
+    "x-openwebui-chat-id",
+)
+SESSION_BODY_FIELDS: tuple[str, ...] = ("session_id", "conversation_id", "chat_id", "id")
+# Body fields that are ours: removed before the request goes to the backend.
+OWN_BODY_FIELDS: frozenset[str] = frozenset(SESSION_BODY_FIELDS)
+# A body `id` that looks like an id the API itself hands out (a completion or message echoed back) is not a chat id.
+_RESPONSE_ID_PREFIXES: tuple[str, ...] = ("chatcmpl-", "cmpl-", "msg_", "resp_")
+
+DEFAULT_SESSION = "default"
+MAX_ID_LENGTH = 256
+
+
+def resolve_session(
+    model: str,
+    headers: Mapping[str, str],
+    body: Mapping[str, object],
+    system_texts: Sequence[str],
+    extra_headers: Iterable[str] = (),
+) -> SessionKey:
+    """Return the session a request belongs to.
+
+    `headers` must be case-insensitive or lower-cased. `system_texts` are the texts of the request's system prompt
+    in order (the dialect extracts them). Raises BadRequest for an explicit id that cannot be an id.
+    """
+    for name in (*SESSION_HEADERS, *(h.lower() for h in extra_headers)):
+        value = headers.get(name)
+        if value is not None and value.strip():
+            return SessionKey(model, _checked(value.strip(), f"header {name}"), IdSource.HEADER)
+    for field in SESSION_BODY_FIELDS:
+        value = _body_id(body, field)
+        if value is not None:
+            return SessionKey(model, _checked(value, f"body field {field!r}"), IdSource.BODY)
+    if any(text for text in system_texts):
+        return SessionKey(model, system_session_id(system_texts), IdSource.SYSTEM_PROMPT)
+    return SessionKey(model, DEFAULT_SESSION, IdSource.DEFAULT)
+
+
+def system_session_id(system_texts: Sequence[str]) -> str:
+    """`sys-<sha256[:16]>` of the system prompt, so conversations on one system prompt share a base state."""
+    joined = "\n\n".join(system_texts)
+    return "sys-" + hashlib.sha256(joined.encode("utf-8")).hexdigest()[:16]
+
+
+def _body_id(body: Mapping[str, object], field: str) -> str | None:
+    value = body.get(field)
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return str(value)
+    if not isinstance(value, str) or not value.strip():
+        return None
+    value = value.strip()
+    if field == "id" and value.startswith(_RESPONSE_ID_PREFIXES):
+        return None
+    return value
+
+
+def _checked(value: str, where: str) -> str:
+    if len(value) > MAX_ID_LENGTH:
+        raise BadRequest(f"session id from {where} is {len(value)} characters long; the limit is {MAX_ID_LENGTH}")
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
+        raise BadRequest(f"session id from {where} contains control characters")
+    return value

@@ -1,0 +1,88 @@
+"""Value types shared across slotkeeper's layers.
+
+Plain frozen dataclasses and enums: they carry no behaviour that touches I/O, so every layer may import them.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field
+
+
+class IdSource(enum.StrEnum):
+    """Where a session id came from (see identity.py for the precedence)."""
+
+    HEADER = "header"
+    BODY = "body"
+    SYSTEM_PROMPT = "system-prompt"
+    DEFAULT = "default"
+
+
+class CacheOutcome(enum.StrEnum):
+    """How a request's slot got its state: already there, restored from disk, or whatever the slot held."""
+
+    HOT = "hot"
+    RESTORED = "restored"
+    COLD = "cold"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionKey:
+    """A conversation's identity inside a model namespace."""
+
+    model: str
+    session_id: str
+    source: IdSource = field(default=IdSource.DEFAULT, compare=False)
+
+    @property
+    def is_default(self) -> bool:
+        """The catch-all session of requests with no id and no system prompt: never saved or restored."""
+        return self.source is IdSource.DEFAULT
+
+    def file_stem(self, fingerprint: str) -> str:
+        """Our own hex file name for this session's snapshot: never derived textually from client strings."""
+        digest = hashlib.sha256(f"{fingerprint}\0{self.model}\0{self.session_id}".encode()).hexdigest()
+        return digest[:40]
+
+    def __str__(self) -> str:
+        return f"{self.model}/{self.session_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    """What slotkeeper read from a backend at start (GET /props and /slots)."""
+
+    url: str
+    model_id: str
+    model_path: str
+    n_slots: int
+    n_ctx_slot: int
+    build_info: str
+    fingerprint: str
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One saved slot state: an index row whose file was completely written."""
+
+    model: str
+    session_id: str
+    filename: str
+    fingerprint: str
+    n_tokens: int
+    n_bytes: int
+    checksum: str
+    created: float
+    last_used: float
+    hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    """What the backend reported about a finished turn (from the final `timings`)."""
+
+    cache_n: int | None = None
+    prompt_n: int | None = None
+    predicted_n: int | None = None
+    completed: bool = False

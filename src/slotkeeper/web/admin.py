@@ -1,0 +1,111 @@
+"""The session API (/api/sessions...): what is hot in which slot, what is saved on disk, and clearing or deleting it."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from slotkeeper.errors import NotFound
+from slotkeeper.types import IdSource, SessionKey, Snapshot
+from slotkeeper.web.state import AppState, app_state
+
+router = APIRouter(prefix="/api/sessions")
+
+
+@router.get("")
+async def list_sessions(request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    snapshots = await asyncio.to_thread(state.store.list)
+    return {
+        "slot_dir": str(state.store.slot_dir),
+        "sessions": [_snapshot_json(s, _hot_slot(state, s.model, s.session_id)) for s in snapshots],
+    }
+
+
+@router.get("/current")
+async def current_session(request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    slots = [
+        {
+            "id": slot.slot_id,
+            "session": slot.occupant.session_id if slot.occupant else None,
+            "model": slot.occupant.model if slot.occupant else None,
+            "dirty": slot.dirty,
+            "busy": slot.busy,
+            "n_tokens": slot.n_tokens,
+        }
+        for slot in state.pool.slots
+    ]
+    first = state.pool.slots[0].occupant
+    snapshot = await asyncio.to_thread(state.store.get, first) if first is not None else None
+    return {
+        "model": state.backend.model_id,
+        "session": first.session_id if first is not None else None,
+        "snapshot": _snapshot_json(snapshot, 0) if snapshot is not None else None,
+        "slots": slots,
+    }
+
+
+@router.post("/clear")
+async def clear_slots(request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    erased = await state.pool.clear()
+    return {"erased_slots": erased, "session": "default"}
+
+
+@router.get("/{session_id:path}")
+async def get_session(session_id: str, request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    key = _key(state, session_id, request)
+    snapshot = await asyncio.to_thread(state.store.get, key)
+    hot = _hot_slot(state, key.model, key.session_id)
+    if snapshot is None and hot is None:
+        raise NotFound(f"session '{session_id}' not found")
+    if snapshot is None:
+        return {"session": key.session_id, "model": key.model, "hot_in_slot": hot, "file": None}
+    return _snapshot_json(snapshot, hot)
+
+
+@router.delete("/{session_id:path}")
+async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    key = _key(state, session_id, request)
+    state.pool.forget(key)
+    removed = await asyncio.to_thread(state.store.delete, key)
+    if removed is None:
+        raise NotFound(f"session '{session_id}' not found")
+    return {"deleted": key.session_id, "model": key.model, "file": removed.filename, "bytes": removed.n_bytes}
+
+
+def _key(state: AppState, session_id: str, request: Request) -> SessionKey:
+    model = request.query_params.get("model") or state.backend.model_id
+    return SessionKey(model, session_id, IdSource.HEADER)
+
+
+def _hot_slot(state: AppState, model: str, session_id: str) -> int | None:
+    for slot in state.pool.slots:
+        if slot.occupant is not None and slot.occupant.model == model and slot.occupant.session_id == session_id:
+            return slot.slot_id
+    return None
+
+
+def _snapshot_json(snapshot: Snapshot, hot_slot: int | None) -> dict[str, Any]:
+    return {
+        "session": snapshot.session_id,
+        "model": snapshot.model,
+        "file": snapshot.filename,
+        "bytes": snapshot.n_bytes,
+        "tokens": snapshot.n_tokens,
+        "fingerprint": snapshot.fingerprint,
+        "created": _iso(snapshot.created),
+        "last_used": _iso(snapshot.last_used),
+        "hits": snapshot.hits,
+        "hot_in_slot": hot_slot,
+    }
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")

@@ -1,0 +1,106 @@
+"""Wiring: build the store, backend, pool and service at start-up, save every changed slot at shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from slotkeeper import __version__
+from slotkeeper.backend import discover
+from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.store import SnapshotStore, make_private_dir
+from slotkeeper.config import Settings
+from slotkeeper.errors import SlotkeeperError
+from slotkeeper.service import TurnService
+from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
+from slotkeeper.upstream.client import UpstreamClient
+from slotkeeper.upstream.launcher import EmbeddedBackend
+from slotkeeper.web import admin, openai_routes
+from slotkeeper.web.state import AppState, app_state
+
+log = logging.getLogger("slotkeeper")
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        make_private_dir(settings.cache_dir)
+        slot_dir = settings.effective_slot_dir()
+        store = SnapshotStore(slot_dir, settings.index_path)
+        await asyncio.to_thread(store.reconcile)
+        embedded: EmbeddedBackend | None = None
+        if settings.embedded:
+            model = settings.model if settings.model is not None else await asyncio.to_thread(
+                _tiny_model, settings.cache_dir
+            )
+            embedded = EmbeddedBackend(
+                model, slot_dir, ctx_size=settings.ctx_size, parallel=settings.parallel,
+                cache_ram_mib=settings.cache_ram_mib, alias=settings.model_alias,
+                log_path=settings.cache_dir / "embedded-server.log",
+            )
+            await asyncio.to_thread(embedded.start)
+            url = embedded.url
+        else:
+            assert settings.upstream is not None
+            url = settings.upstream
+        client = UpstreamClient(url, read_timeout=settings.upstream_read_timeout,
+                                slot_op_timeout=settings.slot_op_timeout)
+        try:
+            backend = await discover(client, store, slot_dir, settings.model_alias)
+        except BaseException:
+            await client.aclose()
+            if embedded is not None:
+                embedded.stop()
+            store.close()
+            raise
+        pool = SlotPool(backend.n_slots, client, store, backend.fingerprint, backend.n_ctx_slot,
+                        settings.save_idle_seconds)
+        app.state.slotkeeper = AppState(settings, backend, client, store, pool, TurnService(client, pool), time.time())
+        log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
+                 backend.model_id, url, backend.n_slots, backend.n_ctx_slot, backend.fingerprint, slot_dir)
+        try:
+            yield
+        finally:
+            saved = await pool.flush()
+            log.info("shutdown: saved %d changed slot(s)", saved)
+            await pool.aclose()
+            await client.aclose()
+            if embedded is not None:
+                await asyncio.to_thread(embedded.stop)
+            store.close()
+
+    app = FastAPI(title="slotkeeper", version=__version__, lifespan=lifespan)
+
+    @app.exception_handler(SlotkeeperError)
+    async def slotkeeper_error(_: Request, exc: SlotkeeperError) -> JSONResponse:
+        return JSONResponse(exc.openai_body(), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        state = app_state(request)
+        up = await state.client.healthy()
+        body = {"status": "ok" if up else "backend unavailable", "model": state.backend.model_id,
+                "backend": state.backend.url}
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    app.include_router(openai_routes.router)
+    app.include_router(admin.router)
+    return app
+
+
+def _tiny_model(cache_dir: Path) -> Path:
+    spec = TinyModelSpec()
+    path = cache_dir / "models" / f"{spec.name}-{spec.seed}.gguf"
+    if not path.exists():
+        make_private_dir(path.parent)
+        write_tiny_model(path, spec)
+    log.info("no model given: using the generated tiny random-weight test model %s (its output is gibberish; "
+             "pass --model PATH.gguf for a real one)", path)
+    return path

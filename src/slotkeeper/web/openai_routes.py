@@ -1,0 +1,70 @@
+"""OpenAI-compatible routes: chat and text completions under session control, model listing, health."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from slotkeeper.dialects import openai
+from slotkeeper.errors import NotFound
+from slotkeeper.identity import resolve_session
+from slotkeeper.web.state import AppState, app_state
+from slotkeeper.web.streaming import TurnStreamResponse
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _proxy(request, "/v1/chat/completions", "openai.chat", openai.check_chat_request)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _proxy(request, "/v1/completions", "openai.completions", openai.check_completion_request)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    entry = _model_entry(app_state(request))
+    return {"object": "list", "data": [entry], "has_more": False, "first_id": entry["id"], "last_id": entry["id"]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    if model_id.removesuffix(":latest") != state.backend.model_id:
+        raise NotFound(f"model '{model_id}' not found")
+    return _model_entry(state)
+
+
+async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping[str, Any]], None]) -> Response:
+    state = app_state(request)
+    body = openai.parse_body(await request.body())
+    check(body)
+    key = resolve_session(
+        state.backend.model_id, request.headers, body, openai.system_texts(body.get("messages")),
+        state.settings.session_headers,
+    )
+
+    def build(slot_id: int) -> dict[str, Any]:
+        return openai.upstream_body(body, slot_id)
+
+    if body.get("stream"):
+        turn = await state.service.open_stream(api, key, path, build)
+        return TurnStreamResponse(turn, openai.error_event)
+    data, record = await state.service.unary(api, key, path, build)
+    return JSONResponse(data, headers=record.headers())
+
+
+def _model_entry(state: AppState) -> dict[str, Any]:
+    return {
+        "id": state.backend.model_id,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "slotkeeper",
+        "meta": {"n_ctx": state.backend.n_ctx_slot, "n_slots": state.backend.n_slots},
+    }

