@@ -57,7 +57,8 @@ def resolve_session(
 def system_session_id(system_texts: Sequence[str]) -> str:
     """`sys-<sha256[:16]>` of the system prompt, so conversations on one system prompt share a base state."""
     joined = "\n\n".join(system_texts)
-    return "sys-" + hashlib.sha256(joined.encode("utf-8")).hexdigest()[:16]
+    # JSON allows lone surrogate escapes; hash them as they came rather than fail on them.
+    return "sys-" + hashlib.sha256(joined.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def _body_id(body: Mapping[str, object], field: str) -> str | None:
@@ -79,4 +80,6 @@ def _checked(value: str, where: str) -> str:
         raise BadRequest(f"session id from {where} is {len(value)} characters long; the limit is {MAX_ID_LENGTH}")
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
         raise BadRequest(f"session id from {where} contains control characters")
+    if any(0xD800 <= ord(ch) <= 0xDFFF for ch in value):
+        raise BadRequest(f"session id from {where} is not valid Unicode (a lone surrogate)")
     return value

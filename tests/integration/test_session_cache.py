@@ -140,3 +140,76 @@ def test_client_hangup_cancels_upstream_and_frees_the_slot(stack: Stack, client_
     nxt = chat(client_for(keeper), [{"role": "user", "content": "next"}], "next-one", max_tokens=2)
     assert nxt.status_code == 200
     assert time.monotonic() - hung_up < 3.0
+
+
+IDENTITY_CASES = [
+    ({"X-Session-Id": "h1", "X-Conversation-Id": "h2"}, {}, "h1"),
+    ({"X-Conversation-Id": "h2", "Session-Id": "h3"}, {}, "h2"),
+    ({"Session-Id": "h3", "Conversation-Id": "h4"}, {}, "h3"),
+    ({"Conversation-Id": "h4", "X-OpenWebUI-Chat-Id": "h5"}, {"session_id": "b1"}, "h4"),
+    ({"X-OpenWebUI-Chat-Id": "h5"}, {"session_id": "b1"}, "h5"),
+    ({}, {"session_id": "b1", "conversation_id": "b2"}, "b1"),
+    ({}, {"conversation_id": "b2", "chat_id": "b3"}, "b2"),
+    ({}, {"chat_id": "b3", "id": "b4"}, "b3"),
+    ({}, {"id": "b4"}, "b4"),
+    ({}, {"id": "chatcmpl-123"}, "sys-"),
+    ({}, {}, "sys-"),
+]
+
+
+def test_identity_rules_through_a_real_backend(stack: Stack, client_for) -> None:
+    client = client_for(stack.slotkeeper(stack.backend()))
+    messages = [{"role": "system", "content": "shared system prompt"}, {"role": "user", "content": "hi"}]
+    for headers, fields, expected in IDENTITY_CASES:
+        response = client.post("/v1/chat/completions", headers=headers,
+                               json={"messages": messages, "max_tokens": 1, **fields})
+        assert response.status_code == 200, response.text
+        assert response.headers["x-slotkeeper-session"].startswith(expected), (headers, fields)
+    no_system = client.post("/v1/chat/completions", json={"messages": messages[1:], "max_tokens": 1})
+    assert no_system.headers["x-slotkeeper-session"] == "default"
+
+
+def test_text_completions_stream_and_not(stack: Stack, client_for) -> None:
+    client = client_for(stack.slotkeeper(stack.backend()))
+    prompt = "Once upon a time " * 20
+    first = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "session_id": "raw"})
+    assert first.status_code == 200 and first.json()["choices"][0]["text"] is not None
+    assert first.headers["x-slotkeeper-session"] == "raw"
+    with client.stream("POST", "/v1/completions", json={"prompt": prompt + "and", "max_tokens": 4, "stream": True,
+                                                         "session_id": "raw"}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-slotkeeper-cache"] == "hot"
+        body = response.read().decode()
+    assert body.rstrip().endswith("data: [DONE]")
+
+
+def test_backend_errors_pass_through_with_status_and_shape(stack: Stack, client_for) -> None:
+    client = client_for(stack.slotkeeper(stack.backend(ctx_per_slot=2048)))
+    too_long = [{"role": "user", "content": "x " * 3000}]
+    for stream in (False, True):
+        response = client.post("/v1/chat/completions", headers={"X-Session-Id": "big"},
+                               json={"messages": too_long, "max_tokens": 2, "stream": stream})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["type"] == "exceed_context_size_error" and error["n_ctx"] == 2048
+    # The slot is free again and the session's next (small) turn works.
+    assert chat(client, [{"role": "user", "content": "small"}], "big").status_code == 200
+
+
+def test_health_and_models_do_not_wait_for_a_busy_slot(stack: Stack, client_for) -> None:
+    keeper = stack.slotkeeper(stack.backend(parallel=1))
+    body = {"messages": [{"role": "user", "content": "busy"}], "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(base_url=keeper.url, timeout=60) as client, client.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"X-Session-Id": "busy"}
+    ) as response:
+        chunks = response.iter_raw()  # keep the iterator: a collected one closes the stream
+        next(chunks)
+        with httpx.Client(base_url=keeper.url, timeout=5) as other:
+            started = time.monotonic()
+            assert other.get("/health").status_code == 200
+            assert other.get("/v1/models").status_code == 200
+            assert other.get("/api/sessions/current").json()["slots"][0]["busy"] is True
+            elapsed = time.monotonic() - started
+    assert elapsed < 2.0, elapsed

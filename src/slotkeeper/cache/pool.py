@@ -40,6 +40,16 @@ class SlotState:
     generation: int = 0
     last_used: float = 0.0
     n_tokens: int = 0
+    # The running turn's session was deleted: do not attribute (or save) the slot's state when it ends.
+    forget_on_release: bool = False
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A queued request for a slot: `choose` says which slot would do right now, or None."""
+
+    choose: Callable[[], SlotState | None]
+    future: asyncio.Future[SlotState]
 
 
 @dataclass
@@ -76,7 +86,7 @@ class SlotPool:
         self._fingerprint = fingerprint
         self._n_ctx_slot = n_ctx_slot
         self._save_idle_seconds = save_idle_seconds
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[_Waiter] = deque()
         self._timers: set[asyncio.Task[None]] = set()
         self.saves = 0
         self.restores = 0
@@ -115,35 +125,43 @@ class SlotPool:
         return empty[0] if empty else min(idle, key=lambda s: s.last_used)
 
     async def _take(self, choose: Callable[[], SlotState | None]) -> SlotState:
-        while True:
-            slot = choose()
+        """Queue for a slot; slots are handed out in arrival order to the first waiter that can use them."""
+        waiter = _Waiter(choose, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        self._dispatch()
+        try:
+            return await waiter.future
+        except BaseException:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled():
+                waiter.future.result().busy = False  # handed a slot, but cancelled before using it
+                self._dispatch()
+            raise
+
+    def _dispatch(self) -> None:
+        """Give free slots to queued waiters, oldest first. Synchronous: no state is read across an await."""
+        for waiter in list(self._waiters):
+            if waiter.future.done():
+                self._waiters.remove(waiter)
+                continue
+            slot = waiter.choose()
             if slot is not None:
                 slot.busy = True
-                return slot
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-
-    def _wake(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
+                self._waiters.remove(waiter)
+                waiter.future.set_result(slot)
 
     def _finish(self, lease: SlotLease, end: TurnEnd, n_tokens: int) -> None:
         slot = self.slots[lease.slot_id]
         slot.busy = False
         slot.last_used = time.monotonic()
-        if end is TurnEnd.FAILED:
+        if end is TurnEnd.FAILED or slot.forget_on_release:
             slot.occupant, slot.dirty, slot.n_tokens = None, False, 0
+            slot.forget_on_release = False
         elif end in (TurnEnd.COMPLETED, TurnEnd.CANCELLED):
             slot.dirty = not lease.key.is_default
             slot.n_tokens = n_tokens or slot.n_tokens
-        self._wake()
+        self._dispatch()
         if slot.dirty:
             self._schedule_idle_save(slot)
 
@@ -220,7 +238,7 @@ class SlotPool:
             await self._save(slot.slot_id, key)
         finally:
             slot.busy = False
-            self._wake()
+            self._dispatch()
 
     # -- operator actions -----------------------------------------------------------------------------------
 
@@ -236,7 +254,7 @@ class SlotPool:
                     saved += 1
             finally:
                 slot.busy = False
-                self._wake()
+                self._dispatch()
         return saved
 
     async def clear(self) -> list[int]:
@@ -252,7 +270,7 @@ class SlotPool:
                 slot.occupant, slot.dirty, slot.n_tokens = None, False, 0
             finally:
                 slot.busy = False
-                self._wake()
+                self._dispatch()
         return erased
 
     def forget(self, key: SessionKey) -> None:
@@ -260,7 +278,9 @@ class SlotPool:
         for slot in self.slots:
             if slot.occupant == key:
                 slot.dirty = False
-                if not slot.busy:
+                if slot.busy:
+                    slot.forget_on_release = True
+                else:
                     slot.occupant = None
 
     async def aclose(self) -> None:

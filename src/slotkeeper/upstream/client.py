@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from slotkeeper import __version__
 from slotkeeper.errors import UpstreamError, UpstreamUnavailable
 
 
@@ -33,6 +34,7 @@ class UpstreamClient:
             base_url=self.base_url,
             timeout=httpx.Timeout(connect=5.0, read=read_timeout, write=60.0, pool=None),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+            headers={"user-agent": f"slotkeeper/{__version__}"},
         )
 
     async def aclose(self) -> None:

@@ -82,6 +82,11 @@ def create_app(settings: Settings) -> FastAPI:
     async def slotkeeper_error(_: Request, exc: SlotkeeperError) -> JSONResponse:
         return JSONResponse(exc.openai_body(), status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error: %s", exc)
+        return JSONResponse(SlotkeeperError(f"internal error: {type(exc).__name__}").openai_body(), status_code=500)
+
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         state = app_state(request)

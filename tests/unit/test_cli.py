@@ -1,0 +1,126 @@
+"""The `slotkeeper` command run as a subprocess: help, version, tiny-model and argument errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slotkeeper import __version__
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTKEEPER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "slotkeeper.cli", *args],
+        capture_output=True, text=True, timeout=120, env=env, cwd=cwd, check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--help"], ["usage: slotkeeper", "serve", "tiny-model", "--version"]),
+        (["-h"], ["usage: slotkeeper", "serve", "tiny-model"]),
+        (["serve", "--help"], ["usage: slotkeeper serve", "--upstream", "--slot-dir", "--model", "--port",
+                               "--cache-dir", "--session-header", "SLOTKEEPER_"]),
+        (["serve", "-h"], ["usage: slotkeeper serve", "--upstream", "--slot-dir", "--model"]),
+        (["tiny-model", "--help"], ["usage: slotkeeper tiny-model", "OUT.gguf", "--seed"]),
+    ],
+    ids=["help", "h", "serve-help", "serve-h", "tiny-model-help"],
+)
+def test_help(args: list[str], fragments: list[str]) -> None:
+    result = run(*args)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    for fragment in fragments:
+        assert fragment in result.stdout
+
+
+def test_version() -> None:
+    result = run("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"slotkeeper {__version__}"
+
+
+def test_no_command_prints_help_and_exits_2() -> None:
+    result = run()
+    assert result.returncode == 2
+    assert "usage: slotkeeper" in result.stdout
+    assert "serve" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["serve", "--upstream", "http://x"], ["--slot-dir"]),
+        (["serve", "--upstream", "http://x", "--slot-dir", "/tmp/s", "--model", "/m.gguf"], ["--upstream", "--model"]),
+        (["serve", "--port", "0"], ["port"]),
+        (["serve", "--port", "70000"], ["port"]),
+        (["serve", "--parallel", "0"], ["--parallel"]),
+        (["serve", "--port", "abc"], ["--port", "invalid int"]),
+        (["serve", "--log-level", "loud"], ["--log-level", "invalid choice"]),
+        (["serve", "--no-such-flag"], ["unrecognized arguments"]),
+        (["bogus-command"], ["invalid choice"]),
+        (["tiny-model"], ["OUT.gguf"]),
+    ],
+    ids=["upstream-without-slot-dir", "upstream-and-model", "port-zero", "port-too-big", "parallel-zero",
+         "port-not-int", "bad-log-level", "unknown-flag", "unknown-command", "tiny-model-without-out"],
+)
+def test_argument_errors_exit_2(args: list[str], fragments: list[str]) -> None:
+    result = run(*args)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    for fragment in fragments:
+        assert fragment in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_upstream_without_slot_dir_message() -> None:
+    result = run("serve", "--upstream", "http://x")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("slotkeeper: ")
+    assert "--slot-dir" in result.stderr
+    assert "--slot-save-path" in result.stderr
+
+
+def test_tiny_model_writes_a_file(tmp_path: Path) -> None:
+    out = tmp_path / "tiny.gguf"
+    result = run("tiny-model", str(out))
+    assert result.returncode == 0, result.stderr
+    assert out.is_file()
+    size = out.stat().st_size
+    assert size > 0
+    assert result.stdout.startswith("wrote")
+    assert str(out) in result.stdout
+    assert f"({size} bytes)" in result.stdout
+    assert out.read_bytes()[:4] == b"GGUF"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [[], ["--seed", "7"], ["--n-layer", "2", "--n-embd", "128", "--n-ff", "256"]],
+    ids=["defaults", "seed", "shape"],
+)
+def test_tiny_model_is_deterministic(tmp_path: Path, options: list[str]) -> None:
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    assert run("tiny-model", str(first), *options).returncode == 0
+    assert run("tiny-model", str(second), *options).returncode == 0
+    assert first.read_bytes() == second.read_bytes()
+
+
+def test_tiny_model_seed_changes_bytes(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    assert run("tiny-model", str(first), "--seed", "1").returncode == 0
+    assert run("tiny-model", str(second), "--seed", "2").returncode == 0
+    assert first.read_bytes() != second.read_bytes()
+
+
+def test_tiny_model_relative_path(tmp_path: Path) -> None:
+    result = run("tiny-model", "rel.gguf", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "rel.gguf").is_file()

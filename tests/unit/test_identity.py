@@ -1,0 +1,501 @@
+"""Table-driven tests for session identity: the precedence promised to users, id validation and snapshot file names."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from starlette.datastructures import Headers
+
+from slotkeeper.errors import BadRequest
+from slotkeeper.identity import DEFAULT_SESSION, MAX_ID_LENGTH, resolve_session, system_session_id
+from slotkeeper.types import IdSource, SessionKey
+
+MODEL = "tiny"
+HEX40 = re.compile(r"[0-9a-f]{40}")
+EXTRA_HEADERS = ("X-Team-Chat", "X-Other-Chat")
+
+
+def resolve(
+    headers: Mapping[str, str] | None = None,
+    body: Mapping[str, object] | None = None,
+    system: Sequence[str] = (),
+    extra: Iterable[str] = EXTRA_HEADERS,
+    model: str = MODEL,
+) -> SessionKey:
+    return resolve_session(model, Headers(headers=dict(headers or {})), dict(body or {}), list(system), extra)
+
+
+def expected_sys_id(*texts: str) -> str:
+    return "sys-" + hashlib.sha256("\n\n".join(texts).encode("utf-8")).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The precedence list, highest first. Each rule: (name, kind, key). Headers are sent with mixed-case names.
+
+PRECEDENCE: list[tuple[str, str, str]] = [
+    ("X-Session-Id", "header", "X-Session-Id"),
+    ("X-Conversation-Id", "header", "X-Conversation-Id"),
+    ("Session-Id", "header", "Session-Id"),
+    ("Conversation-Id", "header", "Conversation-Id"),
+    ("X-OpenWebUI-Chat-Id", "header", "X-OpenWebUI-Chat-Id"),
+    ("extra-1", "header", "X-Team-Chat"),
+    ("extra-2", "header", "X-Other-Chat"),
+    ("body.session_id", "body", "session_id"),
+    ("body.conversation_id", "body", "conversation_id"),
+    ("body.chat_id", "body", "chat_id"),
+    ("body.id", "body", "id"),
+    ("system", "system", ""),
+    ("default", "default", ""),
+]
+RULE_IDS = [name for name, _, _ in PRECEDENCE]
+
+
+def apply_rule(rule: tuple[str, str, str], value: str, request: dict[str, Any]) -> tuple[str, IdSource]:
+    """Put `value` where `rule` reads it; return the (session id, source) the rule yields when it wins."""
+    _, kind, key = rule
+    if kind == "header":
+        request["headers"][key] = value
+        return value, IdSource.HEADER
+    if kind == "body":
+        request["body"][key] = value
+        return value, IdSource.BODY
+    if kind == "system":
+        request["system"].append(value)
+        return expected_sys_id(value), IdSource.SYSTEM_PROMPT
+    return DEFAULT_SESSION, IdSource.DEFAULT
+
+
+def empty_request() -> dict[str, Any]:
+    return {"headers": {}, "body": {}, "system": []}
+
+
+@pytest.mark.parametrize("rule", PRECEDENCE, ids=RULE_IDS)
+def test_each_rule_alone(rule: tuple[str, str, str]) -> None:
+    request = empty_request()
+    expected = apply_rule(rule, f"value-of-{rule[0]}", request)
+    key = resolve(**request)
+    assert (key.session_id, key.source) == expected
+    assert key.model == MODEL
+
+
+@pytest.mark.parametrize(
+    ("winner", "loser"),
+    list(itertools.combinations(PRECEDENCE, 2)),
+    ids=[f"{a[0]}>{b[0]}" for a, b in itertools.combinations(PRECEDENCE, 2)],
+)
+def test_higher_rule_beats_lower_rule(winner: tuple[str, str, str], loser: tuple[str, str, str]) -> None:
+    request = empty_request()
+    apply_rule(loser, f"loser-{loser[0]}", request)
+    expected = apply_rule(winner, f"winner-{winner[0]}", request)
+    key = resolve(**request)
+    assert (key.session_id, key.source) == expected
+
+
+def test_all_rules_at_once_the_first_wins() -> None:
+    request = empty_request()
+    results = [apply_rule(rule, f"v-{rule[0]}", request) for rule in reversed(PRECEDENCE)]
+    assert (resolve(**request).session_id, resolve(**request).source) == results[-1]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Headers
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"X-SESSION-ID": "a"}, "a"),
+        ({"x-session-id": "a"}, "a"),
+        ({"x-SeSsIoN-iD": "a"}, "a"),
+        ({"CONVERSATION-ID": "c"}, "c"),
+        ({"x-openwebui-chat-id": "w"}, "w"),
+        ({"X-OPENWEBUI-CHAT-ID": "w"}, "w"),
+        ({"x-team-chat": "t"}, "t"),
+        ({"X-TEAM-CHAT": "t"}, "t"),
+    ],
+    ids=["upper", "lower", "mixed", "conversation-upper", "openwebui-lower", "openwebui-upper", "extra-lower",
+         "extra-upper"],
+)
+def test_header_names_are_case_insensitive(headers: dict[str, str], expected: str) -> None:
+    key = resolve(headers=headers)
+    assert key.session_id == expected
+    assert key.source is IdSource.HEADER
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [("X-Team-Chat",), ("x-team-chat",), ("X-TEAM-CHAT",)],
+    ids=["mixed", "lower", "upper"],
+)
+def test_configured_extra_header_names_are_case_insensitive(extra: tuple[str, ...]) -> None:
+    # resolve_session documents that a plain dict must be lower-cased; the configured names may be any case.
+    key = resolve_session(MODEL, {"x-team-chat": "t"}, {}, [], extra)
+    assert key.session_id == "t"
+
+
+def test_lower_cased_plain_dict_is_accepted() -> None:
+    key = resolve_session(MODEL, {"x-conversation-id": "abc"}, {}, [])
+    assert (key.session_id, key.source) == ("abc", IdSource.HEADER)
+
+
+def test_extra_headers_in_the_order_given() -> None:
+    headers = {"X-A": "a", "X-B": "b"}
+    assert resolve(headers=headers, extra=("X-A", "X-B")).session_id == "a"
+    assert resolve(headers=headers, extra=("X-B", "X-A")).session_id == "b"
+
+
+def test_unconfigured_header_is_ignored() -> None:
+    key = resolve(headers={"X-Team-Chat": "t"}, extra=())
+    assert key.source is IdSource.DEFAULT
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "expected"),
+    [
+        ({"X-Session-Id": ""}, {}, DEFAULT_SESSION),
+        ({"X-Session-Id": "   "}, {}, DEFAULT_SESSION),
+        ({"X-Session-Id": " \t "}, {}, DEFAULT_SESSION),
+        ({"X-Session-Id": "  ", "X-Conversation-Id": "conv"}, {}, "conv"),
+        ({"X-Session-Id": "  ", "X-OpenWebUI-Chat-Id": "web"}, {}, "web"),
+        ({"X-Session-Id": " "}, {"session_id": "body"}, "body"),
+        ({}, {"session_id": "   ", "conversation_id": "conv"}, "conv"),
+        ({}, {"session_id": "", "chat_id": "chat"}, "chat"),
+        ({}, {"chat_id": "\t", "id": "plain"}, "plain"),
+        ({"X-Session-Id": "  padded  "}, {}, "padded"),
+        ({}, {"session_id": "  padded  "}, "padded"),
+    ],
+    ids=["header-empty", "header-spaces", "header-tab", "falls-to-next-header", "falls-to-openwebui",
+         "falls-to-body", "body-spaces", "body-empty", "body-tab", "header-stripped", "body-stripped"],
+)
+def test_whitespace_only_values_are_skipped(
+    headers: dict[str, str], body: dict[str, object], expected: str
+) -> None:
+    assert resolve(headers=headers, body=body).session_id == expected
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Body values
+
+
+@pytest.mark.parametrize(
+    "value",
+    [True, False, None, {"a": 1}, {}, [1, 2], [], 1.5],
+    ids=["true", "false", "none", "dict", "empty-dict", "list", "empty-list", "float"],
+)
+@pytest.mark.parametrize("field", ["session_id", "conversation_id", "chat_id", "id"])
+def test_non_id_body_values_are_ignored(field: str, value: object) -> None:
+    key = resolve(body={field: value})
+    assert key.source is IdSource.DEFAULT
+    assert key.session_id == DEFAULT_SESSION
+
+
+@pytest.mark.parametrize("value", [True, None, {"x": "y"}], ids=["bool", "none", "dict"])
+def test_ignored_body_value_falls_through_to_next_field(value: object) -> None:
+    key = resolve(body={"session_id": value, "conversation_id": "next"})
+    assert (key.session_id, key.source) == ("next", IdSource.BODY)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(42, "42"), (0, "0"), (-7, "-7"), (10**20, "100000000000000000000")],
+    ids=["int", "zero", "negative", "big"],
+)
+@pytest.mark.parametrize("field", ["session_id", "conversation_id", "chat_id", "id"])
+def test_int_body_values_are_accepted(field: str, value: int, expected: str) -> None:
+    key = resolve(body={field: value})
+    assert (key.session_id, key.source) == (expected, IdSource.BODY)
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"id": "chatcmpl-abc123"}, DEFAULT_SESSION),
+        ({"id": "cmpl-abc123"}, DEFAULT_SESSION),
+        ({"id": "msg_01XYZ"}, DEFAULT_SESSION),
+        ({"id": "resp_123"}, DEFAULT_SESSION),
+        ({"id": "  chatcmpl-abc  "}, DEFAULT_SESSION),
+        ({"id": "chat-123"}, "chat-123"),
+        ({"id": "msg-1"}, "msg-1"),
+        ({"id": "resp"}, "resp"),
+        ({"id": "my-chatcmpl-1"}, "my-chatcmpl-1"),
+        ({"id": 7}, "7"),
+        ({"session_id": "chatcmpl-1"}, "chatcmpl-1"),
+        ({"conversation_id": "msg_1"}, "msg_1"),
+        ({"chat_id": "resp_1"}, "resp_1"),
+    ],
+    ids=["chatcmpl", "cmpl", "msg_", "resp_", "padded-chatcmpl", "chat-", "msg-hyphen", "resp-bare",
+         "prefix-not-at-start", "int-id", "session_id-keeps-prefix", "conversation_id-keeps-prefix",
+         "chat_id-keeps-prefix"],
+)
+def test_body_id_response_prefixes(body: dict[str, object], expected: str) -> None:
+    assert resolve(body=body).session_id == expected
+
+
+def test_response_like_id_falls_through_to_system_prompt() -> None:
+    key = resolve(body={"id": "chatcmpl-1"}, system=["You are terse."])
+    assert (key.session_id, key.source) == (expected_sys_id("You are terse."), IdSource.SYSTEM_PROMPT)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# System prompt and default
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        (["You are helpful."], ["You are helpful."], True),
+        (["You are helpful."], ["You are terse."], False),
+        (["a", "b"], ["a", "b"], True),
+        (["a", "b"], ["b", "a"], False),
+        (["a", "b"], ["a\n\nb"], True),
+        (["a"], ["a "], False),
+        (["A"], ["a"], False),
+    ],
+    ids=["identical", "different", "two-identical", "order-matters", "joined-by-blank-line", "trailing-space",
+         "case-sensitive"],
+)
+def test_system_prompt_ids(a: list[str], b: list[str], same: bool) -> None:
+    ka, kb = resolve(system=a), resolve(system=b)
+    assert ka.source is kb.source is IdSource.SYSTEM_PROMPT
+    assert (ka.session_id == kb.session_id) is same
+    assert (ka == kb) is same
+
+
+@pytest.mark.parametrize(
+    "texts",
+    [["You are helpful."], ["one", "two"], ["héllo ☕"], ["x" * 10_000]],
+    ids=["one", "two", "unicode", "long"],
+)
+def test_system_session_id_format(texts: list[str]) -> None:
+    sid = resolve(system=texts).session_id
+    assert sid == expected_sys_id(*texts) == system_session_id(texts)
+    assert re.fullmatch(r"sys-[0-9a-f]{16}", sid)
+
+
+@pytest.mark.parametrize("texts", [[], [""], ["", ""]], ids=["none", "one-empty", "two-empty"])
+def test_empty_system_texts_give_default(texts: list[str]) -> None:
+    key = resolve(system=texts)
+    assert (key.session_id, key.source) == (DEFAULT_SESSION, IdSource.DEFAULT)
+    assert key.is_default
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "is_default"),
+    [
+        ({}, True),
+        ({"headers": {"X-Session-Id": "a"}}, False),
+        ({"body": {"chat_id": "a"}}, False),
+        ({"system": ["s"]}, False),
+    ],
+    ids=["default", "header", "body", "system"],
+)
+def test_is_default(request_kwargs: dict[str, Any], is_default: bool) -> None:
+    assert resolve(**request_kwargs).is_default is is_default
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model namespacing and SessionKey equality
+
+
+@pytest.mark.parametrize(
+    "request_kwargs",
+    [{"headers": {"X-Session-Id": "same"}}, {"body": {"session_id": "same"}}, {"system": ["sys"]}, {}],
+    ids=["header", "body", "system", "default"],
+)
+def test_same_id_under_two_models_differs(request_kwargs: dict[str, Any]) -> None:
+    a = resolve(model="model-a", **request_kwargs)
+    b = resolve(model="model-b", **request_kwargs)
+    assert a.session_id == b.session_id
+    assert a != b
+    assert a.file_stem("fp") != b.file_stem("fp")
+
+
+@pytest.mark.parametrize(
+    ("left", "right"),
+    [
+        (IdSource.HEADER, IdSource.BODY),
+        (IdSource.BODY, IdSource.SYSTEM_PROMPT),
+        (IdSource.SYSTEM_PROMPT, IdSource.DEFAULT),
+        (IdSource.HEADER, IdSource.DEFAULT),
+    ],
+    ids=["header-body", "body-system", "system-default", "header-default"],
+)
+def test_session_key_equality_ignores_source(left: IdSource, right: IdSource) -> None:
+    a, b = SessionKey(MODEL, "x", left), SessionKey(MODEL, "x", right)
+    assert a == b
+    assert hash(a) == hash(b)
+    assert a.file_stem("fp") == b.file_stem("fp")
+    assert len({a, b}) == 1
+
+
+def test_header_and_body_with_same_id_are_the_same_session() -> None:
+    a = resolve(headers={"X-Session-Id": "shared"})
+    b = resolve(body={"session_id": "shared"})
+    assert (a.source, b.source) == (IdSource.HEADER, IdSource.BODY)
+    assert a == b
+
+
+def test_session_key_str() -> None:
+    assert str(SessionKey("m", "s")) == "m/s"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Id validation
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "x" * (MAX_ID_LENGTH + 1),
+        "x" * 1000,
+        "a\x00b",
+        "a\nb",
+        "a\rb",
+        "a\tb",
+        "a\x1bb",
+        "a\x7fb",
+        "\x00",
+    ],
+    ids=["257-chars", "1000-chars", "nul", "newline", "cr", "tab-inside", "escape", "del", "only-nul"],
+)
+@pytest.mark.parametrize("where", ["header", "extra-header", "body.session_id", "body.id"])
+def test_invalid_ids_raise_bad_request(where: str, value: str) -> None:
+    headers: dict[str, str] = {}
+    body: dict[str, object] = {}
+    if where == "header":
+        headers["x-session-id"] = value
+    elif where == "extra-header":
+        headers["x-team-chat"] = value
+    else:
+        body[where.removeprefix("body.")] = value
+    with pytest.raises(BadRequest) as info:
+        resolve_session(MODEL, headers, body, [], EXTRA_HEADERS)
+    assert info.value.status_code == 400
+    assert "session id" in info.value.message
+
+
+def test_invalid_higher_precedence_id_is_an_error_not_a_fallback() -> None:
+    with pytest.raises(BadRequest):
+        resolve_session(MODEL, {"x-session-id": "bad\x00id"}, {"session_id": "good"}, [])
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "x" * MAX_ID_LENGTH,
+        "  " + "x" * MAX_ID_LENGTH + "  ",
+        "\U0001f999" * MAX_ID_LENGTH,
+        "\nnewline-at-edges\n",
+        "\tpadded-with-tabs\t",
+    ],
+    ids=["256-chars", "256-after-strip", "256-astral-chars", "newline-edges-stripped", "tab-edges-stripped"],
+)
+def test_boundary_ids_are_accepted(value: str) -> None:
+    key = resolve_session(MODEL, {"x-session-id": value}, {}, [])
+    assert key.session_id == value.strip()
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["café", "会话-42", "🦙 llama", "Ωmega", "ñ/ü\\ä", "id with spaces"],
+    ids=["latin", "cjk", "emoji", "greek", "slashes", "spaces"],
+)
+@pytest.mark.parametrize("where", ["header", "body"])
+def test_unicode_ids_are_accepted(where: str, value: str) -> None:
+    if where == "header":
+        key = resolve_session(MODEL, {"x-session-id": value}, {}, [])
+    else:
+        key = resolve_session(MODEL, {}, {"session_id": value}, [])
+    assert key.session_id == value
+    assert HEX40.fullmatch(key.file_stem("fp"))
+
+
+@pytest.mark.parametrize(
+    "raw_body",
+    [r'{"session_id": "\ud800"}', r'{"chat_id": "abc\udfff"}', r'{"id": "x\ud83d"}'],
+    ids=["lone-high-surrogate", "lone-low-surrogate", "truncated-pair"],
+)
+def test_lone_surrogate_body_id_is_rejected_or_usable(raw_body: str) -> None:
+    # json.loads accepts a lone \uXXXX surrogate escape, so a client can send one. Such an id must either be
+    # refused with a 400 or be usable end to end (its snapshot file name computed), never crash later.
+    body = json.loads(raw_body)
+    try:
+        key = resolve_session(MODEL, {}, body, [])
+    except BadRequest:
+        return
+    assert HEX40.fullmatch(key.file_stem("fp"))
+
+
+def test_lone_surrogate_in_system_prompt_is_rejected_or_usable() -> None:
+    texts = [json.loads(r'"You are \ud800 helpful"')]
+    try:
+        key = resolve_session(MODEL, {}, {}, texts)
+    except BadRequest:
+        return
+    assert key.source is IdSource.SYSTEM_PROMPT
+    assert HEX40.fullmatch(key.file_stem("fp"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SessionKey.file_stem
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (("fp1", "m", "s"), ("fp2", "m", "s")),
+        (("fp", "m1", "s"), ("fp", "m2", "s")),
+        (("fp", "m", "s1"), ("fp", "m", "s2")),
+        (("fp", "m", "S"), ("fp", "m", "s")),
+        (("fp", "ab", "c"), ("fp", "a", "bc")),
+    ],
+    ids=["fingerprint", "model", "session", "case", "field-boundary"],
+)
+def test_file_stem_differs(a: tuple[str, str, str], b: tuple[str, str, str]) -> None:
+    stem_a = SessionKey(a[1], a[2]).file_stem(a[0])
+    stem_b = SessionKey(b[1], b[2]).file_stem(b[0])
+    assert HEX40.fullmatch(stem_a)
+    assert HEX40.fullmatch(stem_b)
+    assert stem_a != stem_b
+
+
+def test_file_stem_is_stable() -> None:
+    assert SessionKey("m", "s").file_stem("fp") == SessionKey("m", "s").file_stem("fp")
+
+
+@pytest.mark.parametrize(
+    "session_id",
+    ["../../etc/passwd", "/etc/passwd", "..", ".", "a/b\\c", "C:\\Windows\\win.ini", "name.gguf", "~root", "*?[]"],
+    ids=["dotdot", "absolute", "parent", "current", "slashes", "windows", "extension", "tilde", "glob"],
+)
+def test_file_stem_of_path_like_id_is_only_hex(session_id: str) -> None:
+    key = resolve_session(MODEL, {"x-session-id": session_id}, {}, [])
+    assert key.session_id == session_id
+    assert HEX40.fullmatch(key.file_stem("fingerprint"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Property
+
+
+def _valid_id(text: str) -> bool:
+    stripped = text.strip()
+    return bool(stripped) and len(stripped) <= MAX_ID_LENGTH and not any(
+        ord(ch) < 0x20 or ord(ch) == 0x7F for ch in stripped
+    )
+
+
+@given(text=st.text(max_size=300).filter(_valid_id), fingerprint=st.text(max_size=20))
+def test_any_valid_header_id_round_trips(text: str, fingerprint: str) -> None:
+    key = resolve_session(MODEL, {"x-session-id": text}, {"session_id": "ignored"}, ["ignored"])
+    assert key.session_id == text.strip()
+    assert key.source is IdSource.HEADER
+    assert HEX40.fullmatch(key.file_stem(fingerprint))

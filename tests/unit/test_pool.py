@@ -1,0 +1,517 @@
+"""SlotPool decisions against a fake backend client and a real SnapshotStore."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from slotkeeper.cache.pool import SlotPool, TurnEnd
+from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore
+from slotkeeper.errors import UpstreamError, UpstreamUnavailable
+from slotkeeper.types import CacheOutcome, IdSource, SessionKey
+from slotkeeper.upstream.client import SlotActionResult
+
+FP = "00112233aabbccdd"
+
+
+class FakeClient:
+    """Records slot actions; a save writes bytes the way llama-server would, a restore answers from `restore_tokens`."""
+
+    def __init__(self, slot_dir: Path) -> None:
+        self.slot_dir = slot_dir
+        self.calls: list[tuple[int, str, str | None]] = []
+        self.restore_tokens: dict[str, int] = {}
+        self.restore_error: Exception | None = None
+        self.save_error: Exception | None = None
+        self.save_tokens = 42
+        self.save_delay = 0.0
+
+    async def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> SlotActionResult:
+        self.calls.append((slot_id, action, filename))
+        if action == "save":
+            if self.save_delay:
+                await asyncio.sleep(self.save_delay)
+            if self.save_error is not None:
+                raise self.save_error
+            assert filename is not None
+            data = os.urandom(256)
+            (self.slot_dir / filename).write_bytes(data)
+            return SlotActionResult(self.save_tokens, len(data), 1.0)
+        if action == "restore":
+            if self.restore_error is not None:
+                raise self.restore_error
+            assert filename is not None
+            return SlotActionResult(self.restore_tokens.get(filename, 7), 256, 1.0)
+        return SlotActionResult(0, 0, 0.0)
+
+    def actions(self, action: str) -> list[tuple[int, str, str | None]]:
+        return [c for c in self.calls if c[1] == action]
+
+
+@pytest.fixture
+def slot_dir(tmp_path: Path) -> Path:
+    return tmp_path / "slots"
+
+
+@pytest.fixture
+def store(tmp_path: Path, slot_dir: Path):
+    s = SnapshotStore(slot_dir, tmp_path / "index" / "index.db")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def client(store: SnapshotStore, slot_dir: Path) -> FakeClient:
+    return FakeClient(slot_dir)
+
+
+def make_pool(client: FakeClient, store: SnapshotStore, n_slots: int = 1, save_idle_seconds: float = -1,
+              n_ctx_slot: int = 4096) -> SlotPool:
+    return SlotPool(n_slots, client, store, FP, n_ctx_slot, save_idle_seconds=save_idle_seconds)  # type: ignore[arg-type]
+
+
+def key(session: str, model: str = "m") -> SessionKey:
+    return SessionKey(model, session, IdSource.HEADER)
+
+
+A, B, C, D = key("A"), key("B"), key("C"), key("D")
+
+
+async def turn(pool: SlotPool, k: SessionKey, end: TurnEnd = TurnEnd.COMPLETED, n_tokens: int = 10):
+    lease = await pool.acquire(k)
+    lease.release(end, n_tokens)
+    return lease
+
+
+# -- outcomes ---------------------------------------------------------------------------------------------------
+
+
+async def test_first_acquire_cold(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    lease = await pool.acquire(A)
+    assert lease.outcome is CacheOutcome.COLD
+    assert lease.slot_id == 0
+    assert client.calls == []
+    lease.release(TurnEnd.COMPLETED, 10)
+    slot = pool.slots[0]
+    assert slot.occupant == A and slot.dirty and not slot.busy
+    assert slot.n_tokens == 10
+
+
+async def test_same_session_hot(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    lease = await pool.acquire(A)
+    assert lease.outcome is CacheOutcome.HOT
+    assert client.calls == []
+    lease.release(TurnEnd.COMPLETED, 20)
+    assert pool.slots[0].dirty and pool.slots[0].n_tokens == 20
+
+
+async def test_switch_saves_and_restores(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A)
+
+    lease_b = await pool.acquire(B)
+    assert lease_b.outcome is CacheOutcome.COLD
+    assert [(c[0], c[1]) for c in client.calls] == [(0, "save")]
+    snap_a = store.get(A)
+    assert snap_a is not None and snap_a.n_tokens == 42 and snap_a.hits == 0
+    assert client.calls[0][2] is not None and client.calls[0][2].startswith(A.file_stem(FP))
+    assert pool.saves == 1
+    lease_b.release(TurnEnd.COMPLETED, 10)
+
+    client.calls.clear()
+    snap_a = store.get(A)
+    assert snap_a is not None
+    client.restore_tokens[snap_a.filename] = 33
+    lease_a = await pool.acquire(A)
+    assert [(c[0], c[1]) for c in client.calls] == [(0, "save"), (0, "restore")]
+    assert client.calls[1][2] == snap_a.filename
+    assert store.get(B) is not None
+    assert lease_a.outcome is CacheOutcome.RESTORED
+    assert lease_a.restored_tokens == 33
+    assert pool.restores == 1
+    after = store.get(A)
+    assert after is not None and after.hits == 1
+    assert pool.slots[0].occupant == A and pool.slots[0].n_tokens == 33
+    lease_a.release(TurnEnd.COMPLETED, 40)
+
+
+async def test_default_session_never_saved_or_restored(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    default = SessionKey("m", "default")
+    assert default.is_default
+    lease = await turn(pool, default)
+    assert lease.outcome is CacheOutcome.COLD
+    assert not pool.slots[0].dirty
+    await turn(pool, A)  # the default occupant is not saved
+    assert client.actions("save") == []
+    await turn(pool, default)  # A is saved, the default session is not restored
+    assert len(client.actions("save")) == 1
+    assert client.actions("restore") == []
+    assert store.get(default) is None
+    assert await pool.flush() == 0
+    assert len(client.actions("save")) == 1
+
+
+async def test_restore_refused_quarantines(client: FakeClient, store: SnapshotStore, slot_dir: Path) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    await turn(pool, B)
+    snap_a = store.get(A)
+    assert snap_a is not None
+    client.restore_error = UpstreamError(400, b'{"error":{"message":"bad"}}')
+    lease = await pool.acquire(A)
+    assert lease.outcome is CacheOutcome.COLD
+    assert lease.slot_id == 0
+    assert len(client.actions("restore")) == 1
+    assert store.get(A) is None
+    assert not (slot_dir / snap_a.filename).exists()
+    assert any(n.startswith(snap_a.filename) for n in os.listdir(slot_dir / QUARANTINE_DIR))
+    assert pool.slots[0].occupant == A and pool.slots[0].busy
+    lease.release(TurnEnd.COMPLETED, 5)
+    assert not pool.slots[0].busy
+
+
+async def test_snapshot_larger_than_slot_not_restored(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, n_ctx_slot=40)  # the fake saves 42 tokens
+    await turn(pool, A)
+    await turn(pool, B)
+    assert store.get(A) is not None
+    lease = await pool.acquire(A)
+    assert lease.outcome is CacheOutcome.COLD
+    assert client.actions("restore") == []
+    lease.release(TurnEnd.COMPLETED)
+
+
+# -- turn ends --------------------------------------------------------------------------------------------------
+
+
+async def test_release_failed_empties_slot(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A, TurnEnd.FAILED)
+    slot = pool.slots[0]
+    assert slot.occupant is None and not slot.dirty and slot.n_tokens == 0
+    await turn(pool, B)
+    assert client.actions("save") == []
+    assert await pool.flush() == 1  # only B
+    assert store.get(A) is None and store.get(B) is not None
+
+
+async def test_release_cancelled_keeps_occupant_dirty(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A, TurnEnd.CANCELLED, 3)
+    slot = pool.slots[0]
+    assert slot.occupant == A and slot.dirty and slot.n_tokens == 3
+
+
+async def test_release_rejected_keeps_dirty_flag(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A, TurnEnd.REJECTED)
+    assert pool.slots[0].occupant == A and not pool.slots[0].dirty
+    await turn(pool, A, TurnEnd.COMPLETED, 10)
+    assert pool.slots[0].dirty
+    await turn(pool, A, TurnEnd.REJECTED, 99)
+    assert pool.slots[0].occupant == A and pool.slots[0].dirty
+    assert pool.slots[0].n_tokens == 10
+
+
+# -- waiting ----------------------------------------------------------------------------------------------------
+
+
+async def test_second_session_waits_for_release(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    order: list[str] = []
+    lease_a = await pool.acquire(A)
+    order.append("A acquired")
+    go = asyncio.Event()
+
+    async def second() -> None:
+        lease = await pool.acquire(B)
+        order.append("B acquired")
+        lease.release(TurnEnd.COMPLETED)
+
+    async def first_turn() -> None:
+        await go.wait()
+        order.append("A released")
+        lease_a.release(TurnEnd.COMPLETED)
+
+    t2 = asyncio.create_task(second())
+    await asyncio.sleep(0.05)
+    assert not t2.done()
+    t1 = asyncio.create_task(first_turn())
+    await asyncio.sleep(0.05)
+    assert not t2.done()
+    go.set()
+    await asyncio.wait_for(asyncio.gather(t1, t2), 2)
+    assert order == ["A acquired", "A released", "B acquired"]
+
+
+async def test_waiters_served_in_arrival_order(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    served: list[str] = []
+    first = await pool.acquire(A)
+
+    async def waiter(k: SessionKey) -> None:
+        lease = await pool.acquire(k)
+        served.append(k.session_id)
+        await asyncio.sleep(0.01)
+        lease.release(TurnEnd.COMPLETED)
+
+    tasks = []
+    for k in (B, C, D):
+        tasks.append(asyncio.create_task(waiter(k)))
+        await asyncio.sleep(0.01)
+    assert served == []
+    first.release(TurnEnd.COMPLETED)
+    await asyncio.wait_for(asyncio.gather(*tasks), 2)
+    assert served == ["B", "C", "D"]
+
+
+async def test_two_slots_used_concurrently(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, n_slots=2)
+    lease_a = await asyncio.wait_for(pool.acquire(A), 1)
+    lease_b = await asyncio.wait_for(pool.acquire(B), 1)
+    assert {lease_a.slot_id, lease_b.slot_id} == {0, 1}
+    lease_b.release(TurnEnd.COMPLETED)
+    lease_a.release(TurnEnd.COMPLETED)
+
+
+async def test_busy_session_waits_for_its_own_slot(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, n_slots=2)
+    lease_a = await pool.acquire(A)
+    assert lease_a.slot_id == 0
+    second = asyncio.create_task(pool.acquire(A))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # slot 1 is free but A's state is in slot 0
+    assert not pool.slots[1].busy
+    lease_a.release(TurnEnd.COMPLETED)
+    lease = await asyncio.wait_for(second, 1)
+    assert lease.slot_id == 0
+    assert lease.outcome is CacheOutcome.HOT
+    lease.release(TurnEnd.COMPLETED)
+    assert pool.slots[1].occupant is None
+
+
+async def test_cancelled_waiter_does_not_leak(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    lease_a = await pool.acquire(A)
+    waiting = asyncio.create_task(pool.acquire(B))
+    await asyncio.sleep(0.02)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert pool.slots[0].occupant == A and pool.slots[0].busy
+    lease_a.release(TurnEnd.COMPLETED)
+    assert not pool.slots[0].busy
+    assert len(pool._waiters) == 0
+    lease_c = await asyncio.wait_for(pool.acquire(C), 1)
+    assert lease_c.slot_id == 0
+    lease_c.release(TurnEnd.COMPLETED)
+    lease_a2 = await asyncio.wait_for(pool.acquire(A), 1)
+    lease_a2.release(TurnEnd.COMPLETED)
+
+
+# -- idle saves -------------------------------------------------------------------------------------------------
+
+
+async def test_idle_save(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, save_idle_seconds=0.05)
+    try:
+        await turn(pool, A)
+        for _ in range(100):
+            if store.get(A) is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert store.get(A) is not None
+        assert len(client.actions("save")) == 1
+        assert not pool.slots[0].dirty and not pool.slots[0].busy
+        assert pool.slots[0].occupant == A
+        # the next turn is hot and needs no save first
+        lease = await pool.acquire(A)
+        assert lease.outcome is CacheOutcome.HOT
+        lease.release(TurnEnd.REJECTED)
+    finally:
+        await pool.aclose()
+
+
+async def test_idle_save_cancelled_by_new_lease(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, save_idle_seconds=0.05)
+    try:
+        await turn(pool, A)
+        lease = await pool.acquire(A)  # before the timer fires
+        await asyncio.sleep(0.2)
+        assert client.actions("save") == []
+        lease.release(TurnEnd.REJECTED)  # the slot is dirty again: a new timer runs
+        await asyncio.sleep(0.3)
+        assert len(client.actions("save")) == 1
+    finally:
+        await pool.aclose()
+
+
+async def test_idle_save_generation_check_after_release(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, save_idle_seconds=0.1)
+    try:
+        await turn(pool, A)
+        await asyncio.sleep(0.03)
+        await turn(pool, A, TurnEnd.COMPLETED)  # a second timer; the first one's generation is stale
+        await asyncio.sleep(0.4)
+        assert len(client.actions("save")) == 1
+    finally:
+        await pool.aclose()
+
+
+# -- operator actions -------------------------------------------------------------------------------------------
+
+
+async def test_flush_saves_dirty_slots(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, n_slots=3)
+    la = await pool.acquire(A)
+    lb = await pool.acquire(B)
+    lc = await pool.acquire(C)
+    la.release(TurnEnd.COMPLETED)
+    lb.release(TurnEnd.COMPLETED)
+    lc.release(TurnEnd.FAILED)
+    assert await pool.flush() == 2
+    assert store.get(A) is not None and store.get(B) is not None and store.get(C) is None
+    assert all(not s.dirty and not s.busy for s in pool.slots)
+    assert await pool.flush() == 0
+    assert len(client.actions("save")) == 2
+
+
+async def test_clear_saves_then_erases(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, n_slots=2)
+    la = await pool.acquire(A)
+    lb = await pool.acquire(B)
+    la.release(TurnEnd.COMPLETED)
+    lb.release(TurnEnd.REJECTED)  # B not dirty
+    erased = await pool.clear()
+    assert erased == [0, 1]
+    assert la.slot_id == 0
+    assert [(c[0], c[1]) for c in client.calls] == [(0, "save"), (0, "erase"), (1, "erase")]
+    assert store.get(A) is not None and store.get(B) is None
+    assert all(s.occupant is None and not s.dirty and not s.busy and s.n_tokens == 0 for s in pool.slots)
+    lease = await pool.acquire(A)
+    assert lease.outcome is CacheOutcome.RESTORED
+    lease.release(TurnEnd.COMPLETED)
+
+
+async def test_forget_stops_later_save(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    pool.forget(A)
+    assert pool.slots[0].occupant is None and not pool.slots[0].dirty
+    await turn(pool, B)
+    assert await pool.flush() == 1
+    assert store.get(A) is None
+    assert next(c[2] for c in client.actions("save")).startswith(B.file_stem(FP))
+
+
+async def test_forget_stops_idle_save(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, save_idle_seconds=0.05)
+    try:
+        await turn(pool, A)
+        pool.forget(A)
+        await asyncio.sleep(0.3)
+        assert client.actions("save") == []
+        assert store.get(A) is None
+    finally:
+        await pool.aclose()
+
+
+# -- save failures ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("failure", ["unavailable", "zero-tokens", "upstream-error"])
+async def test_save_failure_does_not_fail_acquire(
+    client: FakeClient, store: SnapshotStore, slot_dir: Path, failure: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    if failure == "unavailable":
+        client.save_error = UpstreamUnavailable("backend gone")
+    elif failure == "upstream-error":
+        client.save_error = UpstreamError(500, b'{"error":{"message":"disk full"}}')
+    else:
+        client.save_tokens = 0
+    with caplog.at_level(logging.ERROR, logger="slotkeeper.pool"):
+        lease = await pool.acquire(B)
+    assert lease.outcome is CacheOutcome.COLD
+    assert pool.failed_saves == 1 and pool.saves == 0
+    assert store.get(A) is None
+    assert [n for n in os.listdir(slot_dir) if ".tmp-" in n] == []
+    assert any(r.levelno == logging.ERROR and "A" in r.getMessage() for r in caplog.records)
+    lease.release(TurnEnd.COMPLETED)
+    assert pool.slots[0].occupant == B
+
+
+async def test_save_failure_keeps_previous_snapshot(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    await turn(pool, B)  # A saved
+    good = store.get(A)
+    assert good is not None
+    await turn(pool, A)  # A restored, B saved
+    client.save_tokens = 0
+    await turn(pool, B)  # saving A fails
+    assert pool.failed_saves == 1
+    kept = store.get(A)
+    assert kept is not None
+    assert (kept.filename, kept.checksum, kept.n_tokens) == (good.filename, good.checksum, good.n_tokens)
+    assert store.checked_snapshot(A, FP) is not None
+
+
+async def test_idle_save_failure_counted(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, save_idle_seconds=0.05)
+    try:
+        client.save_error = UpstreamUnavailable("backend gone")
+        await turn(pool, A)
+        for _ in range(100):
+            if pool.failed_saves and not pool.slots[0].busy:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.failed_saves == 1
+        assert not pool.slots[0].busy
+        lease = await asyncio.wait_for(pool.acquire(B), 1)
+        lease.release(TurnEnd.REJECTED)
+    finally:
+        await pool.aclose()
+
+
+# -- regressions ------------------------------------------------------------------------------------------------
+
+
+async def test_forget_during_a_running_turn_stops_its_save(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, save_idle_seconds=0.05)
+    lease = await pool.acquire(A)
+    pool.forget(A)  # DELETE /api/sessions/A while A's turn is still streaming
+    lease.release(TurnEnd.COMPLETED, 10)
+    await asyncio.sleep(0.3)
+    assert client.actions("save") == []
+    assert pool.slots[0].occupant is None and not pool.slots[0].dirty
+    await pool.aclose()
+
+
+async def test_a_new_arrival_does_not_jump_the_queue(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    holder = await pool.acquire(A)
+    order: list[str] = []
+
+    async def take_b() -> None:
+        lease = await pool.acquire(B)
+        order.append("B")
+        lease.release(TurnEnd.COMPLETED, 1)
+
+    waiting = asyncio.create_task(take_b())
+    await asyncio.sleep(0.01)  # B is queued
+    holder.release(TurnEnd.COMPLETED, 1)
+    late = await pool.acquire(C)  # arrives right after the release, in this task, before B has run
+    order.append("C")
+    late.release(TurnEnd.COMPLETED, 1)
+    await asyncio.wait_for(waiting, 5)
+    assert order == ["B", "C"]
