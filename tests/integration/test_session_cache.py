@@ -213,3 +213,12 @@ def test_health_and_models_do_not_wait_for_a_busy_slot(stack: Stack, client_for)
             assert other.get("/api/sessions/current").json()["slots"][0]["busy"] is True
             elapsed = time.monotonic() - started
     assert elapsed < 2.0, elapsed
+
+
+def test_a_finished_turn_reaches_disk_when_idle(stack: Stack, client_for) -> None:
+    keeper = stack.slotkeeper(stack.backend(), "--save-idle-seconds", "0.3")
+    first = Conversation(client_for(keeper), "idle", size=300).turn()
+    assert wait_until(lambda: keeper.row("idle") is not None, timeout=10)
+    row = keeper.row("idle")
+    assert row is not None
+    assert row["n_tokens"] == timings(first)["prompt_n"] + timings(first)["predicted_n"] - 1
