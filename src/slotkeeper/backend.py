@@ -59,6 +59,8 @@ async def discover(client: UpstreamClient, store: SnapshotStore, slot_dir: Path,
         n_ctx_slot=n_ctx_slot,
         build_info=build,
         fingerprint=backend_fingerprint(identity, layout),
+        props=props,
+        meta=meta,
     )
 
 

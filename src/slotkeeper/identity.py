@@ -83,3 +83,26 @@ def _checked(value: str, where: str) -> str:
     if any(0xD800 <= ord(ch) <= 0xDFFF for ch in value):
         raise BadRequest(f"session id from {where} is not valid Unicode (a lone surrogate)")
     return value
+
+
+TASK_HEADER = "x-openwebui-task"
+TASK_PREFIX = "### Task:"
+
+
+def is_side_task(headers: Mapping[str, str], messages: object, stream: bool) -> bool:
+    """OpenWebUI's background tasks (titles, tags, follow-ups, queries, autocomplete) share the chat's id.
+
+    They are recognised by the task header (a connection header `X-OpenWebUI-Task: {{TASK}}`), or by their shape:
+    not streamed, one user message starting with `### Task:`.
+    """
+    if (headers.get(TASK_HEADER) or "").strip():
+        return True
+    if stream or not isinstance(messages, list) or len(messages) != 1:
+        return False
+    message = messages[0]
+    if not isinstance(message, Mapping) or message.get("role") != "user":
+        return False
+    content = message.get("content")
+    if isinstance(content, list):
+        content = next((p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"), None)
+    return isinstance(content, str) and content.lstrip().startswith(TASK_PREFIX)

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from slotkeeper.cache.pool import SlotLease, SlotPool, TurnEnd
-from slotkeeper.dialects.framing import TimingsScanner
+from slotkeeper.dialects.framing import SseDecoder, TimingsScanner, UpstreamEvent
 from slotkeeper.errors import SlotkeeperError, UpstreamError
 from slotkeeper.types import SessionKey
 from slotkeeper.upstream.client import UpstreamClient, iter_errors_as_unavailable
@@ -40,7 +40,10 @@ class TurnRecord:
     end: TurnEnd = TurnEnd.CANCELLED
 
     def headers(self) -> dict[str, str]:
-        return {"X-Slotkeeper-Session": _header_safe(self.key.session_id), "X-Slotkeeper-Cache": self.lease.outcome}
+        headers = {"X-Slotkeeper-Session": _header_safe(self.key.session_id), "X-Slotkeeper-Cache": self.lease.outcome}
+        if self.lease.side:
+            headers["X-Slotkeeper-Request"] = "side"
+        return headers
 
     def n_tokens(self) -> int:
         t = self.timings or {}
@@ -51,9 +54,10 @@ class TurnRecord:
         self.lease.release(end, self.n_tokens())
         t = self.timings or {}
         log.info(
-            "%s session=%s slot=%d cache=%s restored=%d restore_ms=%.1f save_ms=%.1f cache_n=%s prompt_n=%s "
+            "%s%s session=%s slot=%d cache=%s restored=%d restore_ms=%.1f save_ms=%.1f cache_n=%s prompt_n=%s "
             "status=%d end=%s ms=%.0f",
-            self.api, self.key, self.lease.slot_id, self.lease.outcome, self.lease.restored_tokens,
+            self.api, " side" if self.lease.side else "", self.key, self.lease.slot_id, self.lease.outcome,
+            self.lease.restored_tokens,
             self.lease.restore_ms, self.lease.save_ms, t.get("cache_n", "-"), t.get("prompt_n", "-"), self.status,
             end.value, (time.perf_counter() - self.started) * 1000,
         )
@@ -69,9 +73,13 @@ class TurnService:
         self.client = client
         self.pool = pool
 
-    async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder) -> tuple[Any, TurnRecord]:
-        """A non-streaming turn: returns the backend's JSON answer and the record of what the cache did."""
-        record = TurnRecord(api, key, await self.pool.acquire(key))
+    async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
+                    side: bool = False) -> tuple[Any, TurnRecord]:
+        """A non-streaming turn: returns the backend's JSON answer and the record of what the cache did.
+
+        A side request (a title or tag task) runs without becoming its session's state (see SlotPool.acquire).
+        """
+        record = TurnRecord(api, key, await self.pool.acquire(key, side=side))
         end = TurnEnd.CANCELLED
         try:
             data = await self.client.post_json(path, build(record.lease.slot_id))
@@ -88,9 +96,10 @@ class TurnService:
         finally:
             record.finish(end)
 
-    async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder) -> StreamTurn:
+    async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
+                          side: bool = False) -> StreamTurn:
         """Lease a slot and open the backend's stream; an error answer is raised before any byte reaches the client."""
-        record = TurnRecord(api, key, await self.pool.acquire(key))
+        record = TurnRecord(api, key, await self.pool.acquire(key, side=side))
         context = self.client.stream(path, build(record.lease.slot_id))
         try:
             response = await context.__aenter__()
@@ -136,6 +145,29 @@ class StreamTurn:
         self._scanner.finish()
         self.record.timings = self._scanner.timings
         self._end = TurnEnd.COMPLETED
+
+    async def events(self) -> AsyncIterator[UpstreamEvent]:
+        """The backend's stream as parsed events, for dialects that re-frame it. A broken connection is raised as
+        UpstreamUnavailable after the turn is marked failed; an `{"error": ...}` event is passed on as it is."""
+        decoder = SseDecoder()
+        errored = False
+        try:
+            async for chunk in self.response.aiter_raw():
+                for event in decoder.feed(chunk):
+                    if isinstance(event, dict):
+                        if isinstance(event.get("timings"), dict):
+                            self.record.timings = event["timings"]
+                        errored = errored or "error" in event
+                    yield event
+        except httpx.HTTPError as exc:
+            error = iter_errors_as_unavailable(exc, self._base_url)
+            self._end, self.record.status = TurnEnd.FAILED, error.status_code
+            log.error("stream for %s broke: %s", self.record.key, error.message)
+            raise error from exc
+        for event in decoder.finish():
+            yield event
+        if not errored:
+            self._end = TurnEnd.COMPLETED
 
     async def close(self) -> None:
         """Close the backend connection (which stops its generation) and give the slot back. Idempotent."""

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class IdSource(enum.StrEnum):
@@ -60,6 +62,9 @@ class BackendInfo:
     n_ctx_slot: int
     build_info: str
     fingerprint: str
+    # What the server reported, for routes that describe the model (Ollama's /api/show, /api/tags).
+    props: Mapping[str, Any] = field(default_factory=dict)
+    meta: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import Stack
-from tests.support import ANSWER_SLACK, Conversation, chat, timings, wait_until
+from tests.support import ANSWER_SLACK, Conversation, chat, timings, wait_until, words
 
 pytestmark = pytest.mark.backend
 
@@ -222,3 +222,25 @@ def test_a_finished_turn_reaches_disk_when_idle(stack: Stack, client_for) -> Non
     row = keeper.row("idle")
     assert row is not None
     assert row["n_tokens"] == timings(first)["prompt_n"] + timings(first)["predicted_n"] - 1
+
+
+@pytest.mark.parametrize("marker", ["shape", "header"])
+def test_side_task_does_not_become_the_session(stack: Stack, client_for, marker: str) -> None:
+    keeper = stack.slotkeeper(stack.backend(parallel=1, cache_ram=0))
+    client = client_for(keeper)
+    conv = Conversation(client, "chat-7", size=700)
+    first = conv.turn()
+    task = "### Task:\nGenerate a concise, 3-5 word title for the chat history.\n" + words(300, 42)
+    headers = {"X-OpenWebUI-Chat-Id": "chat-7"}
+    if marker == "header":
+        headers["X-OpenWebUI-Task"] = "title_generation"
+    response = client.post("/v1/chat/completions", headers=headers, json={
+        "messages": [{"role": "user", "content": task}], "max_tokens": 4, "stream": False})
+    assert response.status_code == 200 and response.headers["x-slotkeeper-request"] == "side"
+    saved = keeper.row("chat-7")  # the conversation was saved before the task ran
+    assert saved is not None and saved["n_tokens"] >= timings(first)["prompt_n"]
+    second = conv.turn()
+    assert second.headers["x-slotkeeper-cache"] == "restored"
+    assert timings(second)["cache_n"] >= timings(first)["prompt_n"]
+    keeper.stop()
+    assert keeper.row("chat-7")["n_tokens"] > saved["n_tokens"]  # type: ignore[index]

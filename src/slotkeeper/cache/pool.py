@@ -59,6 +59,7 @@ class SlotLease:
     slot_id: int
     key: SessionKey
     outcome: CacheOutcome
+    side: bool = False
     restored_tokens: int = 0
     restore_ms: float = 0.0
     save_ms: float = 0.0
@@ -94,8 +95,15 @@ class SlotPool:
 
     # -- leasing --------------------------------------------------------------------------------------------
 
-    async def acquire(self, key: SessionKey) -> SlotLease:
-        """Wait for a slot for `key`, bring the session's best state into it, and lease it."""
+    async def acquire(self, key: SessionKey, side: bool = False) -> SlotLease:
+        """Wait for a slot for `key`, bring the session's best state into it, and lease it.
+
+        A side request (a title or tag task sent under the conversation's id) must not become the session's state:
+        it gets a slot that holds no unsaved session when there is one, the slot's changed occupant is saved first,
+        nothing is restored, and afterwards the slot is attributed to nobody.
+        """
+        if side:
+            return await self._acquire_side(key)
         slot = await self._take(lambda: self._choose(key))
         previous, previous_dirty = slot.occupant, slot.dirty
         slot.occupant, slot.dirty = key, False
@@ -113,6 +121,27 @@ class SlotPool:
             lease.release(TurnEnd.FAILED)
             raise
         return lease
+
+    async def _acquire_side(self, key: SessionKey) -> SlotLease:
+        slot = await self._take(self._choose_side)
+        previous, previous_dirty = slot.occupant, slot.dirty
+        slot.occupant, slot.dirty = None, False
+        slot.generation += 1
+        lease = SlotLease(slot.slot_id, key, CacheOutcome.COLD, side=True, _release=self._finish)
+        try:
+            if previous is not None and previous_dirty:
+                lease.save_ms = await self._save(slot.slot_id, previous)
+        except BaseException:
+            lease.release(TurnEnd.FAILED)
+            raise
+        return lease
+
+    def _choose_side(self) -> SlotState | None:
+        idle = [s for s in self.slots if not s.busy]
+        if not idle:
+            return None
+        # Best: an empty slot; then one whose state is already on disk; last, the least recently used.
+        return min(idle, key=lambda s: (s.occupant is not None, s.dirty, s.last_used))
 
     def _choose(self, key: SessionKey) -> SlotState | None:
         own = next((s for s in self.slots if s.occupant == key), None)
@@ -155,7 +184,7 @@ class SlotPool:
         slot = self.slots[lease.slot_id]
         slot.busy = False
         slot.last_used = time.monotonic()
-        if end is TurnEnd.FAILED or slot.forget_on_release:
+        if end is TurnEnd.FAILED or slot.forget_on_release or lease.side:
             slot.occupant, slot.dirty, slot.n_tokens = None, False, 0
             slot.forget_on_release = False
         elif end in (TurnEnd.COMPLETED, TurnEnd.CANCELLED):

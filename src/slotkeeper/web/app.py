@@ -23,6 +23,7 @@ from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.launcher import EmbeddedBackend
 from slotkeeper.web import admin, openai_routes
+from slotkeeper.web.errors import error_response
 from slotkeeper.web.state import AppState, app_state
 
 log = logging.getLogger("slotkeeper")
@@ -79,13 +80,13 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="slotkeeper", version=__version__, lifespan=lifespan)
 
     @app.exception_handler(SlotkeeperError)
-    async def slotkeeper_error(_: Request, exc: SlotkeeperError) -> JSONResponse:
-        return JSONResponse(exc.openai_body(), status_code=exc.status_code)
+    async def slotkeeper_error(request: Request, exc: SlotkeeperError) -> JSONResponse:
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(Exception)
-    async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error: %s", exc)
-        return JSONResponse(SlotkeeperError(f"internal error: {type(exc).__name__}").openai_body(), status_code=500)
+        return error_response(request.url.path, SlotkeeperError(f"internal error: {type(exc).__name__}"))
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from slotkeeper.dialects import openai
 from slotkeeper.errors import NotFound
-from slotkeeper.identity import resolve_session
+from slotkeeper.identity import is_side_task, resolve_session
 from slotkeeper.web.state import AppState, app_state
 from slotkeeper.web.streaming import TurnStreamResponse
 
@@ -50,13 +50,16 @@ async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping
         state.settings.session_headers,
     )
 
+    stream = bool(body.get("stream"))
+    side = is_side_task(request.headers, body.get("messages"), stream)
+
     def build(slot_id: int) -> dict[str, Any]:
         return openai.upstream_body(body, slot_id)
 
-    if body.get("stream"):
-        turn = await state.service.open_stream(api, key, path, build)
-        return TurnStreamResponse(turn, openai.error_event)
-    data, record = await state.service.unary(api, key, path, build)
+    if stream:
+        turn = await state.service.open_stream(api, key, path, build, side=side)
+        return TurnStreamResponse.passthrough(turn, openai.error_event)
+    data, record = await state.service.unary(api, key, path, build, side=side)
     return JSONResponse(data, headers=record.headers())
 
 

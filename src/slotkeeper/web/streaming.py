@@ -4,7 +4,7 @@ closes the backend stream and releases the slot, however the response ends."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -15,14 +15,21 @@ from slotkeeper.service import StreamTurn
 
 
 class TurnStreamResponse(StreamingResponse):
-    def __init__(self, turn: StreamTurn, on_error: Callable[[SlotkeeperError], bytes]) -> None:
+    """Streams `body` (the backend's bytes, or a dialect's re-framing of them) for one leased turn."""
+
+    def __init__(self, turn: StreamTurn, body: AsyncIterator[bytes], media_type: str | None = None) -> None:
         super().__init__(
-            turn.chunks(on_error),
+            body,
             status_code=turn.response.status_code,
             headers={**turn.record.headers(), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            media_type=turn.media_type,
+            media_type=media_type or turn.media_type,
         )
         self.turn = turn
+
+    @classmethod
+    def passthrough(cls, turn: StreamTurn, on_error: Callable[[SlotkeeperError], bytes]) -> TurnStreamResponse:
+        """The backend's own SSE bytes, unchanged, with `on_error` framing a broken connection."""
+        return cls(turn, turn.chunks(on_error))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
