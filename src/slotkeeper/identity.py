@@ -35,11 +35,13 @@ def resolve_session(
     body: Mapping[str, object],
     system_texts: Sequence[str],
     extra_headers: Iterable[str] = (),
+    hint: str | None = None,
 ) -> SessionKey:
     """Return the session a request belongs to.
 
     `headers` must be case-insensitive or lower-cased. `system_texts` are the texts of the request's system prompt
-    in order (the dialect extracts them). Raises BadRequest for an explicit id that cannot be an id.
+    in order (the dialect extracts them). `hint` is a dialect's weaker id (Anthropic's metadata.user_id), used after
+    the explicit ids and before the system prompt. Raises BadRequest for an explicit id that cannot be an id.
     """
     for name in (*SESSION_HEADERS, *(h.lower() for h in extra_headers)):
         value = headers.get(name)
@@ -49,6 +51,8 @@ def resolve_session(
         value = _body_id(body, field)
         if value is not None:
             return SessionKey(model, _checked(value, f"body field {field!r}"), IdSource.BODY)
+    if hint is not None and hint.strip():
+        return SessionKey(model, _checked(hint.strip(), "the request's metadata"), IdSource.BODY)
     if any(text for text in system_texts):
         return SessionKey(model, system_session_id(system_texts), IdSource.SYSTEM_PROMPT)
     return SessionKey(model, DEFAULT_SESSION, IdSource.DEFAULT)

@@ -22,7 +22,7 @@ from slotkeeper.service import TurnService
 from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.launcher import EmbeddedBackend
-from slotkeeper.web import admin, openai_routes
+from slotkeeper.web import admin, anthropic_routes, ollama_routes, openai_routes
 from slotkeeper.web.errors import error_response
 from slotkeeper.web.state import AppState, app_state
 
@@ -97,7 +97,9 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse(body, status_code=200 if up else 503)
 
     app.include_router(openai_routes.router)
+    app.include_router(anthropic_routes.router)
     app.include_router(admin.router)
+    app.include_router(ollama_routes.router)
     return app
 
 
