@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -205,3 +206,28 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) ->
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def snapshot_tokens(path: Path) -> list[int]:
+    """The token ids stored at the head of a llama.cpp slot file (format v4: magic, version, n_words, then
+    n_words int32: -1, packed version, n_tokens, tokens...)."""
+    import struct
+
+    data = path.read_bytes()
+    _magic, version, n_words = struct.unpack_from("<III", data, 0)
+    assert version == 4, version
+    words = struct.unpack_from(f"<{n_words}i", data, 12)
+    n_tokens = words[2]
+    return list(words[3:3 + n_tokens])
+
+
+def turn_log(keeper: Slotkeeper, session: str) -> list[dict[str, str]]:
+    """slotkeeper's per-request log lines for one session, oldest first, as their key=value fields plus `api`."""
+    pattern = re.compile(rf"INFO slotkeeper\.turn: (\S+)( side)? (session=[^/\s]+/{re.escape(session)} .*)$")
+    rows = []
+    for line in keeper.log_text().splitlines():
+        match = pattern.search(line)
+        if match:
+            fields = dict(re.findall(r"(\w+)=(\S+)", match.group(3)))
+            rows.append({"api": match.group(1), "side": "yes" if match.group(2) else "no", **fields})
+    return rows

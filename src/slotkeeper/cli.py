@@ -43,12 +43,19 @@ def _parser() -> argparse.ArgumentParser:
                        help="another header that carries a session id (repeatable)")
     serve.add_argument("--save-idle-seconds", type=float, metavar="S",
                        help="save a changed slot after S idle seconds (default 2; negative: only on switch/exit)")
+    serve.add_argument("--min-restore-tokens", type=int, metavar="N",
+                       help="skip restores that would reuse fewer than N tokens (default 128)")
+    serve.add_argument("--max-queue", type=int, metavar="N",
+                       help="requests that may wait for a slot before new ones get 503 (default 64; 0: no limit)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
 
     tiny = sub.add_parser("tiny-model", help="write the deterministic random-weight test model",
-                          description="Write a tiny random-weight llama GGUF with a ChatML template. Same options, "
-                          "same bytes. Its output is gibberish: it exists for tests and demos.")
+                          description="Write a tiny random-weight llama (or, with --arch mamba, recurrent Mamba-1) "
+                          "GGUF with a ChatML template. Same options, same bytes. Its output is gibberish: it exists "
+                          "for tests and demos.")
     tiny.add_argument("out", metavar="OUT.gguf")
+    tiny.add_argument("--arch", choices=["llama", "mamba"], default="llama",
+                      help="llama (KV cache) or mamba (recurrent state; ignores --n-head, --n-head-kv, --n-ff)")
     tiny.add_argument("--seed", type=int, default=1234)
     tiny.add_argument("--n-embd", type=int, default=256)
     tiny.add_argument("--n-layer", type=int, default=4)
@@ -95,8 +102,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _tiny_model(args: argparse.Namespace) -> int:
     from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
 
-    spec = TinyModelSpec(n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head, n_head_kv=args.n_head_kv,
-                         n_ff=args.n_ff, context_length=args.context_length, seed=args.seed)
+    spec = TinyModelSpec(arch=args.arch, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
+                         n_head_kv=args.n_head_kv, n_ff=args.n_ff, context_length=args.context_length, seed=args.seed)
     try:
         n_bytes = write_tiny_model(Path(args.out), spec)
     except ValueError as exc:

@@ -35,6 +35,10 @@ class Settings:
     session_headers: tuple[str, ...] = ()
     # A changed slot is saved after this many idle seconds (and always before its slot is reused, and at shutdown).
     save_idle_seconds: float = 2.0
+    # A restore that would reuse fewer tokens than this is skipped (a prefill that short is as cheap).
+    min_restore_tokens: int = 128
+    # Requests allowed to wait for a slot; one more is answered 503 in the client's dialect (0: unbounded).
+    max_queue: int = 64
     # Seconds to wait for a save, restore or erase (the backend defers them while the slot is busy).
     slot_op_timeout: float = 120.0
     # Seconds of silence from the backend before a generation is given up.
@@ -95,6 +99,8 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "port": int,
     "ctx_size": int,
     "parallel": int,
+    "min_restore_tokens": int,
+    "max_queue": int,
     "cache_ram_mib": int,
     "save_idle_seconds": float,
     "slot_op_timeout": float,

@@ -5,6 +5,7 @@
     ├── NotFound                    404  not_found_error
     ├── UpstreamError               (the backend's status)   a non-2xx answer from the backend, body kept
     ├── UpstreamUnavailable         502  the backend could not be reached or broke the connection
+    ├── Overloaded                  503  the queue for slots is full
     └── SnapshotError               (never reaches a client) a snapshot file could not be used or written
 
 Cache problems (SnapshotError) are caught where they happen and turned into a cold prefill; they never fail a request.
@@ -60,6 +61,13 @@ class UpstreamError(SlotkeeperError):
         if isinstance(parsed, dict) and "error" in parsed:
             return parsed
         return super().openai_body()
+
+
+class Overloaded(SlotkeeperError):
+    """Too many requests are already waiting for a slot."""
+
+    status_code = 503
+    error_type = "overloaded_error"
 
 
 class SnapshotError(SlotkeeperError):

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from slotkeeper.cache.chain import Link, message_chain
 from slotkeeper.cache.pool import SlotLease, SlotPool, TurnEnd
 from slotkeeper.dialects.framing import SseDecoder, TimingsScanner, UpstreamEvent
 from slotkeeper.errors import SlotkeeperError, UpstreamError
@@ -51,8 +52,9 @@ class TurnRecord:
 
     def finish(self, end: TurnEnd) -> None:
         self.end = end
-        self.lease.release(end, self.n_tokens())
         t = self.timings or {}
+        cache_n = t.get("cache_n")
+        self.lease.release(end, self.n_tokens(), int(cache_n) if isinstance(cache_n, int | float) else None)
         log.info(
             "%s%s session=%s slot=%d cache=%s restored=%d restore_ms=%.1f save_ms=%.1f cache_n=%s prompt_n=%s "
             "status=%d end=%s ms=%.0f",
@@ -61,11 +63,6 @@ class TurnRecord:
             self.lease.restore_ms, self.lease.save_ms, t.get("cache_n", "-"), t.get("prompt_n", "-"), self.status,
             end.value, (time.perf_counter() - self.started) * 1000,
         )
-        if self.lease.outcome == "restored" and self.timings is not None:
-            cache_n = int(t.get("cache_n", 0))
-            if cache_n + 8 < self.lease.restored_tokens // 2:
-                log.warning("restore of %s did not help: %d tokens restored, %d reused", self.key,
-                            self.lease.restored_tokens, cache_n)
 
 
 class TurnService:
@@ -79,7 +76,7 @@ class TurnService:
 
         A side request (a title or tag task) runs without becoming its session's state (see SlotPool.acquire).
         """
-        record = TurnRecord(api, key, await self.pool.acquire(key, side=side))
+        record = TurnRecord(api, key, await self.pool.acquire(key, _chain_of(build), side=side))
         end = TurnEnd.CANCELLED
         try:
             data = await self.client.post_json(path, build(record.lease.slot_id))
@@ -99,7 +96,7 @@ class TurnService:
     async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
                           side: bool = False) -> StreamTurn:
         """Lease a slot and open the backend's stream; an error answer is raised before any byte reaches the client."""
-        record = TurnRecord(api, key, await self.pool.acquire(key, side=side))
+        record = TurnRecord(api, key, await self.pool.acquire(key, _chain_of(build), side=side))
         context = self.client.stream(path, build(record.lease.slot_id))
         try:
             response = await context.__aenter__()
@@ -184,6 +181,13 @@ class StreamTurn:
             if self._end is TurnEnd.CANCELLED:
                 self.record.status = 499
             self.record.finish(self._end)
+
+
+def _chain_of(build: BodyBuilder) -> list[Link]:
+    """The message chain of the upstream body (the same for every slot id, so any id will do)."""
+    body = build(0)
+    messages = body.get("messages")
+    return message_chain(messages, body.get("tools")) if isinstance(messages, list) else []
 
 
 def _header_safe(value: str) -> str:

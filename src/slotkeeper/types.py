@@ -25,7 +25,8 @@ class CacheOutcome(enum.StrEnum):
     """How a request's slot got its state: already there, restored from disk, or whatever the slot held."""
 
     HOT = "hot"
-    RESTORED = "restored"
+    RESTORED = "restored"  # the session's own snapshot
+    PREFIX = "prefix"  # another snapshot sharing the first messages (a fork, or a new chat on a known prompt)
     COLD = "cold"
 
 

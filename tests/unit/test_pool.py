@@ -70,8 +70,9 @@ def client(store: SnapshotStore, slot_dir: Path) -> FakeClient:
 
 
 def make_pool(client: FakeClient, store: SnapshotStore, n_slots: int = 1, save_idle_seconds: float = -1,
-              n_ctx_slot: int = 4096) -> SlotPool:
-    return SlotPool(n_slots, client, store, FP, n_ctx_slot, save_idle_seconds=save_idle_seconds)  # type: ignore[arg-type]
+              n_ctx_slot: int = 4096, min_restore_tokens: int = 0) -> SlotPool:
+    return SlotPool(n_slots, client, store, FP, n_ctx_slot,  # type: ignore[arg-type]
+                    save_idle_seconds=save_idle_seconds, min_restore_tokens=min_restore_tokens)
 
 
 def key(session: str, model: str = "m") -> SessionKey:
@@ -515,3 +516,79 @@ async def test_a_new_arrival_does_not_jump_the_queue(client: FakeClient, store: 
     late.release(TurnEnd.COMPLETED, 1)
     await asyncio.wait_for(waiting, 5)
     assert order == ["B", "C"]
+
+
+# -- the planner's choices ----------------------------------------------------------------------------------------
+
+SYS_MSG = {"role": "system", "content": "shared"}
+
+
+def chain_of(*texts: str) -> list:
+    from slotkeeper.cache.chain import message_chain
+
+    return message_chain([SYS_MSG, *({"role": "user", "content": t} for t in texts)])
+
+
+async def test_a_new_session_restores_another_sessions_prefix(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, min_restore_tokens=0)
+    lease = await pool.acquire(A, chain_of("a1"))
+    lease.release(TurnEnd.COMPLETED, 40)
+    other = await pool.acquire(B, [])  # unrelated: saves A with its chain
+    other.release(TurnEnd.COMPLETED, 10)
+    fresh = await pool.acquire(C, chain_of("c1"))
+    assert fresh.outcome == CacheOutcome.PREFIX and fresh.restored_from == "A"
+    fresh.release(TurnEnd.COMPLETED, 30)
+
+
+async def test_prefix_restore_skipped_when_the_slot_already_shares_it(client: FakeClient,
+                                                                      store: SnapshotStore) -> None:
+    pool = make_pool(client, store, min_restore_tokens=0)
+    (await pool.acquire(A, chain_of("a1"))).release(TurnEnd.COMPLETED, 40)
+    (await pool.acquire(B, chain_of("b1"))).release(TurnEnd.COMPLETED, 40)  # slot holds B: shares the system
+    lease = await pool.acquire(C, chain_of("c1"))
+    assert lease.outcome == CacheOutcome.COLD  # A's prefix would give no more than the slot already has
+    lease.release(TurnEnd.COMPLETED, 30)
+
+
+async def test_small_restores_are_skipped(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, min_restore_tokens=100)
+    client.save_tokens = 50
+    await turn(pool, A)
+    await turn(pool, B)
+    lease = await pool.acquire(A)
+    assert lease.outcome == CacheOutcome.COLD and client.actions("restore") == []
+    lease.release(TurnEnd.COMPLETED, 1)
+
+
+async def test_the_queue_is_bounded(client: FakeClient, store: SnapshotStore) -> None:
+    from slotkeeper.errors import Overloaded
+
+    pool = SlotPool(1, client, store, FP, 4096, save_idle_seconds=-1, max_queue=1)  # type: ignore[arg-type]
+    holder = await pool.acquire(A)
+    waiting = asyncio.create_task(pool.acquire(B))
+    await asyncio.sleep(0.01)
+    with pytest.raises(Overloaded):
+        await pool.acquire(C)
+    holder.release(TurnEnd.COMPLETED, 1)
+    (await waiting).release(TurnEnd.COMPLETED, 1)
+
+
+@pytest.mark.parametrize(("cache_ns", "disabled"), [
+    ([0, 0, 0], True), ([0, 0, 7], False), ([7, 7, 7], False), ([0, 7, 0, 0], False), ([0, 7, 0, 0, 0], True),
+], ids=["three-misses", "hit-last", "all-hits", "hit-breaks-run", "run-after-hit"])
+async def test_restores_that_do_not_help_switch_restoring_off(client: FakeClient, store: SnapshotStore,
+                                                              cache_ns: list[int], disabled: bool) -> None:
+    pool = make_pool(client, store, min_restore_tokens=0)
+    client.save_tokens = 8
+    await turn(pool, A)
+    for cache_n in cache_ns:
+        await turn(pool, B)  # saves A
+        lease = await pool.acquire(A)
+        assert lease.outcome == CacheOutcome.RESTORED
+        lease.release(TurnEnd.COMPLETED, 10, cache_n=cache_n)
+    assert pool.restore_stats.disabled is disabled
+    if disabled:
+        await turn(pool, B)
+        lease = await pool.acquire(A)
+        assert lease.outcome == CacheOutcome.COLD
+        lease.release(TurnEnd.COMPLETED, 1)

@@ -1,4 +1,5 @@
-"""Tests for the tiny random-weight llama GGUF generator, including a real load in the embedded llama.cpp server."""
+"""Tests for the tiny random-weight GGUF generator (llama and recurrent mamba), including real loads in the embedded
+llama.cpp server and in the llama-server binary."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from slotkeeper.tinymodel import IM_END, IM_START, TinyModelSpec, write_tiny_model
+from tests.support import Backend, llama_server_binary
 
 _EXPECTED_KEYS = (
     "general.architecture",
@@ -57,6 +59,7 @@ p.n_ctx = 2048
 p.n_parallel = 1
 p.hostnames = ["127.0.0.1"]
 p.port = int(sys.argv[2])
+p.slot_save_path = sys.argv[3]
 p.endpoint_slots = True
 server = xlc.Server(p)
 sys.stdin.buffer.read()
@@ -81,6 +84,33 @@ def default_model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     path = tmp_path_factory.mktemp("tinymodel") / "tiny.gguf"
     write_tiny_model(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def mamba_model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("tinymodel") / "tiny-mamba.gguf"
+    write_tiny_model(path, TinyModelSpec(arch="mamba"))
+    return path
+
+
+@pytest.fixture(params=["llama", "mamba"])
+def arch_model(request: pytest.FixtureRequest) -> pathlib.Path:
+    fixture = "default_model" if request.param == "llama" else "mamba_model"
+    path: pathlib.Path = request.getfixturevalue(fixture)
+    return path
+
+
+def test_default_llama_bytes_are_pinned(default_model: pathlib.Path) -> None:
+    # Other tests and cached slot files depend on the default model: adding archs must not change its bytes.
+    digest = hashlib.sha256(default_model.read_bytes()).hexdigest()
+    assert digest == "3193c1809d2e2c6947d734a3d7e9c1b70814d75f002ce38d13d27da8d0e2c47b"
+
+
+def test_default_names_follow_arch() -> None:
+    assert TinyModelSpec().name == "tiny-random-llama"
+    assert TinyModelSpec(arch="mamba").name == "tiny-random-mamba"
+    assert TinyModelSpec(arch="mamba", name="x").name == "x"
+    assert TinyModelSpec() == TinyModelSpec(name="tiny-random-llama")
 
 
 def test_same_spec_gives_identical_bytes(tmp_path: pathlib.Path, default_model: pathlib.Path) -> None:
@@ -156,6 +186,77 @@ def test_reads_back_with_expected_metadata(default_model: pathlib.Path) -> None:
     assert shapes[f"blk.{spec.n_layer - 1}.ffn_down.weight"] == ((spec.n_embd, spec.n_ff), f16)
 
 
+def test_mamba_same_spec_gives_identical_bytes(
+    tmp_path: pathlib.Path, mamba_model: pathlib.Path, default_model: pathlib.Path
+) -> None:
+    again = tmp_path / "again.gguf"
+    size = write_tiny_model(again, TinyModelSpec(arch="mamba"))
+    assert size == again.stat().st_size == mamba_model.stat().st_size
+    assert again.read_bytes() == mamba_model.read_bytes()
+    assert mamba_model.read_bytes() != default_model.read_bytes()
+
+    other = tmp_path / "other.gguf"
+    write_tiny_model(other, TinyModelSpec(arch="mamba", seed=4321))
+    assert other.stat().st_size == mamba_model.stat().st_size
+    assert other.read_bytes() != mamba_model.read_bytes()
+
+
+def test_mamba_reads_back_with_expected_metadata(mamba_model: pathlib.Path) -> None:
+    spec = TinyModelSpec(arch="mamba")
+    reader = gguf.GGUFReader(mamba_model)
+    n_vocab = len(_field(reader, "tokenizer.ggml.tokens"))
+    d_inner, d_state, d_conv, dt_rank = 2 * spec.n_embd, 16, 4, spec.n_embd // 16
+
+    assert _field(reader, "general.architecture") == "mamba"
+    assert _field(reader, "general.name") == "tiny-random-mamba"
+    assert _field(reader, "general.file_type") == 1
+    expected = {
+        "mamba.context_length": spec.context_length,
+        "mamba.embedding_length": spec.n_embd,
+        "mamba.block_count": spec.n_layer,
+        "mamba.feed_forward_length": 0,
+        "mamba.attention.head_count": 0,
+        "mamba.ssm.conv_kernel": d_conv,
+        "mamba.ssm.inner_size": d_inner,
+        "mamba.ssm.state_size": d_state,
+        "mamba.ssm.time_step_rank": dt_rank,
+        "mamba.ssm.dt_b_c_rms": False,
+        "mamba.vocab_size": n_vocab,
+    }
+    for key, value in expected.items():
+        assert _field(reader, key) == value, key
+    assert _field(reader, "mamba.attention.layer_norm_rms_epsilon") == pytest.approx(1e-5)
+    assert not any(f.startswith("llama.") for f in reader.fields)
+    assert _field(reader, "tokenizer.ggml.model") == "llama"
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == n_vocab - 1
+    assert "<|im_start|>" in _field(reader, "tokenizer.chat_template")
+
+    # Numpy shapes: ggml ne (llama.cpp's create_tensor dims) reversed.
+    f16, f32 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
+    per_layer = {
+        "attn_norm.weight": ((spec.n_embd,), f32),
+        "ssm_in.weight": ((2 * d_inner, spec.n_embd), f16),
+        "ssm_conv1d.weight": ((d_inner, d_conv), f32),
+        "ssm_conv1d.bias": ((d_inner,), f32),
+        "ssm_x.weight": ((dt_rank + 2 * d_state, d_inner), f16),
+        "ssm_dt.weight": ((d_inner, dt_rank), f16),
+        "ssm_dt.bias": ((d_inner,), f32),
+        "ssm_a": ((d_inner, d_state), f32),
+        "ssm_d": ((d_inner,), f32),
+        "ssm_out.weight": ((spec.n_embd, d_inner), f16),
+    }
+    tensors = {t.name: t for t in reader.tensors}
+    shapes = {name: (tuple(int(d) for d in t.data.shape), t.tensor_type) for name, t in tensors.items()}
+    assert len(shapes) == 2 + len(per_layer) * spec.n_layer
+    assert shapes["token_embd.weight"] == ((n_vocab, spec.n_embd), f16)
+    assert shapes["output_norm.weight"] == ((spec.n_embd,), f32)
+    assert "output.weight" not in shapes
+    for layer in range(spec.n_layer):
+        for suffix, shape in per_layer.items():
+            assert shapes[f"blk.{layer}.{suffix}"] == shape, f"blk.{layer}.{suffix}"
+    assert (tensors["blk.0.ssm_a"].data < 0).all()  # A = -exp(A_log)
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -163,6 +264,8 @@ def test_reads_back_with_expected_metadata(default_model: pathlib.Path) -> None:
         (TinyModelSpec(n_layer=-1), "n_layer"),
         (TinyModelSpec(n_embd=250), "divisible by n_head"),
         (TinyModelSpec(n_head_kv=3), "divisible by n_head_kv"),
+        (TinyModelSpec(arch="mamba", n_embd=200), "divisible by 16"),
+        (TinyModelSpec(arch="mamba", n_layer=0), "n_layer"),
     ],
 )
 def test_bad_spec_raises(tmp_path: pathlib.Path, spec: TinyModelSpec, message: str) -> None:
@@ -172,14 +275,21 @@ def test_bad_spec_raises(tmp_path: pathlib.Path, spec: TinyModelSpec, message: s
     assert list(tmp_path.iterdir()) == []
 
 
+def test_mamba_spec_ignores_attention_fields(tmp_path: pathlib.Path) -> None:
+    # n_head, n_head_kv and n_ff mean nothing to mamba: shapes the llama variant rejects are fine here.
+    assert write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(arch="mamba", n_embd=240, n_layer=1, n_head=7)) > 0
+
+
 @pytest.fixture
-def embedded_server(tmp_path: pathlib.Path, default_model: pathlib.Path) -> Iterator[str]:
+def embedded_server(tmp_path: pathlib.Path, arch_model: pathlib.Path) -> Iterator[str]:
     pytest.importorskip("xllamacpp")
     port = _free_port()
     log_path = tmp_path / "server.log"
+    slot_dir = tmp_path / "slots"
+    slot_dir.mkdir()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _SERVER_SCRIPT, str(default_model), str(port)],
+            [sys.executable, "-c", _SERVER_SCRIPT, str(arch_model), str(port), f"{slot_dir}/"],
             stdin=subprocess.PIPE,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -206,8 +316,8 @@ def embedded_server(tmp_path: pathlib.Path, default_model: pathlib.Path) -> Iter
         proc.wait(timeout=30)
 
 
-def test_embedded_llama_server_loads_and_chats(embedded_server: str, default_model: pathlib.Path) -> None:
-    tokens = _field(gguf.GGUFReader(default_model), "tokenizer.ggml.tokens")
+def test_embedded_llama_server_loads_and_chats(embedded_server: str, arch_model: pathlib.Path) -> None:
+    tokens = _field(gguf.GGUFReader(arch_model), "tokenizer.ggml.tokens")
     ids = {piece: i for i, piece in enumerate(tokens)}
 
     with httpx.Client(base_url=embedded_server, timeout=60) as client:
@@ -229,3 +339,51 @@ def test_embedded_llama_server_loads_and_chats(embedded_server: str, default_mod
         assert body["choices"][0]["message"]["role"] == "assistant"
 
         assert client.get("/slots").status_code == 200
+        resp = client.post("/slots/0?action=save", json={"filename": "slot0.bin"})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["n_saved"] > 0
+
+
+def _chat(client: httpx.Client, messages: list[dict[str, str]]) -> dict[str, Any]:
+    resp = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    body: dict[str, Any] = resp.json()
+    return body
+
+
+@pytest.mark.backend
+@pytest.mark.parametrize("arch", ["llama", "mamba"])
+def test_binary_regenerate_after_restore(
+    tmp_path: pathlib.Path, arch: str, default_model: pathlib.Path, mamba_model: pathlib.Path
+) -> None:
+    """Resend the same turn after save/erase/restore: a KV cache reuses all but the last prompt token, a recurrent
+    state cannot roll back to before the last prompt token (its checkpoints are not in the slot file) and starts over.
+    """
+    try:
+        llama_server_binary()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    model = default_model if arch == "llama" else mamba_model
+    backend = Backend("binary", model, tmp_path / "slots", tmp_path / "server.log", ctx_per_slot=4096, cache_ram=0)
+    try:
+        try:
+            backend.start()
+        except RuntimeError:
+            pytest.fail(backend.log_path.read_text(errors="replace")[-4000:])
+        messages = [{"role": "system", "content": "you are a test model"},
+                    {"role": "user", "content": "hello there please write one word"}]
+        with httpx.Client(base_url=backend.url, timeout=60) as client:
+            first = _chat(client, messages)
+            n_prompt = first["usage"]["prompt_tokens"]
+            assert first["timings"]["cache_n"] == 0
+            resp = client.post("/slots/0?action=save", json={"filename": "turn1.bin"})
+            assert resp.status_code == 200 and resp.json()["n_saved"] > 0, resp.text
+            assert client.post("/slots/0?action=erase").status_code == 200
+            resp = client.post("/slots/0?action=restore", json={"filename": "turn1.bin"})
+            assert resp.status_code == 200, resp.text
+
+            again = _chat(client, messages)
+        expected = n_prompt - 1 if arch == "llama" else 0
+        assert again["timings"]["cache_n"] == expected
+    finally:
+        backend.stop()

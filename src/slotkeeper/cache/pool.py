@@ -1,7 +1,8 @@
-"""The slot pool: the single owner of "slot i holds session S's state, changed since its last save".
+"""The slot pool: the single owner of "slot i holds session S's state up to message k, changed since its last save".
 
-Every decision (which slot, hot or not, who to save) is taken synchronously right after the pool wakes up, never on
-a value read before an `await`; the slow work (save, restore) then runs while the slot is marked busy.
+Every decision (which slot, hot or not, who to save, what to restore) is taken synchronously right after the pool
+wakes up, never on a value read before an `await`; the slow work (save, restore) then runs while the slot is busy.
+See docs/design-pool.md for the rules.
 """
 
 from __future__ import annotations
@@ -11,15 +12,21 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.store import SnapshotStore
-from slotkeeper.errors import SnapshotError, UpstreamError, UpstreamUnavailable
-from slotkeeper.types import CacheOutcome, SessionKey
+from slotkeeper.errors import Overloaded, SnapshotError, UpstreamError, UpstreamUnavailable
+from slotkeeper.types import CacheOutcome, SessionKey, Snapshot
 from slotkeeper.upstream.client import UpstreamClient
 
 log = logging.getLogger("slotkeeper.pool")
+
+# A restore that reused less than this share of what it brought in did not help.
+_EFFECTIVE_SHARE = 0.5
+# Restores that did not help, in a row, before restoring is switched off for the backend.
+_INEFFECTIVE_LIMIT = 3
 
 
 class TurnEnd(enum.Enum):
@@ -40,6 +47,8 @@ class SlotState:
     generation: int = 0
     last_used: float = 0.0
     n_tokens: int = 0
+    # The message chain of the last turn that ran in the slot: what a save of it will cover.
+    chain: list[Link] = field(default_factory=list)
     # The running turn's session was deleted: do not attribute (or save) the slot's state when it ends.
     forget_on_release: bool = False
 
@@ -60,15 +69,30 @@ class SlotLease:
     key: SessionKey
     outcome: CacheOutcome
     side: bool = False
+    chain: list[Link] = field(default_factory=list)
     restored_tokens: int = 0
+    # Tokens the restore should let the backend reuse (the whole snapshot, or the shared prefix of another one).
+    expected_reuse: int = 0
+    restored_from: str | None = None
     restore_ms: float = 0.0
     save_ms: float = 0.0
-    _release: Callable[[SlotLease, TurnEnd, int], None] | None = field(default=None, repr=False)
+    _release: Callable[[SlotLease, TurnEnd, int, int | None], None] | None = field(default=None, repr=False)
 
-    def release(self, end: TurnEnd, n_tokens: int = 0) -> None:
+    def release(self, end: TurnEnd, n_tokens: int = 0, cache_n: int | None = None) -> None:
+        """Give the slot back; `cache_n` is the backend's reported reuse, checked against what a restore promised."""
         if self._release is not None:
             release, self._release = self._release, None
-            release(self, end, n_tokens)
+            release(self, end, n_tokens, cache_n)
+
+
+@dataclass
+class RestoreStats:
+    """Proof of reuse: after each restore, did the next response's cache_n cover what was restored?"""
+
+    effective: int = 0
+    ineffective: int = 0
+    ineffective_in_a_row: int = 0
+    disabled: bool = False
 
 
 class SlotPool:
@@ -80,6 +104,8 @@ class SlotPool:
         fingerprint: str,
         n_ctx_slot: int,
         save_idle_seconds: float = 2.0,
+        min_restore_tokens: int = 0,
+        max_queue: int = 0,
     ) -> None:
         self.slots = [SlotState(i) for i in range(n_slots)]
         self._client = client
@@ -87,61 +113,46 @@ class SlotPool:
         self._fingerprint = fingerprint
         self._n_ctx_slot = n_ctx_slot
         self._save_idle_seconds = save_idle_seconds
+        self._min_restore_tokens = min_restore_tokens
+        self._max_queue = max_queue
         self._waiters: deque[_Waiter] = deque()
         self._timers: set[asyncio.Task[None]] = set()
         self.saves = 0
         self.restores = 0
         self.failed_saves = 0
+        self.restore_stats = RestoreStats()
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiters)
 
     # -- leasing --------------------------------------------------------------------------------------------
 
-    async def acquire(self, key: SessionKey, side: bool = False) -> SlotLease:
-        """Wait for a slot for `key`, bring the session's best state into it, and lease it.
+    async def acquire(self, key: SessionKey, chain: Sequence[Link] = (), side: bool = False) -> SlotLease:
+        """Wait for a slot for `key`, bring the best state for its messages (`chain`) into it, and lease it.
 
         A side request (a title or tag task sent under the conversation's id) must not become the session's state:
         it gets a slot that holds no unsaved session when there is one, the slot's changed occupant is saved first,
         nothing is restored, and afterwards the slot is attributed to nobody.
         """
-        if side:
-            return await self._acquire_side(key)
-        slot = await self._take(lambda: self._choose(key))
-        previous, previous_dirty = slot.occupant, slot.dirty
-        slot.occupant, slot.dirty = key, False
+        slot = await self._take(self._choose_side if side else lambda: self._choose(key), bounded=True)
+        previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
+        slot.occupant, slot.dirty = (None if side else key), False
         slot.generation += 1
-        lease = SlotLease(slot.slot_id, key, CacheOutcome.COLD, _release=self._finish)
-        if previous == key:
+        lease = SlotLease(slot.slot_id, key, CacheOutcome.COLD, side=side, chain=list(chain), _release=self._finish)
+        if previous == key and not side:
             slot.dirty = previous_dirty
             lease.outcome = CacheOutcome.HOT
             return lease
         try:
             if previous is not None and previous_dirty:
-                lease.save_ms = await self._save(slot.slot_id, previous)
-            await self._bring_in(slot, lease)
+                lease.save_ms = await self._save(slot.slot_id, previous, in_slot)
+            if not side:
+                await self._bring_in(slot, lease, in_slot)
         except BaseException:
             lease.release(TurnEnd.FAILED)
             raise
         return lease
-
-    async def _acquire_side(self, key: SessionKey) -> SlotLease:
-        slot = await self._take(self._choose_side)
-        previous, previous_dirty = slot.occupant, slot.dirty
-        slot.occupant, slot.dirty = None, False
-        slot.generation += 1
-        lease = SlotLease(slot.slot_id, key, CacheOutcome.COLD, side=True, _release=self._finish)
-        try:
-            if previous is not None and previous_dirty:
-                lease.save_ms = await self._save(slot.slot_id, previous)
-        except BaseException:
-            lease.release(TurnEnd.FAILED)
-            raise
-        return lease
-
-    def _choose_side(self) -> SlotState | None:
-        idle = [s for s in self.slots if not s.busy]
-        if not idle:
-            return None
-        # Best: an empty slot; then one whose state is already on disk; last, the least recently used.
-        return min(idle, key=lambda s: (s.occupant is not None, s.dirty, s.last_used))
 
     def _choose(self, key: SessionKey) -> SlotState | None:
         own = next((s for s in self.slots if s.occupant == key), None)
@@ -150,14 +161,24 @@ class SlotPool:
         idle = [s for s in self.slots if not s.busy]
         if not idle:
             return None
-        empty = [s for s in idle if s.occupant is None]
-        return empty[0] if empty else min(idle, key=lambda s: s.last_used)
+        # An empty slot first; then the least recently used one.
+        return min(idle, key=lambda s: (s.occupant is not None, s.last_used))
 
-    async def _take(self, choose: Callable[[], SlotState | None]) -> SlotState:
+    def _choose_side(self) -> SlotState | None:
+        idle = [s for s in self.slots if not s.busy]
+        if not idle:
+            return None
+        # Best: an empty slot; then one whose state is already on disk; last, the least recently used.
+        return min(idle, key=lambda s: (s.occupant is not None, s.dirty, s.last_used))
+
+    async def _take(self, choose: Callable[[], SlotState | None], bounded: bool = False) -> SlotState:
         """Queue for a slot; slots are handed out in arrival order to the first waiter that can use them."""
         waiter = _Waiter(choose, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         self._dispatch()
+        if bounded and self._max_queue and not waiter.future.done() and len(self._waiters) > self._max_queue:
+            self._waiters.remove(waiter)
+            raise Overloaded(f"{self._max_queue} requests are already waiting for a slot; try again shortly")
         try:
             return await waiter.future
         except BaseException:
@@ -180,59 +201,96 @@ class SlotPool:
                 self._waiters.remove(waiter)
                 waiter.future.set_result(slot)
 
-    def _finish(self, lease: SlotLease, end: TurnEnd, n_tokens: int) -> None:
+    def _finish(self, lease: SlotLease, end: TurnEnd, n_tokens: int, cache_n: int | None) -> None:
         slot = self.slots[lease.slot_id]
         slot.busy = False
         slot.last_used = time.monotonic()
         if end is TurnEnd.FAILED or slot.forget_on_release or lease.side:
-            slot.occupant, slot.dirty, slot.n_tokens = None, False, 0
+            slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
             slot.forget_on_release = False
         elif end in (TurnEnd.COMPLETED, TurnEnd.CANCELLED):
             slot.dirty = not lease.key.is_default
             slot.n_tokens = n_tokens or slot.n_tokens
+            slot.chain = lease.chain
+        if end is TurnEnd.COMPLETED and cache_n is not None and lease.expected_reuse > 0:
+            self._judge_restore(lease, cache_n)
         self._dispatch()
         if slot.dirty:
             self._schedule_idle_save(slot)
 
     # -- bringing a state in --------------------------------------------------------------------------------
 
-    async def _bring_in(self, slot: SlotState, lease: SlotLease) -> None:
+    async def _bring_in(self, slot: SlotState, lease: SlotLease, in_slot: Sequence[Link]) -> None:
+        """Restore the session's own snapshot, else the snapshot sharing the longest message prefix, else nothing."""
         key = lease.key
-        if key.is_default:
+        if key.is_default or self.restore_stats.disabled:
             return
-        snapshot = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint)
-        if snapshot is None:
+        kept = common_prefix(in_slot, lease.chain)  # what the slot's current content already gives for free
+        own = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint)
+        if own is not None and own.n_tokens >= self._min_restore_tokens:
+            await self._restore(slot, lease, own, CacheOutcome.RESTORED, own.n_tokens)
             return
+        match = await asyncio.to_thread(self._store.best_prefix, key.model, self._fingerprint, lease.chain)
+        if match is None or match.messages <= kept or match.est_tokens < self._min_restore_tokens:
+            return
+        await self._restore(slot, lease, match.snapshot, CacheOutcome.PREFIX, match.est_tokens)
+
+    async def _restore(self, slot: SlotState, lease: SlotLease, snapshot: Snapshot, outcome: CacheOutcome,
+                       expected: int) -> None:
         if snapshot.n_tokens > self._n_ctx_slot:
-            log.warning("snapshot of %s has %d tokens, more than a slot's %d: cold", key, snapshot.n_tokens,
-                        self._n_ctx_slot)
+            log.warning("snapshot of %s/%s has %d tokens, more than a slot's %d: not restored", snapshot.model,
+                        snapshot.session_id, snapshot.n_tokens, self._n_ctx_slot)
             return
         started = time.perf_counter()
         try:
             result = await self._client.slot_action(slot.slot_id, "restore", snapshot.filename)
         except UpstreamError as exc:
             # A failed restore empties the slot; the file passed our checks, so the backend disagrees with it.
-            slot.occupant = key
+            slot.chain = []
             await asyncio.to_thread(self._store.quarantine, snapshot, f"backend refused the restore: {exc.message}")
             return
-        except UpstreamUnavailable:
-            raise
+        slot.chain = []
         lease.restore_ms = (time.perf_counter() - started) * 1000
-        lease.outcome = CacheOutcome.RESTORED
+        lease.outcome = outcome
         lease.restored_tokens = result.n_tokens
+        lease.expected_reuse = min(expected, result.n_tokens)
+        lease.restored_from = snapshot.session_id
         self.restores += 1
         slot.n_tokens = result.n_tokens
-        await asyncio.to_thread(self._store.mark_used, key)
+        await asyncio.to_thread(self._store.mark_used, SessionKey(snapshot.model, snapshot.session_id))
+
+    def _judge_restore(self, lease: SlotLease, cache_n: int) -> None:
+        stats = self.restore_stats
+        # Generated tokens do not always survive being re-rendered in the next turn, so allow a small shortfall.
+        if cache_n >= lease.expected_reuse * _EFFECTIVE_SHARE:
+            stats.effective += 1
+            stats.ineffective_in_a_row = 0
+            return
+        stats.ineffective += 1
+        stats.ineffective_in_a_row += 1
+        log.warning("restore for %s did not help: %d tokens restored, %d reused by the backend", lease.key,
+                    lease.restored_tokens, cache_n)
+        if stats.ineffective_in_a_row >= _INEFFECTIVE_LIMIT and not stats.disabled:
+            stats.disabled = True
+            log.error(
+                "restores do not help on this backend (%d in a row reused almost nothing): the model is probably "
+                "recurrent or hybrid, or uses sliding-window attention without --swa-full, and llama.cpp does not "
+                "save its context checkpoints. slotkeeper stops restoring snapshots for it; sessions still stay hot "
+                "in their slots. For a sliding-window model, start llama-server with --swa-full.",
+                stats.ineffective_in_a_row,
+            )
 
     # -- saving ---------------------------------------------------------------------------------------------
 
-    async def _save(self, slot_id: int, key: SessionKey) -> float:
+    async def _save(self, slot_id: int, key: SessionKey, chain: Sequence[Link]) -> float:
         """Save the slot's state as `key`'s snapshot. A failure is logged and costs only the snapshot's freshness."""
+        if self.restore_stats.disabled:
+            return 0.0  # nothing would ever restore it
         temp = self._store.temp_name(key, self._fingerprint)
         started = time.perf_counter()
         try:
             result = await self._client.slot_action(slot_id, "save", temp)
-            await asyncio.to_thread(self._store.commit, key, temp, self._fingerprint, result.n_tokens)
+            await asyncio.to_thread(self._store.commit, key, temp, self._fingerprint, result.n_tokens, chain)
         except (UpstreamError, UpstreamUnavailable, SnapshotError) as exc:
             self.failed_saves += 1
             await asyncio.to_thread(self._store.discard_temp, temp)
@@ -264,7 +322,7 @@ class SlotPool:
         slot.busy = True
         slot.dirty = False
         try:
-            await self._save(slot.slot_id, key)
+            await self._save(slot.slot_id, key, slot.chain)
         finally:
             slot.busy = False
             self._dispatch()
@@ -279,7 +337,7 @@ class SlotPool:
             try:
                 if slot.dirty and slot.occupant is not None:
                     slot.dirty = False
-                    await self._save(slot.slot_id, slot.occupant)
+                    await self._save(slot.slot_id, slot.occupant, slot.chain)
                     saved += 1
             finally:
                 slot.busy = False
@@ -293,10 +351,10 @@ class SlotPool:
             await self._take(lambda s=slot: None if s.busy else s)  # type: ignore[misc]
             try:
                 if slot.dirty and slot.occupant is not None:
-                    await self._save(slot.slot_id, slot.occupant)
+                    await self._save(slot.slot_id, slot.occupant, slot.chain)
                 await self._client.slot_action(slot.slot_id, "erase")
                 erased.append(slot.slot_id)
-                slot.occupant, slot.dirty, slot.n_tokens = None, False, 0
+                slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
             finally:
                 slot.busy = False
                 self._dispatch()

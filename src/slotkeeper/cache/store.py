@@ -13,11 +13,13 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
+from slotkeeper.cache.chain import Link
 from slotkeeper.errors import SnapshotError
 from slotkeeper.types import SessionKey, Snapshot
 
@@ -38,6 +40,14 @@ CREATE TABLE IF NOT EXISTS snapshots (
     hits        INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (model, session_id, kind)
 );
+CREATE TABLE IF NOT EXISTS chains (
+    filename    TEXT NOT NULL,
+    position    INTEGER NOT NULL,
+    digest      TEXT NOT NULL,
+    chars       INTEGER NOT NULL,
+    PRIMARY KEY (filename, position)
+);
+CREATE INDEX IF NOT EXISTS chains_by_digest ON chains (digest);
 CREATE TABLE IF NOT EXISTS file_identities (
     path        TEXT NOT NULL,
     size        INTEGER NOT NULL,
@@ -52,6 +62,15 @@ _FINAL_NAME = re.compile(r"^[0-9a-f]{40}-[0-9a-f]{8}\.bin$")
 _TEMP_NAME = re.compile(r"^[0-9a-f]{40}\.tmp-[0-9a-f]{8}\.bin$")
 QUARANTINE_DIR = "quarantine"
 _CHUNK = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """A snapshot whose first `messages` messages equal the request's: restoring it reuses about `est_tokens`."""
+
+    snapshot: Snapshot
+    messages: int
+    est_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +116,8 @@ class SnapshotStore:
         """A fresh temporary file name for the backend to write a save into."""
         return f"{key.file_stem(fingerprint)}.tmp-{secrets.token_hex(4)}.bin"
 
-    def commit(self, key: SessionKey, temp_name: str, fingerprint: str, n_tokens: int) -> Snapshot:
+    def commit(self, key: SessionKey, temp_name: str, fingerprint: str, n_tokens: int,
+               chain: Sequence[Link] = ()) -> Snapshot:
         """Make a finished save durable and index it; the previous snapshot of the session is replaced only now."""
         temp_path = self.slot_dir / temp_name
         if n_tokens <= 0:
@@ -125,6 +145,12 @@ class SnapshotStore:
                 " checksum=excluded.checksum, last_used=excluded.last_used",
                 (key.model, key.session_id, final_name, fingerprint, n_tokens, n_bytes, checksum, now, now),
             )
+            self._db.executemany(
+                "INSERT INTO chains (filename, position, digest, chars) VALUES (?, ?, ?, ?)",
+                [(final_name, i, link.digest, link.chars) for i, link in enumerate(chain)],
+            )
+            if previous is not None:
+                self._db.execute("DELETE FROM chains WHERE filename=?", (previous.filename,))
             snapshot = self._row(key)
         if previous is not None and previous.filename != final_name:
             _unlink_quietly(self.slot_dir / previous.filename)
@@ -140,10 +166,32 @@ class SnapshotStore:
         """The session's snapshot if its file is intact and made by this backend; else None (bad files quarantined)."""
         with self._lock:
             snapshot = self._row(key)
-        if snapshot is None:
+        return None if snapshot is None else self._verified(snapshot, fingerprint)
+
+    def best_prefix(self, model: str, fingerprint: str, chain: Sequence[Link]) -> PrefixMatch | None:
+        """The intact snapshot (of any session of this model and backend) sharing the longest message prefix."""
+        if not chain:
             return None
-        path = self.slot_dir / snapshot.filename
-        reason = self._problem(snapshot, path, fingerprint)
+        position_of = {link.digest: i for i, link in enumerate(chain)}
+        marks = ",".join("?" * len(position_of))
+        query = (
+            f"SELECT {', '.join('s.' + c.strip() for c in _COLUMNS.split(','))}, c.position,"
+            " (SELECT MAX(chars) FROM chains WHERE filename = s.filename)"
+            f" FROM chains c JOIN snapshots s ON s.filename = c.filename WHERE c.digest IN ({marks})"
+            " AND s.model = ? AND s.fingerprint = ? ORDER BY c.position DESC, s.last_used DESC LIMIT 8"
+        )
+        with self._lock:
+            rows = self._db.execute(query, (*position_of, model, fingerprint)).fetchall()
+        for row in rows:
+            snapshot, position, total_chars = Snapshot(*row[:-2]), int(row[-2]), int(row[-1] or 0)
+            if self._verified(snapshot, fingerprint) is None:
+                continue
+            share = chain[position].chars / total_chars if total_chars else 0.0
+            return PrefixMatch(snapshot, position + 1, int(snapshot.n_tokens * min(share, 1.0)))
+        return None
+
+    def _verified(self, snapshot: Snapshot, fingerprint: str) -> Snapshot | None:
+        reason = self._problem(snapshot, self.slot_dir / snapshot.filename, fingerprint)
         if reason is None:
             return snapshot
         self.quarantine(snapshot, reason)
@@ -171,6 +219,7 @@ class SnapshotStore:
                 "DELETE FROM snapshots WHERE model=? AND session_id=? AND filename=?",
                 (snapshot.model, snapshot.session_id, snapshot.filename),
             )
+            self._db.execute("DELETE FROM chains WHERE filename=?", (snapshot.filename,))
         source = self.slot_dir / snapshot.filename
         if source.exists() or source.is_symlink():
             target_dir = self.slot_dir / QUARANTINE_DIR
@@ -213,6 +262,7 @@ class SnapshotStore:
             self._db.execute(
                 "DELETE FROM snapshots WHERE model=? AND session_id=? AND kind='session'", (key.model, key.session_id)
             )
+            self._db.execute("DELETE FROM chains WHERE filename=?", (snapshot.filename,))
         _unlink_quietly(self.slot_dir / snapshot.filename)
         return snapshot
 
@@ -231,11 +281,14 @@ class SnapshotStore:
             elif _FINAL_NAME.match(entry.name) and entry.name not in indexed:
                 _unlink_quietly(Path(entry.path))
                 orphans += 1
+        with self._lock:
+            self._db.execute("DELETE FROM chains WHERE filename NOT IN (SELECT filename FROM snapshots)")
         dropped = 0
         for name in indexed:
             if not (self.slot_dir / name).is_file():
                 with self._lock:
                     self._db.execute("DELETE FROM snapshots WHERE filename=?", (name,))
+                    self._db.execute("DELETE FROM chains WHERE filename=?", (name,))
                 dropped += 1
         report = ReconcileReport(temps, orphans, dropped)
         if temps or orphans or dropped:

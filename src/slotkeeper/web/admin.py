@@ -41,11 +41,20 @@ async def current_session(request: Request) -> dict[str, Any]:
     ]
     first = state.pool.slots[0].occupant
     snapshot = await asyncio.to_thread(state.store.get, first) if first is not None else None
+    pool = state.pool
+    stats = pool.restore_stats
     return {
         "model": state.backend.model_id,
         "session": first.session_id if first is not None else None,
         "snapshot": _snapshot_json(snapshot, 0) if snapshot is not None else None,
         "slots": slots,
+        "queue": pool.queue_length,
+        "saves": pool.saves,
+        "failed_saves": pool.failed_saves,
+        "restores": pool.restores,
+        "restore_effective": not stats.disabled,
+        "restores_effective": stats.effective,
+        "restores_ineffective": stats.ineffective,
     }
 
 

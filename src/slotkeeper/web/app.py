@@ -62,7 +62,7 @@ def create_app(settings: Settings) -> FastAPI:
             store.close()
             raise
         pool = SlotPool(backend.n_slots, client, store, backend.fingerprint, backend.n_ctx_slot,
-                        settings.save_idle_seconds)
+                        settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue)
         app.state.slotkeeper = AppState(settings, backend, client, store, pool, TurnService(client, pool), time.time())
         log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
                  backend.model_id, url, backend.n_slots, backend.n_ctx_slot, backend.fingerprint, slot_dir)

@@ -1,0 +1,61 @@
+"""Message chains: one hash per message position, each covering the tools and every message up to it.
+
+Two requests share a chain prefix exactly when they share the rendered prompt up to that message, so the longest
+common chain prefix between a request and a snapshot says how much of the snapshot a restore can reuse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Keys that never change what the model sees (prompt-caching hints of other APIs).
+_IGNORED_KEYS = frozenset({"cache_control"})
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """Chain position i: the hash of tools + messages[0..i], and the prompt characters up to and including it."""
+
+    digest: str
+    chars: int
+
+
+def message_chain(messages: Sequence[Any], tools: Any = None) -> list[Link]:
+    """The chain of an OpenAI-style message list (the backend's own format, whatever the client's dialect)."""
+    running = hashlib.sha256(b"slotkeeper-chain-v1\0")
+    running.update(_canonical(tools).encode("utf-8", "surrogatepass"))
+    links: list[Link] = []
+    chars = 0
+    for message in messages:
+        text = _canonical(message)
+        chars += len(text)
+        running.update(b"\0")
+        running.update(text.encode("utf-8", "surrogatepass"))
+        links.append(Link(running.copy().hexdigest()[:32], chars))
+    return links
+
+
+def common_prefix(a: Sequence[Link], b: Sequence[Link]) -> int:
+    """How many leading positions two chains share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x.digest != y.digest:
+            break
+        n += 1
+    return n
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(_strip(value), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def _strip(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _strip(v) for k, v in value.items() if k not in _IGNORED_KEYS}
+    if isinstance(value, list | tuple):
+        return [_strip(v) for v in value]
+    return value

@@ -1,0 +1,95 @@
+"""Message chains and the store's longest-prefix lookup."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from slotkeeper.cache.chain import common_prefix, message_chain
+from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.types import IdSource, SessionKey
+
+SYS = {"role": "system", "content": "rules"}
+U1 = {"role": "user", "content": "hello"}
+A1 = {"role": "assistant", "content": "hi"}
+U2 = {"role": "user", "content": "more"}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize(("a", "b", "expected"), [
+    ([SYS, U1, A1, U2], [SYS, U1, A1, U2], 4),
+    ([SYS, U1, A1, U2], [SYS, U1, A1], 3),
+    ([SYS, U1, A1, U2], [SYS, U1, {"role": "assistant", "content": "edited"}, U2], 2),
+    ([SYS, U1], [{"role": "system", "content": "other"}, U1], 0),
+    ([SYS, U1], [], 0),
+    ([{"role": "system", "content": "rules", "cache_control": {"type": "ephemeral"}}, U1], [SYS, U1], 2),
+    ([{"content": "rules", "role": "system"}, U1], [SYS, U1], 2),  # key order does not matter
+], ids=["same", "shorter", "edited-third", "other-system", "empty", "cache-control-ignored", "key-order"])
+def test_common_prefix(a: list[dict[str, str]], b: list[dict[str, str]], expected: int) -> None:
+    assert common_prefix(message_chain(a), message_chain(b)) == expected
+
+
+def test_tools_are_part_of_every_link() -> None:
+    assert common_prefix(message_chain([SYS, U1], TOOLS), message_chain([SYS, U1])) == 0
+    assert common_prefix(message_chain([SYS, U1], TOOLS), message_chain([SYS, U1], TOOLS)) == 2
+
+
+def test_chars_grow_and_digests_are_hex() -> None:
+    chain = message_chain([SYS, U1, A1])
+    assert [link.chars for link in chain] == sorted(link.chars for link in chain)
+    assert all(len(link.digest) == 32 and int(link.digest, 16) >= 0 for link in chain)
+
+
+def test_lone_surrogates_hash_instead_of_failing() -> None:
+    assert len(message_chain([{"role": "user", "content": "bad \ud800 text"}])) == 1
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = SnapshotStore(tmp_path / "slots", tmp_path / "index.db")
+    yield s
+    s.close()
+
+
+def _save(store: SnapshotStore, session: str, messages: list[dict[str, str]], n_tokens: int, fp: str = "fp") -> None:
+    key = SessionKey("m", session, IdSource.HEADER)
+    temp = store.temp_name(key, fp)
+    (store.slot_dir / temp).write_bytes(os.urandom(100))
+    store.commit(key, temp, fp, n_tokens, message_chain(messages))
+
+
+def test_best_prefix_picks_the_longest_shared_prefix(store: SnapshotStore) -> None:
+    _save(store, "short", [SYS, U1], 100)
+    _save(store, "long", [SYS, U1, A1, U2], 400)
+    match = store.best_prefix("m", "fp", message_chain([SYS, U1, A1, {"role": "user", "content": "new"}]))
+    assert match is not None and match.snapshot.session_id == "long" and match.messages == 3
+    assert 0 < match.est_tokens < 400
+
+
+def test_best_prefix_respects_model_and_fingerprint(store: SnapshotStore) -> None:
+    _save(store, "a", [SYS, U1], 100, fp="other")
+    assert store.best_prefix("m", "fp", message_chain([SYS, U1])) is None
+    assert store.best_prefix("other-model", "other", message_chain([SYS, U1])) is None
+    assert store.best_prefix("m", "other", message_chain([SYS, U1])) is not None
+
+
+def test_best_prefix_skips_and_quarantines_a_damaged_file(store: SnapshotStore) -> None:
+    _save(store, "good", [SYS], 50)
+    _save(store, "bad", [SYS, U1], 100)
+    bad = store.get(SessionKey("m", "bad"))
+    assert bad is not None
+    (store.slot_dir / bad.filename).write_bytes(b"truncated")
+    match = store.best_prefix("m", "fp", message_chain([SYS, U1, A1]))
+    assert match is not None and match.snapshot.session_id == "good"
+    assert store.get(SessionKey("m", "bad")) is None
+
+
+def test_chain_rows_follow_their_snapshot(store: SnapshotStore) -> None:
+    _save(store, "a", [SYS, U1], 100)
+    _save(store, "a", [SYS, U1, A1], 150)  # replaces the first save
+    match = store.best_prefix("m", "fp", message_chain([SYS, U1, A1]))
+    assert match is not None and match.messages == 3
+    store.delete(SessionKey("m", "a"))
+    assert store.best_prefix("m", "fp", message_chain([SYS, U1, A1])) is None
