@@ -9,6 +9,6 @@ VENV="${SLOTKEEPER_VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet -e '.[dev]'
-"$VENV/bin/ruff" check src tests
+"$VENV/bin/ruff" check src tests bench
 "$VENV/bin/mypy" src
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

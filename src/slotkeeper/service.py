@@ -41,7 +41,8 @@ class TurnRecord:
     end: TurnEnd = TurnEnd.CANCELLED
 
     def headers(self) -> dict[str, str]:
-        headers = {"X-Slotkeeper-Session": _header_safe(self.key.session_id), "X-Slotkeeper-Cache": self.lease.outcome}
+        headers = {"X-Slotkeeper-Session": _header_safe(self.key.session_id), "X-Slotkeeper-Cache": self.lease.outcome,
+                   "X-Slotkeeper-Slot": str(self.lease.slot_id)}
         if self.lease.side:
             headers["X-Slotkeeper-Request"] = "side"
         return headers

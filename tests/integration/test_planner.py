@@ -206,3 +206,19 @@ def test_restores_that_do_not_help_are_detected(stack: Stack, client_for, tmp_pa
     else:
         assert current["restore_effective"] is True and current["restores_effective"] == 3
         assert "restores do not help" not in keeper.log_text()
+
+
+def test_a_side_task_leaves_the_hot_session_in_its_slot(stack: Stack, client_for) -> None:
+    keeper = stack.slotkeeper(stack.backend(parallel=2, cache_ram=0))
+    client = client_for(keeper)
+    conv = Conversation(client, "hot-chat", size=600)
+    first = conv.turn()
+    task = {"messages": [{"role": "user", "content": "### Task:\nSuggest 3 tags.\n" + words(200, 5)}],
+            "max_tokens": 4, "stream": False}
+    side = client.post("/v1/chat/completions", json=task, headers={"X-OpenWebUI-Chat-Id": "hot-chat"})
+    assert side.status_code == 200 and side.headers["x-slotkeeper-request"] == "side"
+    assert side.headers["x-slotkeeper-slot"] != first.headers["x-slotkeeper-slot"]  # the free slot, not the chat's
+    second = conv.turn()
+    assert second.headers["x-slotkeeper-cache"] == "hot"
+    assert second.headers["x-slotkeeper-slot"] == first.headers["x-slotkeeper-slot"]
+    assert keeper.row("hot-chat") is None  # nothing had to be saved to make room
