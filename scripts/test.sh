@@ -4,6 +4,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SLOTKEEPER_LLAMA_SERVER="$(bash .ci/build-llama-server.sh)"
+# The dashboard test drives Debian's chromium; install it once when we may (root) and it is missing.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq >&2
+    if apt-cache policy chromium | grep -q 'Candidate: [0-9]'; then
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >&2
+    else
+      echo "scripts/test.sh: no chromium package available; the dashboard test will fail in CI" >&2
+    fi
+  else
+    echo "scripts/test.sh: chromium is missing (apt-get install chromium); the dashboard test is skipped" >&2
+  fi
+fi
 export SLOTKEEPER_LLAMA_SERVER
 VENV="${SLOTKEEPER_VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"

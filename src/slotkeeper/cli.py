@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,8 +23,14 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="run the proxy",
         description="Run the proxy. With --upstream it attaches to a running llama-server; otherwise it serves "
         "--model (or a generated tiny test model) with llama.cpp's embedded server from the xllamacpp package. "
-        "Every option can also be set as an environment variable SLOTKEEPER_<OPTION> (e.g. SLOTKEEPER_PORT).",
+        "Every option can also be set as an environment variable SLOTKEEPER_<OPTION> (e.g. SLOTKEEPER_PORT) or as "
+        "a key of the TOML file given with --config (e.g. port = 11500); flags win over the environment, which "
+        "wins over the file.",
     )
+    serve.add_argument("--config", metavar="FILE.toml", help="read settings from this TOML file (keys: the option "
+                       "names with underscores, e.g. slot_dir; default $SLOTKEEPER_CONFIG)")
+    serve.add_argument("--print-config", action="store_true",
+                       help="print the settings that would be used, as TOML, and exit")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default 11434)")
     serve.add_argument("--upstream", metavar="URL", help="a running llama-server, e.g. http://127.0.0.1:8080")
@@ -47,7 +52,24 @@ def _parser() -> argparse.ArgumentParser:
                        help="skip restores that would reuse fewer than N tokens (default 128)")
     serve.add_argument("--max-queue", type=int, metavar="N",
                        help="requests that may wait for a slot before new ones get 503 (default 64; 0: no limit)")
+    serve.add_argument("--api-key", metavar="KEY", help="require this key on the model routes")
+    serve.add_argument("--admin-key", metavar="KEY",
+                       help="require this key on /api/sessions and the other admin routes (default: the API key)")
+    serve.add_argument("--allowed-hosts", action="append", metavar="NAME",
+                       help="Host header names accepted besides loopback ones (repeatable; needed when listening "
+                       "on a network address, to keep the DNS-rebinding check)")
+    serve.add_argument("--max-body-bytes", type=int, metavar="N", help="largest request body (default 32 MiB)")
+    serve.add_argument("--upstream-read-timeout", type=float, metavar="S",
+                       help="give up on a backend that sends nothing for S seconds (default 600)")
+    serve.add_argument("--slot-op-timeout", type=float, metavar="S",
+                       help="give up on a slot save, restore or erase after S seconds (default 120)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    serve.add_argument("--log-json", action="store_const", const=True,
+                       help="log one JSON object per line (a request's line carries its fields as keys)")
+
+    from slotkeeper.manage import add_commands
+
+    add_commands(sub)
 
     tiny = sub.add_parser("tiny-model", help="write the deterministic random-weight test model",
                           description="Write a tiny random-weight llama (or, with --arch mamba, recurrent Mamba-1) "
@@ -73,21 +95,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _tiny_model(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command in ("sessions", "doctor"):
+        from slotkeeper.manage import run
+
+        return run(args)
     parser.print_help()
     return 2
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from slotkeeper.config import Settings
+    from slotkeeper.config import Settings, settings_toml
+    from slotkeeper.logfmt import configure_logging
 
-    cli = {k: v for k, v in vars(args).items() if k != "command"}
+    cli = {k: v for k, v in vars(args).items() if k not in ("command", "print_config")}
     try:
         settings = Settings.build(cli)
     except ValueError as exc:
         print(f"slotkeeper: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.print_config:
+        print(settings_toml(settings), end="")
+        return 0
+    configure_logging(settings.log_level, settings.log_json)
     import uvicorn
 
     from slotkeeper.web.app import create_app

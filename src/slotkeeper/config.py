@@ -1,11 +1,12 @@
-"""The one Settings object: built once from command-line values, then SLOTKEEPER_* environment variables, then defaults.
-
-Every other module receives the Settings (or the few values it needs) instead of reading the environment itself.
+"""The one Settings object: built once from command-line values, then SLOTKEEPER_* environment variables, then a
+TOML file (`--config`), then defaults. Every other module receives the Settings instead of reading the environment.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -44,6 +45,14 @@ class Settings:
     # Seconds of silence from the backend before a generation is given up.
     upstream_read_timeout: float = 600.0
     log_level: str = "info"
+    # One JSON object per log line (the request line's fields as keys) instead of text.
+    log_json: bool = False
+    # Access: a key for the model routes, a separate one for /api/sessions and other admin routes (either may be
+    # sent as "Authorization: Bearer KEY" or "x-api-key"), Host names accepted besides loopback ones, body cap.
+    api_key: str | None = None
+    admin_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    max_body_bytes: int = 32 * 1024 * 1024
 
     @property
     def index_path(self) -> Path:
@@ -72,9 +81,14 @@ class Settings:
             raise ValueError("--parallel must be at least 1")
 
     @classmethod
-    def build(cls, cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
-        """CLI values (None = not given) win over SLOTKEEPER_<NAME> variables, which win over defaults."""
+    def build(cls, cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
+              file: Mapping[str, Any] | None = None) -> Settings:
+        """CLI values (None = not given) win over SLOTKEEPER_<NAME> variables, which win over the TOML file's keys
+        (read from cli["config"] or SLOTKEEPER_CONFIG unless `file` is given), which win over defaults."""
         env = os.environ if env is None else env
+        if file is None:
+            path = cli.get("config") or env.get("SLOTKEEPER_CONFIG")
+            file = load_config_file(Path(path).expanduser()) if path else {}
         values: dict[str, Any] = {}
         for f in fields(cls):
             cli_value = cli.get(f.name)
@@ -84,9 +98,72 @@ class Settings:
             env_value = env.get("SLOTKEEPER_" + f.name.upper())
             if env_value is not None and env_value != "":
                 values[f.name] = _convert(f.name, env_value)
+                continue
+            if f.name in file:
+                values[f.name] = _convert(f.name, file[f.name])
         settings = cls(**values)
         settings.validate()
         return settings
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """A TOML file whose top-level keys are Settings field names (`slot_dir` or `slot-dir`); unknown keys are errors."""
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise ValueError(f"config file {path} cannot be read: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {path} is not valid TOML: {exc}") from exc
+    known = {f.name: f for f in fields(Settings)}
+    values: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = raw_key.replace("-", "_")
+        if key not in known:
+            raise ValueError(f"config file {path}: unknown setting {raw_key!r} (known: {', '.join(sorted(known))})")
+        expected = _FILE_TYPES.get(key, (str,))
+        if (isinstance(value, bool) and bool not in expected) or not isinstance(value, expected):
+            kinds = " or ".join(t.__name__ for t in expected)
+            raise ValueError(f"config file {path}: {raw_key} must be {kinds}, not {type(value).__name__} {value!r}")
+        values[key] = value
+    return values
+
+
+def settings_toml(settings: Settings) -> str:
+    """The settings as a TOML file that `--config` reads back; keys are never printed, only whether they are set."""
+    lines = []
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        if f.name in _SECRETS:
+            lines.append(f"# {f.name} is {'set (not shown)' if value else 'not set'}")
+        elif value is None:
+            lines.append(f"# {f.name} is not set")
+        else:
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value), ensure_ascii=False)  # a JSON string is a TOML basic string
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
 
 
 def _headers(value: Any) -> tuple[str, ...]:
@@ -110,6 +187,19 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "cache_dir": lambda v: Path(v).expanduser(),
     "upstream": lambda v: str(v).rstrip("/"),
     "session_headers": _headers,
+    "allowed_hosts": _headers,
+    "max_body_bytes": int,
+    "log_json": _bool,
+}
+_SECRETS = frozenset({"api_key", "admin_key"})
+# What a TOML value may be, per setting (default: a string).
+_FILE_TYPES: dict[str, tuple[type, ...]] = {
+    **{name: (int,) for name in ("port", "ctx_size", "parallel", "min_restore_tokens", "max_queue", "cache_ram_mib",
+                                 "max_body_bytes")},
+    **{name: (int, float) for name in ("save_idle_seconds", "slot_op_timeout", "upstream_read_timeout")},
+    "session_headers": (list, str),
+    "allowed_hosts": (list, str),
+    "log_json": (bool,),
 }
 
 

@@ -19,7 +19,8 @@ import httpx
 from slotkeeper.cache.chain import Link, message_chain
 from slotkeeper.cache.pool import SlotLease, SlotPool, TurnEnd
 from slotkeeper.dialects.framing import SseDecoder, TimingsScanner, UpstreamEvent
-from slotkeeper.errors import SlotkeeperError, UpstreamError
+from slotkeeper.errors import SlotkeeperError, UpstreamError, UpstreamUnavailable
+from slotkeeper.journal import RequestEntry, RequestJournal
 from slotkeeper.types import SessionKey
 from slotkeeper.upstream.client import UpstreamClient, iter_errors_as_unavailable
 
@@ -39,6 +40,7 @@ class TurnRecord:
     timings: dict[str, Any] | None = None
     status: int = 200
     end: TurnEnd = TurnEnd.CANCELLED
+    journal: RequestJournal | None = None
 
     def headers(self) -> dict[str, str]:
         headers = {"X-Slotkeeper-Session": _header_safe(self.key.session_id), "X-Slotkeeper-Cache": self.lease.outcome,
@@ -56,20 +58,28 @@ class TurnRecord:
         t = self.timings or {}
         cache_n = t.get("cache_n")
         self.lease.release(end, self.n_tokens(), int(cache_n) if isinstance(cache_n, int | float) else None)
-        log.info(
-            "%s%s session=%s slot=%d cache=%s restored=%d restore_ms=%.1f save_ms=%.1f cache_n=%s prompt_n=%s "
-            "status=%d end=%s ms=%.0f",
-            self.api, " side" if self.lease.side else "", self.key, self.lease.slot_id, self.lease.outcome,
-            self.lease.restored_tokens,
-            self.lease.restore_ms, self.lease.save_ms, t.get("cache_n", "-"), t.get("prompt_n", "-"), self.status,
-            end.value, (time.perf_counter() - self.started) * 1000,
+        entry = RequestEntry(
+            self.api, self.lease.side, self.key.model, self.key.session_id, self.lease.slot_id, str(self.lease.outcome),
+            self.lease.restored_tokens, self.lease.restore_ms, self.lease.save_ms, _int(t.get("cache_n")),
+            _int(t.get("prompt_n")), _int(t.get("predicted_n")), _float(t.get("prompt_ms")), self.status, end.value,
+            (time.perf_counter() - self.started) * 1000,
         )
+        log.info("%s", entry.log_line(), extra={"request": entry})
+        if self.journal is not None:
+            self.journal.add(entry)
 
 
 class TurnService:
     def __init__(self, client: UpstreamClient, pool: SlotPool) -> None:
         self.client = client
         self.pool = pool
+        self.journal = RequestJournal()
+        # Set by the backend watch: while the backend is known to be down, fail at once instead of queueing.
+        self.backend_down = False
+
+    def _check_backend(self) -> None:
+        if self.backend_down:
+            raise UpstreamUnavailable(f"the backend at {self.client.base_url} is not answering; try again shortly")
 
     async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
                     side: bool = False) -> tuple[Any, TurnRecord]:
@@ -77,7 +87,9 @@ class TurnService:
 
         A side request (a title or tag task) runs without becoming its session's state (see SlotPool.acquire).
         """
-        record = TurnRecord(api, key, await self.pool.acquire(key, _chain_of(build), side=side))
+        self._check_backend()
+        record = TurnRecord(api, key, await self.pool.acquire(key, _chain_of(build), side=side),
+                            journal=self.journal)
         end = TurnEnd.CANCELLED
         try:
             data = await self.client.post_json(path, build(record.lease.slot_id))
@@ -97,7 +109,9 @@ class TurnService:
     async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
                           side: bool = False) -> StreamTurn:
         """Lease a slot and open the backend's stream; an error answer is raised before any byte reaches the client."""
-        record = TurnRecord(api, key, await self.pool.acquire(key, _chain_of(build), side=side))
+        self._check_backend()
+        record = TurnRecord(api, key, await self.pool.acquire(key, _chain_of(build), side=side),
+                            journal=self.journal)
         context = self.client.stream(path, build(record.lease.slot_id))
         try:
             response = await context.__aenter__()
@@ -189,6 +203,14 @@ def _chain_of(build: BodyBuilder) -> list[Link]:
     body = build(0)
     messages = body.get("messages")
     return message_chain(messages, body.get("tools")) if isinstance(messages, list) else []
+
+
+def _int(value: Any) -> int | None:
+    return int(value) if isinstance(value, int | float) else None
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) else None
 
 
 def _header_safe(value: str) -> str:

@@ -95,7 +95,10 @@ def test_empty_save_never_replaces_a_good_snapshot(stack: Stack, client_for) -> 
     assert after is not None
     assert after["checksum"] == good["checksum"] and after["n_tokens"] == good["n_tokens"]
     assert (stack.slot_dir / after["filename"]).stat().st_size == after["n_bytes"]
-    assert "saved 0 tokens" in keeper.log_text()
+    # Either the backend watch noticed the restart first and nothing was saved, or the save came back empty and
+    # was refused; the good snapshot survives both ways.
+    log = keeper.log_text()
+    assert "saved 0 tokens" in log or "no longer holds tiny/keep-me" in log
 
 
 def test_two_streams_share_one_slot(stack: Stack, client_for) -> None:

@@ -347,3 +347,51 @@ def test_upstream_error_openai_body(status: int, body: bytes, expected: dict[str
 )
 def test_upstream_error_message(body: bytes, message: str) -> None:
     assert UpstreamError(500, body).message == message
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Responses API and embeddings helpers
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"input": "hi"}, []),
+        ({"instructions": "Be brief.", "input": "hi"}, ["Be brief."]),
+        ({"instructions": None, "input": "hi"}, []),
+        ({"input": [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}]}, ["S"]),
+        ({"input": [{"role": "developer", "content": [{"type": "input_text", "text": "D"}, {"type": "x"}]}]}, ["D"]),
+        ({"instructions": "I", "input": [{"role": "system", "content": [{"type": "text", "text": "T"}]}]},
+         ["I", "T"]),
+        ({"input": [{"type": "message"}, "junk", {"role": "system", "content": 5}]}, []),
+    ],
+    ids=["string-input", "instructions", "null-instructions", "system-item", "developer-parts",
+         "instructions-then-items", "odd-items"],
+)
+def test_responses_system_texts(body: dict[str, Any], expected: list[str]) -> None:
+    assert openai.responses_system_texts(body) == expected
+
+
+@pytest.mark.parametrize("body", [{}, {"input": ""}, {"input": []}, {"input": 5}, {"input": None}],
+                         ids=["missing", "empty-string", "empty-list", "number", "null"])
+def test_check_responses_request_rejects(body: dict[str, Any]) -> None:
+    with pytest.raises(BadRequest, match="'input'"):
+        openai.check_responses_request(body)
+
+
+@pytest.mark.parametrize("body", [{"input": "hi"}, {"input": [{"role": "user", "content": "hi"}]}],
+                         ids=["string", "items"])
+def test_check_responses_request_accepts(body: dict[str, Any]) -> None:
+    openai.check_responses_request(body)
+
+
+def test_check_embeddings_request() -> None:
+    openai.check_embeddings_request({"input": "x"})
+    with pytest.raises(BadRequest, match="'input'"):
+        openai.check_embeddings_request({"model": "m"})
+
+
+def test_without_own_fields_keeps_everything_else() -> None:
+    body = {"input": "x", "model": "m", "session_id": "s", "conversation_id": "c", "chat_id": "d", "id": "e",
+            "dimensions": 8}
+    assert openai.without_own_fields(body) == {"input": "x", "model": "m", "dimensions": 8}

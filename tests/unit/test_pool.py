@@ -592,3 +592,30 @@ async def test_restores_that_do_not_help_switch_restoring_off(client: FakeClient
         lease = await pool.acquire(A)
         assert lease.outcome == CacheOutcome.COLD
         lease.release(TurnEnd.COMPLETED, 1)
+
+
+async def test_an_own_snapshot_that_shares_nothing_is_not_restored(client: FakeClient, store: SnapshotStore) -> None:
+    """A client that trimmed its history (a sliding window) no longer starts with the saved messages: restoring would
+    reuse nothing, and must not count as a restore that did not help."""
+    pool = make_pool(client, store, min_restore_tokens=0)
+    (await pool.acquire(A, chain_of("a1", "a2"))).release(TurnEnd.COMPLETED, 40)
+    (await pool.acquire(B, [])).release(TurnEnd.COMPLETED, 10)  # saves A with its chain
+    from slotkeeper.cache.chain import message_chain
+
+    trimmed = message_chain([{"role": "user", "content": "a2"}, {"role": "user", "content": "a3"}])
+    lease = await pool.acquire(A, trimmed)
+    assert lease.outcome == CacheOutcome.COLD and client.actions("restore") == []
+    lease.release(TurnEnd.COMPLETED, 10, cache_n=0)
+    assert pool.restore_stats.ineffective == 0
+
+
+async def test_expected_reuse_is_the_shared_part(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, min_restore_tokens=0)
+    client.save_tokens = 100
+    (await pool.acquire(A, chain_of("a1", "a2", "a3"))).release(TurnEnd.COMPLETED, 100)
+    (await pool.acquire(B, [])).release(TurnEnd.COMPLETED, 10)
+    client.restore_tokens = {store.get(A).filename: 100}  # type: ignore[union-attr]
+    edited = await pool.acquire(A, chain_of("a1", "edited"))
+    assert edited.outcome == CacheOutcome.RESTORED and 0 < edited.expected_reuse < 100
+    edited.release(TurnEnd.COMPLETED, 60, cache_n=edited.expected_reuse)
+    assert pool.restore_stats.effective == 1

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from slotkeeper.cache.chain import Link, common_prefix
+from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.errors import Overloaded, SnapshotError, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot
@@ -121,6 +122,7 @@ class SlotPool:
         self.restores = 0
         self.failed_saves = 0
         self.restore_stats = RestoreStats()
+        self.events = CacheEvents()
 
     @property
     def queue_length(self) -> int:
@@ -227,9 +229,14 @@ class SlotPool:
             return
         kept = common_prefix(in_slot, lease.chain)  # what the slot's current content already gives for free
         own = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint)
-        if own is not None and own.n_tokens >= self._min_restore_tokens:
-            await self._restore(slot, lease, own, CacheOutcome.RESTORED, own.n_tokens)
-            return
+        if own is not None:
+            # What the restore can give is the part of the snapshot this request still shares (a client may have
+            # edited or trimmed its history); a request without messages (a raw prompt) is taken as sharing it all.
+            shared = await asyncio.to_thread(self._store.shared_prefix, own, lease.chain) if lease.chain else None
+            messages, expected = shared if shared is not None else (len(lease.chain), own.n_tokens)
+            if expected >= max(self._min_restore_tokens, 1) and (shared is None or messages > kept):
+                await self._restore(slot, lease, own, CacheOutcome.RESTORED, expected)
+                return
         match = await asyncio.to_thread(self._store.best_prefix, key.model, self._fingerprint, lease.chain)
         if match is None or match.messages <= kept or match.est_tokens < self._min_restore_tokens:
             return
@@ -256,6 +263,7 @@ class SlotPool:
         lease.expected_reuse = min(expected, result.n_tokens)
         lease.restored_from = snapshot.session_id
         self.restores += 1
+        self.events.restored(lease.restore_ms, snapshot.n_bytes, result.n_tokens)
         slot.n_tokens = result.n_tokens
         await asyncio.to_thread(self._store.mark_used, SessionKey(snapshot.model, snapshot.session_id))
 
@@ -290,7 +298,8 @@ class SlotPool:
         started = time.perf_counter()
         try:
             result = await self._client.slot_action(slot_id, "save", temp)
-            await asyncio.to_thread(self._store.commit, key, temp, self._fingerprint, result.n_tokens, chain)
+            await asyncio.to_thread(self._store.commit, key, temp, self._fingerprint, result.n_tokens, chain,
+                                    result.n_bytes)
         except (UpstreamError, UpstreamUnavailable, SnapshotError) as exc:
             self.failed_saves += 1
             await asyncio.to_thread(self._store.discard_temp, temp)
@@ -298,6 +307,7 @@ class SlotPool:
             return 0.0
         elapsed = (time.perf_counter() - started) * 1000
         self.saves += 1
+        self.events.saved(elapsed, result.n_bytes, result.n_tokens)
         log.info("saved slot %d as %s: %d tokens, %d bytes, %.1f ms", slot_id, key, result.n_tokens,
                  result.n_bytes, elapsed)
         return elapsed
@@ -359,6 +369,27 @@ class SlotPool:
                 slot.busy = False
                 self._dispatch()
         return erased
+
+    def generations(self) -> dict[int, int]:
+        """Each slot's lease generation, to tell later whether a slot was used in between."""
+        return {slot.slot_id: slot.generation for slot in self.slots}
+
+    def reset_slots(self, observed: dict[int, int], reason: str) -> list[int]:
+        """The backend lost the state of these slots: stop treating what they held as hot or as worth saving.
+
+        Only slots that are idle and unused since `observed` was taken are reset, so a decision is never made on a
+        reading that a lease has overtaken.
+        """
+        reset = []
+        for slot in self.slots:
+            if slot.slot_id not in observed or slot.busy or slot.generation != observed[slot.slot_id]:
+                continue
+            if slot.occupant is not None:
+                log.warning("slot %d no longer holds %s (%s); its next turn restores from disk", slot.slot_id,
+                            slot.occupant, reason)
+                reset.append(slot.slot_id)
+            slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
+        return reset
 
     def forget(self, key: SessionKey) -> None:
         """Stop attributing any slot to `key` (its snapshot was deleted), so nothing saves it again."""

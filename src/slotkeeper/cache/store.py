@@ -117,8 +117,11 @@ class SnapshotStore:
         return f"{key.file_stem(fingerprint)}.tmp-{secrets.token_hex(4)}.bin"
 
     def commit(self, key: SessionKey, temp_name: str, fingerprint: str, n_tokens: int,
-               chain: Sequence[Link] = ()) -> Snapshot:
-        """Make a finished save durable and index it; the previous snapshot of the session is replaced only now."""
+               chain: Sequence[Link] = (), n_written: int | None = None) -> Snapshot:
+        """Make a finished save durable and index it; the previous snapshot of the session is replaced only now.
+
+        `n_written` is the size the backend says it wrote; a file of any other size is torn and never indexed.
+        """
         temp_path = self.slot_dir / temp_name
         if n_tokens <= 0:
             _unlink_quietly(temp_path)
@@ -127,6 +130,8 @@ class SnapshotStore:
             with temp_path.open("rb") as fh:
                 os.fsync(fh.fileno())
             n_bytes = temp_path.stat().st_size
+            if n_written is not None and n_bytes != n_written:
+                raise OSError(f"the file has {n_bytes} bytes but the backend wrote {n_written}")
             checksum = file_checksum(temp_path)
             final_name = f"{key.file_stem(fingerprint)}-{secrets.token_hex(4)}.bin"
             os.replace(temp_path, self.slot_dir / final_name)
@@ -189,6 +194,26 @@ class SnapshotStore:
             share = chain[position].chars / total_chars if total_chars else 0.0
             return PrefixMatch(snapshot, position + 1, int(snapshot.n_tokens * min(share, 1.0)))
         return None
+
+    def shared_prefix(self, snapshot: Snapshot, chain: Sequence[Link]) -> tuple[int, int] | None:
+        """How many leading messages of `chain` the snapshot covers, and about how many of its tokens that is;
+        None when no chain was recorded for it. All of them when the request extends the snapshot's messages."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT digest, chars FROM chains WHERE filename=? ORDER BY position", (snapshot.filename,)
+            ).fetchall()
+        if not rows:
+            return None
+        shared = 0
+        for (digest, _), link in zip(rows, chain, strict=False):
+            if digest != link.digest:
+                break
+            shared += 1
+        if shared == len(rows):
+            return shared, snapshot.n_tokens
+        if shared == 0:
+            return 0, 0
+        return shared, int(snapshot.n_tokens * rows[shared - 1][1] / max(rows[-1][1], 1))
 
     def _verified(self, snapshot: Snapshot, fingerprint: str) -> Snapshot | None:
         reason = self._problem(snapshot, self.slot_dir / snapshot.filename, fingerprint)

@@ -24,6 +24,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except ValueError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise BadRequest("the request body is nested too deeply to be a request") from exc
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, not {type(body).__name__}")
     return body
@@ -60,9 +62,42 @@ def check_completion_request(body: Mapping[str, Any]) -> None:
         raise BadRequest("'prompt' is required")
 
 
+def check_responses_request(body: Mapping[str, Any]) -> None:
+    if not isinstance(body.get("input"), str | list) or not body["input"]:
+        raise BadRequest("'input' must be a non-empty string or array of input items")
+
+
+def check_embeddings_request(body: Mapping[str, Any]) -> None:
+    if "input" not in body:
+        raise BadRequest("'input' is required")
+
+
+def responses_system_texts(body: Mapping[str, Any]) -> list[str]:
+    """The Responses API's system prompt: `instructions`, then system/developer items of `input` (whose parts are
+    `input_text` rather than chat's `text`)."""
+    texts = [body["instructions"]] if isinstance(body.get("instructions"), str) else []
+    items = body.get("input")
+    if isinstance(items, list):
+        for item in items:
+            if not isinstance(item, Mapping) or item.get("role") not in ("system", "developer"):
+                continue
+            content = item.get("content")
+            if isinstance(content, str):
+                texts.append(content)
+            elif isinstance(content, list):
+                texts.extend(str(p.get("text", "")) for p in content
+                             if isinstance(p, Mapping) and p.get("type") in ("input_text", "text"))
+    return texts
+
+
+def without_own_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The body minus our session fields, for routes that take no slot (embeddings)."""
+    return {k: v for k, v in body.items() if k not in OWN_BODY_FIELDS}
+
+
 def upstream_body(body: Mapping[str, Any], slot_id: int) -> dict[str, Any]:
     """The client's body minus our own fields, plus the slot we chose and prompt caching switched on."""
-    forwarded = {k: v for k, v in body.items() if k not in OWN_BODY_FIELDS and k not in _CONTROLLED_FIELDS}
+    forwarded = {k: v for k, v in without_own_fields(body).items() if k not in _CONTROLLED_FIELDS}
     forwarded["id_slot"] = slot_id
     forwarded["cache_prompt"] = True
     return forwarded

@@ -33,7 +33,9 @@ class UpstreamClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(connect=5.0, read=read_timeout, write=60.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+            # llama-server drops idle keep-alive connections after 5 s; expiring ours sooner avoids sending a request
+            # on a connection the server is closing at that moment.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32, keepalive_expiry=2.0),
             headers={"user-agent": f"slotkeeper/{__version__}"},
         )
 
@@ -72,7 +74,7 @@ class UpstreamClient:
         request = self._http.build_request("POST", path, content=json.dumps(body).encode("utf-8"),
                                            headers={"content-type": "application/json"})
         try:
-            response = await self._http.send(request, stream=True)
+            response = await self._send_once_more_if_dropped(request)
         except httpx.HTTPError as exc:
             raise UpstreamUnavailable(_describe(exc, self.base_url)) from exc
         try:
@@ -87,10 +89,26 @@ class UpstreamClient:
             await response.aclose()
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        if kwargs.get("timeout", 0) is None:
+            del kwargs["timeout"]  # httpx reads an explicit None as "no timeout at all"; keep the client's default
+        request = self._http.build_request(method, path, **kwargs)
         try:
-            return await self._http.request(method, path, **kwargs)
+            response = await self._send_once_more_if_dropped(request)
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
         except httpx.HTTPError as exc:
             raise UpstreamUnavailable(_describe(exc, self.base_url)) from exc
+        return response
+
+    async def _send_once_more_if_dropped(self, request: httpx.Request) -> httpx.Response:
+        """Send, and send again once if the server closed a reused connection before answering anything: the
+        request was never read, so repeating it is safe."""
+        try:
+            return await self._http.send(request, stream=True)
+        except httpx.RemoteProtocolError:
+            return await self._http.send(request, stream=True)
 
 
 def iter_errors_as_unavailable(exc: httpx.HTTPError, base_url: str) -> UpstreamUnavailable:

@@ -1,7 +1,85 @@
-"""Anthropic-compatible routes (/v1/messages, /v1/messages/count_tokens)."""
+"""Anthropic-compatible routes: /v1/messages (under session and slot control) and /v1/messages/count_tokens.
+
+HTTP wiring only: the translation lives in dialects/anthropic.py; errors render in Anthropic's shape (web/errors.py).
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from slotkeeper.dialects import anthropic, openai
+from slotkeeper.errors import NotFound, SlotkeeperError, UpstreamError
+from slotkeeper.identity import is_side_task, resolve_session
+from slotkeeper.service import StreamTurn
+from slotkeeper.web.state import app_state
+from slotkeeper.web.streaming import TurnStreamResponse
 
 router = APIRouter()
+
+
+@router.post("/v1/messages")
+async def create_message(request: Request) -> Response:
+    state = app_state(request)
+    raw = openai.parse_body(await request.body())
+    message = anthropic.parse_messages_request(raw)
+    key = resolve_session(
+        state.backend.model_id, request.headers, raw, anthropic.system_texts(message),
+        state.settings.session_headers, hint=anthropic.metadata_user_id(message),
+    )
+    side = is_side_task(request.headers, raw.get("messages"), message.stream)
+    chat = anthropic.chat_body(message, raw)
+
+    def build(slot_id: int) -> dict[str, Any]:
+        return openai.upstream_body(chat, slot_id)
+
+    message_id = "msg_" + secrets.token_hex(12)
+    stop_sequences = message.stop_sequences or []
+    if message.stream:
+        turn = await state.service.open_stream("anthropic.messages", key, "/v1/chat/completions", build, side=side)
+        encoder = anthropic.MessageStreamEncoder(message_id, message.model, stop_sequences)
+        return TurnStreamResponse(turn, _encode(turn, encoder), media_type="text/event-stream")
+    data, record = await state.service.unary("anthropic.messages", key, "/v1/chat/completions", build, side=side)
+    body = anthropic.to_message(data, message_id=message_id, model=message.model, stop_sequences=stop_sequences)
+    return JSONResponse(body, headers=record.headers())
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> dict[str, int]:
+    """Counted by the backend's own template and tokenizer; takes no slot, so it never waits for a turn."""
+    state = app_state(request)
+    counted = anthropic.parse_count_tokens_request(openai.parse_body(await request.body()))
+    body = anthropic.count_tokens_body(counted)
+    try:
+        data = await state.client.post_json("/v1/chat/completions/input_tokens", body)
+        return {"input_tokens": int(data["input_tokens"])}
+    except UpstreamError as exc:
+        if exc.status_code != 404:
+            raise
+    # Older servers have no counting route: render the prompt, then tokenize it.
+    rendered = await state.client.post_json("/apply-template", body)
+    tokens = await state.client.post_json("/tokenize", {"content": rendered["prompt"], "add_special": True,
+                                                        "parse_special": True})
+    return {"input_tokens": len(tokens["tokens"])}
+
+
+@router.api_route("/v1/messages/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+async def unknown_messages_route(rest: str) -> Response:
+    """Batches and other Messages sub-resources are not served; say so in Anthropic's shape, not FastAPI's."""
+    raise NotFound(f"/v1/messages/{rest} is not served by slotkeeper")
+
+
+async def _encode(turn: StreamTurn, encoder: anthropic.MessageStreamEncoder) -> AsyncIterator[bytes]:
+    try:
+        async for event in turn.events():
+            chunk = encoder.feed(event)
+            if chunk:
+                yield chunk
+    except SlotkeeperError as exc:
+        yield encoder.fail(exc)
+        return
+    yield encoder.finish()

@@ -22,8 +22,10 @@ from slotkeeper.service import TurnService
 from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.launcher import EmbeddedBackend
-from slotkeeper.web import admin, anthropic_routes, ollama_routes, openai_routes
+from slotkeeper.watch import BackendWatch
+from slotkeeper.web import activity, admin, anthropic_routes, dashboard, metrics, ollama_routes, openai_routes
 from slotkeeper.web.errors import error_response
+from slotkeeper.web.security import Guard
 from slotkeeper.web.state import AppState, app_state
 
 log = logging.getLogger("slotkeeper")
@@ -64,11 +66,20 @@ def create_app(settings: Settings) -> FastAPI:
         pool = SlotPool(backend.n_slots, client, store, backend.fingerprint, backend.n_ctx_slot,
                         settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue)
         app.state.slotkeeper = AppState(settings, backend, client, store, pool, TurnService(client, pool), time.time())
+        app.state.metrics = metrics.Metrics(app.state.slotkeeper)
         log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
                  backend.model_id, url, backend.n_slots, backend.n_ctx_slot, backend.fingerprint, slot_dir)
+        service = app.state.slotkeeper.service
+
+        def backend_changed(up: bool) -> None:
+            service.backend_down = not up
+
+        watch = BackendWatch(client, pool, backend_changed)
+        watch_task = asyncio.create_task(watch.run())
         try:
             yield
         finally:
+            watch_task.cancel()
             saved = await pool.flush()
             log.info("shutdown: saved %d changed slot(s)", saved)
             await pool.aclose()
@@ -96,9 +107,16 @@ def create_app(settings: Settings) -> FastAPI:
                 "backend": state.backend.url}
         return JSONResponse(body, status_code=200 if up else 503)
 
+    app.add_middleware(
+        Guard, bind_host=settings.host, allowed_hosts=settings.allowed_hosts, api_key=settings.api_key,
+        admin_key=settings.admin_key, max_body_bytes=settings.max_body_bytes,
+    )
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(admin.router)
+    # Before the Ollama routes, whose /api/{rest} catch-all would answer /api/requests and /api/backend.
+    for router in (metrics.router, activity.router, dashboard.router):
+        app.include_router(router)
     app.include_router(ollama_routes.router)
     return app
 

@@ -1,7 +1,284 @@
-"""Ollama-compatible routes (/, /api/version, /api/tags, /api/show, /api/ps, /api/chat, /api/generate, ...)."""
+"""Ollama-compatible routes (/, /api/version, /api/tags, /api/show, /api/ps, /api/chat, /api/generate, ...).
+
+HTTP wiring only: requests are validated and translated by dialects/ollama.py and run through the TurnService.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from slotkeeper import __version__
+from slotkeeper.dialects import ollama, openai
+from slotkeeper.dialects.ollama import AnswerShape, ChatRequest, GenerateRequest, ModelRequest, Sampling
+from slotkeeper.errors import BadRequest, SlotkeeperError
+from slotkeeper.identity import is_side_task, resolve_session
+from slotkeeper.service import StreamTurn, TurnRecord
+from slotkeeper.types import SessionKey
+from slotkeeper.web.state import AppState, app_state
+from slotkeeper.web.streaming import TurnStreamResponse
+
+log = logging.getLogger("slotkeeper.ollama")
 router = APIRouter()
+
+# The Ollama API level these routes follow. Clients compare it with feature minimums, so it is Ollama's numbering
+# (dotted integers, as OpenWebUI parses it), not slotkeeper's own version (which goes alongside).
+OLLAMA_API_VERSION = "0.32.0"
+NDJSON = "application/x-ndjson"
+JSON = "application/json; charset=utf-8"
+_KNOWN_PATHS = frozenset({
+    "/api/version", "/api/tags", "/api/show", "/api/ps", "/api/chat", "/api/generate", "/api/embed",
+    "/api/embeddings", "/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete",
+})
+_reported_options: set[str] = set()
+
+
+@router.api_route("/", methods=["GET", "HEAD"])
+async def root() -> Response:
+    return PlainTextResponse("Ollama is running")
+
+
+@router.api_route("/api/version", methods=["GET", "HEAD"])
+async def version() -> dict[str, str]:
+    return {"version": OLLAMA_API_VERSION, "slotkeeper": __version__}
+
+
+@router.api_route("/api/tags", methods=["GET", "HEAD"])
+async def tags(request: Request) -> dict[str, Any]:
+    return {"models": [ollama.tags_entry(await _facts(app_state(request)))]}
+
+
+@router.get("/api/ps")
+async def ps(request: Request) -> dict[str, Any]:
+    # llama-server keeps its model loaded for as long as it runs: "expires" a century from now.
+    expires = _timestamp(datetime.now(UTC) + timedelta(days=36500))
+    return {"models": [ollama.ps_entry(await _facts(app_state(request)), expires)]}
+
+
+@router.post("/api/show")
+async def show(request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    req = ollama.parse(ModelRequest, await _body(request))
+    _require_served(req.model_name, state)
+    return ollama.show_answer(await _facts(state))
+
+
+@router.post("/api/chat")
+async def chat(request: Request) -> Response:
+    started = time.perf_counter_ns()
+    state = app_state(request)
+    body = await _body(request)
+    req = ollama.parse(ChatRequest, body)
+    _require_served(req.model, state)
+    if not req.messages:
+        return JSONResponse(ollama.load_answer("chat", req.model, _now(), ollama.unloads(req)), media_type=JSON)
+    ollama.check_images(ollama.all_images(req), _vision(state))
+    opts = _sampling(req, state)
+    upstream = ollama.chat_body(req, opts)
+    key = _session(request, state, body, upstream["messages"])
+    side = is_side_task(request.headers, body.get("messages"), req.stream)
+    shape = AnswerShape("chat", req.model)
+    return await _run(state, "ollama.chat", key, "/v1/chat/completions", upstream, shape, req.stream, side, opts,
+                      started)
+
+
+@router.post("/api/generate")
+async def generate(request: Request) -> Response:
+    started = time.perf_counter_ns()
+    state = app_state(request)
+    body = await _body(request)
+    req = ollama.parse(GenerateRequest, body)
+    _require_served(req.model, state)
+    ollama.check_generate(req)
+    if not req.prompt and not req.images:
+        return JSONResponse(ollama.load_answer("generate", req.model, _now(), ollama.unloads(req)), media_type=JSON)
+    ollama.check_images(ollama.all_images(req), _vision(state))
+    opts = _sampling(req, state)
+    path, upstream = ollama.generate_body(req, opts)
+    messages = upstream.get("messages") or [{"role": "user", "content": req.prompt}]
+    key = _session(request, state, body, messages)
+    side = is_side_task(request.headers, messages, req.stream)
+    shape = AnswerShape("generate", req.model)
+    return await _run(state, "ollama.generate", key, path, upstream, shape, req.stream, side, opts, started)
+
+
+@router.post("/api/embed")
+async def embed(request: Request) -> dict[str, Any]:
+    started = time.perf_counter_ns()
+    state = app_state(request)
+    req = ollama.parse(ollama.EmbedRequest, await _body(request))
+    _require_served(req.model, state)
+    # Embeddings need a backend started with --embeddings, which then serves nothing else: no session can be on
+    # it, so the request goes straight to the backend without a slot lease. Without the flag its 501 is passed on.
+    data = await state.client.post_json("/v1/embeddings", ollama.embed_body(req))
+    return ollama.embed_answer(req.model, data, time.perf_counter_ns() - started)
+
+
+@router.post("/api/embeddings")
+async def embeddings(request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    req = ollama.parse(ollama.EmbeddingsRequest, await _body(request))
+    _require_served(req.model, state)
+    data = await state.client.post_json("/v1/embeddings", {"input": [req.prompt]})
+    return ollama.embeddings_answer(data)
+
+
+@router.post("/api/pull")
+async def pull(request: Request) -> Response:
+    state = app_state(request)
+    req = ollama.parse(ModelRequest, await _body(request))
+    if not ollama.is_served(req.model_name, state.backend.model_id):
+        raise ollama.model_not_found(req.model_name, ollama.advertised_name(state.backend.model_id))
+    if not req.stream:
+        return JSONResponse({"status": "success"}, media_type=JSON)
+    lines = [ollama.ndjson({"status": "pulling manifest"}), ollama.ndjson({"status": "success"})]
+    return StreamingResponse(_iterate(lines), media_type=NDJSON)
+
+
+@router.post("/api/push")
+@router.post("/api/create")
+@router.post("/api/copy")
+@router.delete("/api/delete")
+@router.post("/api/blobs/{digest}")
+async def model_store(request: Request) -> Response:
+    raise ollama.NotSupported(
+        f"{request.url.path} is not supported: slotkeeper serves the one model its llama-server was started with "
+        "and keeps no model store"
+    )
+
+
+@router.head("/api/blobs/{digest}")
+async def blob_exists(digest: str) -> Response:
+    return Response(status_code=404)
+
+
+@router.api_route("/api/{rest:path}", methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
+async def unknown_path(rest: str, request: Request) -> Response:
+    """Anything else under /api: a wrong method on a known route is 405, an unknown path 404, both Ollama-shaped."""
+    path = f"/api/{rest}"
+    if path in _KNOWN_PATHS or rest.startswith(("sessions", "blobs/")):
+        return JSONResponse({"error": f"method {request.method} not allowed for {path}"}, status_code=405)
+    return JSONResponse({"error": f"no such Ollama API route: {path}"}, status_code=404)
+
+
+# -- running a turn ---------------------------------------------------------------------------------------------------
+
+
+async def _run(state: AppState, api: str, key: SessionKey, path: str, upstream: Mapping[str, Any],
+               shape: AnswerShape, stream: bool, side: bool, opts: Sampling, started: int) -> Response:
+    def build(slot_id: int) -> dict[str, Any]:
+        return openai.upstream_body(upstream, slot_id)
+
+    noted = {"X-Slotkeeper-Ignored-Options": ",".join(opts.ignored)} if opts.ignored else {}
+    if not stream:
+        data, record = await state.service.unary(api, key, path, build, side=side)
+        answer = ollama.unary_answer(shape, data, _now(), time.perf_counter_ns() - started, _load_ns(record))
+        return JSONResponse(answer, headers={**record.headers(), **noted}, media_type=JSON)
+    turn = await state.service.open_stream(api, key, path, build, side=side)
+    response = TurnStreamResponse(turn, _ndjson(turn, shape, started), media_type=NDJSON)
+    response.headers.update(noted)
+    return response
+
+
+async def _ndjson(turn: StreamTurn, shape: AnswerShape, started: int) -> AsyncIterator[bytes]:
+    """The backend's events as Ollama lines; a connection that breaks mid-answer ends with one error line."""
+    encoder = ollama.StreamEncoder(shape)
+    try:
+        async for event in turn.events():
+            for line in encoder.feed(event, _now()):
+                yield ollama.ndjson(line)
+    except SlotkeeperError as exc:
+        yield ollama.error_line(exc)
+        return
+    for line in encoder.finish(_now(), time.perf_counter_ns() - started, _load_ns(turn.record)):
+        yield ollama.ndjson(line)
+
+
+def _load_ns(record: TurnRecord) -> int:
+    # Ollama's "load" is getting the model ready; ours is getting the session's state into a slot.
+    return round((record.lease.save_ms + record.lease.restore_ms) * 1e6)
+
+
+def _session(request: Request, state: AppState, body: Mapping[str, Any], messages: Any) -> SessionKey:
+    return resolve_session(state.backend.model_id, request.headers, body, openai.system_texts(messages),
+                           state.settings.session_headers)
+
+
+def _sampling(req: ChatRequest | GenerateRequest, state: AppState) -> Sampling:
+    opts = ollama.sampling(req)
+    for name in opts.ignored:
+        if name in _reported_options:
+            continue
+        _reported_options.add(name)  # once per process: these come with every request of a configured client
+        if name in ollama.LAUNCH_TIME_OPTIONS:
+            log.warning("option %r is fixed when the backend starts and is ignored per request (the backend has "
+                        "%d tokens of context per slot)", name, state.backend.n_ctx_slot)
+        else:
+            log.info("option %r is not a llama-server sampling option and is ignored", name)
+    return opts
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------------
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    return openai.parse_body(await request.body())
+
+
+def _require_served(requested: str, state: AppState) -> None:
+    if not requested:
+        raise BadRequest("'model' is required")
+    if not ollama.is_served(requested, state.backend.model_id):
+        raise ollama.model_not_found(requested)
+
+
+def _vision(state: AppState) -> bool:
+    return bool((state.backend.props.get("modalities") or {}).get("vision"))
+
+
+_architectures: dict[str, str | None] = {}
+
+
+async def _facts(state: AppState) -> ollama.ModelFacts:
+    path = Path(state.backend.model_path)
+    if state.backend.model_path not in _architectures:
+        _architectures[state.backend.model_path] = await asyncio.to_thread(_gguf_architecture, path)
+    try:
+        modified = (await asyncio.to_thread(path.stat)).st_mtime
+    except OSError:
+        modified = state.started  # the model file is on another machine
+    modified_at = _timestamp(datetime.fromtimestamp(modified, UTC))
+    return ollama.model_facts(state.backend, _architectures[state.backend.model_path], modified_at)
+
+
+def _gguf_architecture(path: Path) -> str | None:
+    """`general.architecture` from the GGUF header, when the model file is readable from here."""
+    try:
+        import gguf
+
+        field = gguf.GGUFReader(path).get_field("general.architecture")
+        return str(field.contents()) if field is not None else None
+    except Exception as exc:  # any unreadable or foreign file: the listing says "unknown" instead of failing
+        log.info("cannot read the model's architecture from %s: %s", path, exc)
+        return None
+
+
+def _now() -> str:
+    return _timestamp(datetime.now(UTC))
+
+
+def _timestamp(moment: datetime) -> str:
+    return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+async def _iterate(items: Iterable[bytes]) -> AsyncIterator[bytes]:
+    for item in items:
+        yield item

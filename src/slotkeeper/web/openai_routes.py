@@ -1,8 +1,10 @@
-"""OpenAI-compatible routes: chat and text completions under session control, model listing, health."""
+"""OpenAI-compatible routes: chat and text completions and responses under session control, embeddings passed
+through, and the model listing (shaped to satisfy both the OpenAI and the Anthropic clients)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -27,6 +29,22 @@ async def completions(request: Request) -> Response:
     return await _proxy(request, "/v1/completions", "openai.completions", openai.check_completion_request)
 
 
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    return await _proxy(request, "/v1/responses", "openai.responses", openai.check_responses_request,
+                        openai.responses_system_texts)
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    """Passed through without a slot lease: embeddings do not touch a conversation's KV state. A backend started
+    without --embeddings answers 501 itself, and that answer is passed on."""
+    state = app_state(request)
+    body = openai.parse_body(await request.body())
+    openai.check_embeddings_request(body)
+    return JSONResponse(await state.client.post_json("/v1/embeddings", openai.without_own_fields(body)))
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     entry = _model_entry(app_state(request))
@@ -41,14 +59,16 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     return _model_entry(state)
 
 
-async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping[str, Any]], None]) -> Response:
+def _chat_system_texts(body: Mapping[str, Any]) -> list[str]:
+    return openai.system_texts(body.get("messages"))
+
+
+async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping[str, Any]], None],
+                 system: Callable[[Mapping[str, Any]], list[str]] = _chat_system_texts) -> Response:
     state = app_state(request)
     body = openai.parse_body(await request.body())
     check(body)
-    key = resolve_session(
-        state.backend.model_id, request.headers, body, openai.system_texts(body.get("messages")),
-        state.settings.session_headers,
-    )
+    key = resolve_session(state.backend.model_id, request.headers, body, system(body), state.settings.session_headers)
 
     stream = bool(body.get("stream"))
     side = is_side_task(request.headers, body.get("messages"), stream)
@@ -64,10 +84,15 @@ async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping
 
 
 def _model_entry(state: AppState) -> dict[str, Any]:
+    """One entry both clients parse: OpenAI's (object, created, owned_by) and Anthropic's (type, display_name,
+    created_at in RFC 3339)."""
     return {
         "id": state.backend.model_id,
         "object": "model",
         "created": int(state.started),
         "owned_by": "slotkeeper",
+        "type": "model",
+        "display_name": state.backend.model_id,
+        "created_at": datetime.fromtimestamp(int(state.started), UTC).isoformat().replace("+00:00", "Z"),
         "meta": {"n_ctx": state.backend.n_ctx_slot, "n_slots": state.backend.n_slots},
     }

@@ -47,3 +47,4 @@ class TurnStreamResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.turn.close()
+

@@ -1,0 +1,133 @@
+"""The request journal: one typed entry per finished request, kept in a ring buffer and handed to listeners.
+
+The per-request log line, the JSON log, `/metrics` and the dashboard's recent requests all read the same entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+log = logging.getLogger("slotkeeper.journal")
+
+RECENT_REQUESTS = 100
+# Sessions whose running totals are kept (least recently active dropped first).
+TRACKED_SESSIONS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEntry:
+    """What one request did to the cache: its session, slot, cache path, token counts, timings and result."""
+
+    api: str
+    side: bool
+    model: str
+    session: str
+    slot: int
+    cache: str
+    restored: int
+    restore_ms: float
+    save_ms: float
+    cache_n: int | None
+    prompt_n: int | None
+    predicted_n: int | None
+    # Milliseconds the backend spent on the prompt, from its `timings` (used to estimate the prefill saved).
+    prompt_ms: float | None
+    status: int
+    end: str
+    ms: float
+    time: float = field(default_factory=time.time)
+
+    def log_line(self) -> str:
+        """The human-readable request log line (`slotkeeper.turn`)."""
+        return (
+            f"{self.api}{' side' if self.side else ''} session={self.model}/{self.session} slot={self.slot} "
+            f"cache={self.cache} restored={self.restored} restore_ms={self.restore_ms:.1f} "
+            f"save_ms={self.save_ms:.1f} cache_n={_dash(self.cache_n)} prompt_n={_dash(self.prompt_n)} "
+            f"status={self.status} end={self.end} ms={self.ms:.0f}"
+        )
+
+    def prefill_seconds_saved(self, fallback_ms_per_token: float | None) -> float:
+        """Estimated prefill time the reused tokens would have cost: cache_n at this response's prefill rate."""
+        if not self.cache_n:
+            return 0.0
+        rate = None
+        if self.prompt_ms is not None and self.prompt_n:
+            rate = self.prompt_ms / self.prompt_n
+        rate = rate if rate is not None else fallback_ms_per_token
+        return 0.0 if rate is None else self.cache_n * rate / 1000.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class SessionTotals:
+    """Running totals of one session since slotkeeper started."""
+
+    requests: int = 0
+    hits: int = 0  # requests that started from a hot, restored or prefix state
+    tokens_reused: int = 0
+    tokens_prefilled: int = 0
+    seconds_saved: float = 0.0
+    last_request: float = 0.0
+
+
+RequestListener = Callable[[RequestEntry], None]
+
+
+class RequestJournal:
+    """The last RECENT_REQUESTS entries, per-session totals, and listeners called for every new entry."""
+
+    def __init__(self, size: int = RECENT_REQUESTS) -> None:
+        self._recent: deque[RequestEntry] = deque(maxlen=size)
+        self._totals: OrderedDict[tuple[str, str], SessionTotals] = OrderedDict()
+        self._listeners: list[RequestListener] = []
+        self._lock = threading.Lock()
+        # The latest measured prefill rate, for responses that prefilled nothing themselves.
+        self.ms_per_token: float | None = None
+
+    def subscribe(self, listener: RequestListener) -> None:
+        self._listeners.append(listener)
+
+    def add(self, entry: RequestEntry) -> None:
+        if entry.prompt_ms is not None and entry.prompt_n and entry.prompt_n >= 16:
+            self.ms_per_token = entry.prompt_ms / entry.prompt_n
+        saved = entry.prefill_seconds_saved(self.ms_per_token)
+        with self._lock:
+            self._recent.append(entry)
+            key = (entry.model, entry.session)
+            totals = self._totals.pop(key, None) or SessionTotals()
+            totals.requests += 1
+            totals.hits += entry.cache != "cold"
+            totals.tokens_reused += entry.cache_n or 0
+            totals.tokens_prefilled += entry.prompt_n or 0
+            totals.seconds_saved += saved
+            totals.last_request = entry.time
+            self._totals[key] = totals
+            while len(self._totals) > TRACKED_SESSIONS:
+                self._totals.popitem(last=False)
+        for listener in self._listeners:
+            try:
+                listener(entry)
+            except Exception:  # a broken observer must never fail the request that is being recorded
+                log.exception("request listener %r failed", listener)
+
+    def recent(self, limit: int = RECENT_REQUESTS) -> list[RequestEntry]:
+        """Newest first."""
+        with self._lock:
+            entries = list(self._recent)
+        return entries[::-1][:limit]
+
+    def totals(self) -> dict[tuple[str, str], SessionTotals]:
+        with self._lock:
+            return {key: SessionTotals(**asdict(value)) for key, value in self._totals.items()}
+
+
+def _dash(value: int | None) -> str:
+    return "-" if value is None else str(value)

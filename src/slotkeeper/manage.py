@@ -1,0 +1,220 @@
+"""The management commands (`slotkeeper sessions ...`, `slotkeeper doctor`): talk to a running slotkeeper over HTTP.
+
+Human-readable tables on stdout by default, the API's JSON with --json; problems go to stderr with exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:11434"
+
+
+class CommandError(Exception):
+    """A problem the command reports on stderr as `slotkeeper: MESSAGE` before exiting with status 1."""
+
+
+@dataclass
+class AdminClient:
+    """The few HTTP calls the commands make, with slotkeeper's errors turned into CommandError."""
+
+    url: str
+    admin_key: str | None = None
+    timeout: float = 30.0
+
+    def call(self, method: str, path: str, params: dict[str, str] | None = None) -> Any:
+        headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+        try:
+            response = httpx.request(method, self.url + path, params=params, headers=headers, timeout=self.timeout)
+        except httpx.TransportError as exc:
+            raise CommandError(
+                f"cannot reach slotkeeper at {self.url} ({exc or type(exc).__name__}): is `slotkeeper serve` "
+                "running there? Give its address with --url or SLOTKEEPER_URL"
+            ) from exc
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if response.status_code == 401:
+            raise CommandError(f"{self.url} refused the admin key: give it with --admin-key or SLOTKEEPER_ADMIN_KEY")
+        if response.status_code >= 400:
+            raise CommandError(_error_message(body) or f"{method} {path} answered HTTP {response.status_code}")
+        return body
+
+
+def add_commands(sub: Any) -> None:
+    """Register `sessions` and `doctor` on the top-level subparsers."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=None, metavar="URL",
+                        help=f"the running slotkeeper (default $SLOTKEEPER_URL or {DEFAULT_URL})")
+    common.add_argument("--admin-key", default=None, metavar="KEY",
+                        help="sent as 'Authorization: Bearer KEY' (default $SLOTKEEPER_ADMIN_KEY)")
+    common.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
+
+    sessions = sub.add_parser("sessions", help="list, show, delete or clear sessions of a running slotkeeper",
+                              description="Manage the sessions of a running slotkeeper over its HTTP API.")
+    actions = sessions.add_subparsers(dest="action", required=True)
+    ls = actions.add_parser("ls", parents=[common], help="list saved sessions, most recently used first")
+    ls.add_argument("--model", help="only this model's sessions")
+    show = actions.add_parser("show", parents=[common], help="one session's snapshot and activity")
+    show.add_argument("session")
+    show.add_argument("--model", help="the model namespace (default: the served model)")
+    rm = actions.add_parser("rm", parents=[common], help="delete sessions' snapshots (files and index rows)")
+    rm.add_argument("session", nargs="+")
+    rm.add_argument("--model", help="the model namespace (default: the served model)")
+    actions.add_parser("clear", parents=[common], help="save changed slots, then erase every slot")
+
+    sub.add_parser("doctor", parents=[common], help="check the backend's settings, slot dir, fingerprints and "
+                   "restores, and say what to change",
+                   description="Check a running slotkeeper and its backend; exit status 1 if a check fails.")
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    client = AdminClient((args.url or os.environ.get("SLOTKEEPER_URL") or DEFAULT_URL).rstrip("/"),
+                         args.admin_key or os.environ.get("SLOTKEEPER_ADMIN_KEY") or None)
+    try:
+        if args.command == "doctor":
+            from slotkeeper.doctor import run_doctor
+
+            return run_doctor(client, args.json, out)
+        return _SESSION_ACTIONS[args.action](client, args, out)
+    except CommandError as exc:
+        print(f"slotkeeper: {exc}", file=err)
+        return 1
+
+
+def _ls(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
+    data = client.call("GET", "/api/sessions")
+    sessions = [s for s in data["sessions"] if args.model is None or s["model"] == args.model]
+    if args.json:
+        _print_json({"slot_dir": data["slot_dir"], "sessions": sessions}, out)
+        return 0
+    if not sessions:
+        print(f"no saved sessions in {data['slot_dir']}", file=out)
+        return 0
+    rows = [[s["session"], s["model"], s["tokens"], human_bytes(s["bytes"]), since(s["last_used"]), s["hits"],
+             "" if s["hot_in_slot"] is None else s["hot_in_slot"]] for s in sessions]
+    print(table(["SESSION", "MODEL", "TOKENS", "SIZE", "LAST USED", "HITS", "SLOT"], rows), file=out)
+    total = sum(s["bytes"] for s in sessions)
+    print(f"{len(sessions)} session(s), {human_bytes(total)} in {data['slot_dir']}", file=out)
+    return 0
+
+
+def _show(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
+    data = client.call("GET", "/api/sessions/" + _quote(args.session), _model_param(args))
+    recent = client.call("GET", "/api/requests/recent")
+    totals = next((t for t in recent.get("session_totals", [])
+                   if t["session"] == data["session"] and t["model"] == data["model"]), None)
+    if args.json:
+        _print_json({**data, "activity": totals}, out)
+        return 0
+    rows: list[list[Any]] = [["session", data["session"]], ["model", data["model"]]]
+    if data.get("file") is None:
+        rows.append(["file", "(not saved yet)"])
+    else:
+        rows += [["file", data["file"]], ["tokens", data["tokens"]], ["size", human_bytes(data["bytes"])],
+                 ["created", data["created"]], ["last used", f"{data['last_used']} ({since(data['last_used'])})"],
+                 ["hits", data["hits"]], ["fingerprint", data["fingerprint"]]]
+    rows.append(["in slot", "-" if data.get("hot_in_slot") is None else data["hot_in_slot"]])
+    if totals is not None:
+        rows += [["requests", totals["requests"]], ["tokens reused", totals["tokens_reused"]],
+                 ["tokens prefilled", totals["tokens_prefilled"]],
+                 ["prefill saved", f"{totals['seconds_saved']:.1f} s (estimated, since slotkeeper started)"]]
+    width = max(len(str(r[0])) for r in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}", file=out)
+    return 0
+
+
+def _rm(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
+    results = [client.call("DELETE", "/api/sessions/" + _quote(s), _model_param(args)) for s in args.session]
+    if args.json:
+        _print_json({"deleted": results}, out)
+        return 0
+    for r in results:
+        print(f"deleted {r['deleted']} ({r['model']}): {r['file']}, {human_bytes(r['bytes'])}", file=out)
+    return 0
+
+
+def _clear(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
+    data = client.call("POST", "/api/sessions/clear")
+    if args.json:
+        _print_json(data, out)
+        return 0
+    erased = ", ".join(str(i) for i in data["erased_slots"]) or "none"
+    print(f"saved changed slots, then erased slot(s): {erased}", file=out)
+    return 0
+
+
+_SESSION_ACTIONS = {"ls": _ls, "show": _show, "rm": _rm, "clear": _clear}
+
+
+# -- output helpers -----------------------------------------------------------------------------------------------
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain text table: columns padded to their widest cell, numbers right-aligned."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [all(isinstance(row[i], int | float) for row in rows) and bool(rows) for i in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(list(headers)), *(line(r) for r in cells)])
+
+
+def human_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover - the loop always returns
+
+
+def since(iso: str) -> str:
+    """'12 s ago', '5 min ago', '3.2 h ago', '4.0 d ago' for an ISO 8601 time."""
+    seconds = max(0.0, (datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds())
+    if seconds < 60:
+        return f"{seconds:.0f} s ago"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min ago"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f} h ago"
+    return f"{seconds / 86400:.1f} d ago"
+
+
+def _print_json(data: Any, out: TextIO) -> None:
+    print(json.dumps(data, indent=2, ensure_ascii=False), file=out)
+
+
+def _quote(session: str) -> str:
+    return urllib.parse.quote(session, safe="")
+
+
+def _model_param(args: argparse.Namespace) -> dict[str, str] | None:
+    return {"model": args.model} if args.model else None
+
+
+def _error_message(body: Any) -> str | None:
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+    return None

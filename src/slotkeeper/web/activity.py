@@ -1,0 +1,79 @@
+"""Operator views: the recent requests with their cache path, and the backend's settings as slotkeeper read them.
+
+The dashboard polls these; `slotkeeper doctor` reads `/api/backend` to check the backend's settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from slotkeeper import __version__
+from slotkeeper.journal import RECENT_REQUESTS
+from slotkeeper.web.state import app_state
+
+router = APIRouter(prefix="/api")
+
+
+@router.get("/requests/recent")
+async def recent_requests(request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    try:
+        limit = max(0, min(RECENT_REQUESTS, int(request.query_params.get("limit", RECENT_REQUESTS))))
+    except ValueError:
+        limit = RECENT_REQUESTS
+    journal = state.service.journal
+    return {
+        "requests": [entry.to_json() for entry in journal.recent(limit)],
+        "session_totals": [
+            {"model": model, "session": session, "requests": t.requests, "hits": t.hits,
+             "tokens_reused": t.tokens_reused, "tokens_prefilled": t.tokens_prefilled,
+             "seconds_saved": round(t.seconds_saved, 3), "last_request": t.last_request}
+            for (model, session), t in journal.totals().items()
+        ],
+        "ms_per_token": journal.ms_per_token,
+    }
+
+
+@router.get("/backend")
+async def backend_info(request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    backend, settings = state.backend, state.settings
+    props = backend.props
+    generation = props.get("default_generation_settings")
+    return {
+        "version": __version__,
+        "url": backend.url,
+        "up": await state.client.healthy(),
+        "mode": "embedded" if settings.embedded else "attach",
+        "model": backend.model_id,
+        "model_path": backend.model_path,
+        "slots": backend.n_slots,
+        "ctx_per_slot": backend.n_ctx_slot,
+        "build": backend.build_info,
+        "fingerprint": backend.fingerprint,
+        "slot_dir": str(state.store.slot_dir),
+        "slot_dir_free_bytes": await asyncio.to_thread(_free_bytes, state.store.slot_dir),
+        "started": state.started,
+        "settings": {
+            "save_idle_seconds": settings.save_idle_seconds,
+            "min_restore_tokens": settings.min_restore_tokens,
+            "max_queue": settings.max_queue,
+        },
+        "props": {
+            "total_slots": props.get("total_slots"),
+            "n_ctx": generation.get("n_ctx") if isinstance(generation, dict) else None,
+            "is_sleeping": props.get("is_sleeping"),
+        },
+    }
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
