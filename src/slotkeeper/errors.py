@@ -2,7 +2,11 @@
 
     SlotkeeperError                 500  server_error
     ├── BadRequest                  400  invalid_request_error
+    ├── Unauthorized                401  authentication_error   missing or wrong API/admin key
+    ├── Forbidden                   403  permission_error       a Host header that is not allowed
     ├── NotFound                    404  not_found_error
+    ├── PayloadTooLarge             413  request_too_large
+    ├── NotSupported                501  not_supported_error    a route slotkeeper answers but cannot serve
     ├── UpstreamError               (the backend's status)   a non-2xx answer from the backend, body kept
     ├── UpstreamUnavailable         502  the backend could not be reached or broke the connection
     ├── Overloaded                  503  the queue for slots is full
@@ -34,9 +38,29 @@ class BadRequest(SlotkeeperError):
     error_type = "invalid_request_error"
 
 
+class Unauthorized(SlotkeeperError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class Forbidden(SlotkeeperError):
+    status_code = 403
+    error_type = "permission_error"
+
+
 class NotFound(SlotkeeperError):
     status_code = 404
     error_type = "not_found_error"
+
+
+class PayloadTooLarge(SlotkeeperError):
+    status_code = 413
+    error_type = "request_too_large"
+
+
+class NotSupported(SlotkeeperError):
+    status_code = 501
+    error_type = "not_supported_error"
 
 
 class UpstreamUnavailable(SlotkeeperError):

@@ -22,7 +22,7 @@ from slotkeeper.dialects.ollama import (
     Piece,
     StreamEncoder,
 )
-from slotkeeper.errors import BadRequest, NotFound, SlotkeeperError, UpstreamError, UpstreamUnavailable
+from slotkeeper.errors import BadRequest, NotFound, NotSupported, SlotkeeperError, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import BackendInfo
 
 NOW = "2026-01-02T03:04:05.000006Z"
@@ -44,7 +44,7 @@ def gen(**fields: Any) -> GenerateRequest:
     "error",
     [BadRequest("bad"), NotFound("model 'x' not found"), UpstreamUnavailable("down"), SlotkeeperError("boom"),
      UpstreamError(400, b'{"error":{"code":400,"message":"too long","type":"exceed_context_size_error"}}'),
-     UpstreamError(503, b"not json"), ollama.NotSupported("no")],
+     UpstreamError(503, b"not json"), NotSupported("no")],
     ids=["bad-request", "not-found", "unavailable", "generic", "upstream-json", "upstream-text", "not-supported"],
 )
 def test_error_body_is_a_plain_string(error: SlotkeeperError) -> None:
@@ -66,7 +66,7 @@ def test_error_line_is_one_ndjson_line() -> None:
 
 
 def test_not_supported_is_501() -> None:
-    assert ollama.NotSupported("x").status_code == 501
+    assert NotSupported("x").status_code == 501
 
 
 @pytest.mark.parametrize(

@@ -23,13 +23,6 @@ from slotkeeper.types import BackendInfo
 # -- errors -----------------------------------------------------------------------------------------------------------
 
 
-class NotSupported(SlotkeeperError):
-    """An Ollama route that manages a model store (push, create, copy, delete): slotkeeper serves one fixed model."""
-
-    status_code = 501
-    error_type = "not_supported_error"
-
-
 def error_body(error: SlotkeeperError) -> dict[str, Any]:
     """Ollama's error shape: a plain string under "error"."""
     return {"error": error.message}

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from slotkeeper import __version__
 from slotkeeper.dialects import ollama, openai
 from slotkeeper.dialects.ollama import AnswerShape, ChatRequest, GenerateRequest, ModelRequest, Sampling
-from slotkeeper.errors import BadRequest, SlotkeeperError
+from slotkeeper.errors import BadRequest, NotSupported, SlotkeeperError
 from slotkeeper.identity import is_side_task, resolve_session
 from slotkeeper.service import StreamTurn, TurnRecord
 from slotkeeper.types import SessionKey
@@ -149,7 +149,7 @@ async def pull(request: Request) -> Response:
 @router.delete("/api/delete")
 @router.post("/api/blobs/{digest}")
 async def model_store(request: Request) -> Response:
-    raise ollama.NotSupported(
+    raise NotSupported(
         f"{request.url.path} is not supported: slotkeeper serves the one model its llama-server was started with "
         "and keeps no model store"
     )

@@ -12,24 +12,8 @@ from collections.abc import Iterable
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from slotkeeper.errors import SlotkeeperError
+from slotkeeper.errors import Forbidden, PayloadTooLarge, SlotkeeperError, Unauthorized
 from slotkeeper.web.errors import error_response
-
-
-class Unauthorized(SlotkeeperError):
-    status_code = 401
-    error_type = "authentication_error"
-
-
-class Forbidden(SlotkeeperError):
-    status_code = 403
-    error_type = "permission_error"
-
-
-class PayloadTooLarge(SlotkeeperError):
-    status_code = 413
-    error_type = "request_too_large"
-
 
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 # Routes that stay open: a load balancer's health check, and Ollama's "is it running" probe.
