@@ -619,3 +619,14 @@ async def test_expected_reuse_is_the_shared_part(client: FakeClient, store: Snap
     assert edited.outcome == CacheOutcome.RESTORED and 0 < edited.expected_reuse < 100
     edited.release(TurnEnd.COMPLETED, 60, cache_n=edited.expected_reuse)
     assert pool.restore_stats.effective == 1
+
+
+async def test_on_a_tie_the_sessions_own_snapshot_wins(client: FakeClient, store: SnapshotStore) -> None:
+    """The slot holds another session on the same system prompt; this session's edited last message shares only
+    the system prompt at message level, but its own state usually shares more text: restore it."""
+    pool = make_pool(client, store, min_restore_tokens=0)
+    (await pool.acquire(A, chain_of("a1"))).release(TurnEnd.COMPLETED, 40)
+    (await pool.acquire(B, chain_of("b1"))).release(TurnEnd.COMPLETED, 40)  # saves A; the slot shares the system
+    lease = await pool.acquire(A, chain_of("a1 with more text"))
+    assert lease.outcome == CacheOutcome.RESTORED
+    lease.release(TurnEnd.COMPLETED, 50)

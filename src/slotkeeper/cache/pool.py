@@ -234,7 +234,9 @@ class SlotPool:
             # edited or trimmed its history); a request without messages (a raw prompt) is taken as sharing it all.
             shared = await asyncio.to_thread(self._store.shared_prefix, own, lease.chain) if lease.chain else None
             messages, expected = shared if shared is not None else (len(lease.chain), own.n_tokens)
-            if expected >= max(self._min_restore_tokens, 1) and (shared is None or messages > kept):
+            # On a tie with what the slot holds, the session's own state wins: it usually shares more than whole
+            # messages (the next message often starts with the old one's text).
+            if expected >= max(self._min_restore_tokens, 1) and (shared is None or (messages > 0 and kept <= messages)):
                 await self._restore(slot, lease, own, CacheOutcome.RESTORED, expected)
                 return
         match = await asyncio.to_thread(self._store.best_prefix, key.model, self._fingerprint, lease.chain)
