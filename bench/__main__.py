@@ -1,0 +1,76 @@
+"""Benchmark runner: `python -m bench [--scenario switch|overhead|restart|all] [--small] [--out DIR]`.
+
+Starts the llama-server processes (and slotkeepers) each scenario needs on loopback ports, measures slotkeeper
+against llama-server alone side by side, and writes `<out>/<scenario>.json` and `<out>/README.md`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import overhead, restart, switch
+from bench.chart import write_chart
+from bench.common import MODEL_SPECS, BenchConfig, write_result
+from bench.report import write_report
+
+SCENARIOS: dict[str, Callable[[BenchConfig, Path], dict[str, Any]]] = {
+    "switch": switch.run, "overhead": overhead.run, "restart": restart.run,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
+    parser.add_argument("--small", action="store_true", help="CI size: 2 sessions of 500 tokens, few requests")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--tokens", default=None, help="context sizes, comma-separated (default 2000)")
+    parser.add_argument("--sessions", type=int, default=None, help="sessions taking turns (default 4)")
+    parser.add_argument("--rounds", type=int, default=None, help="resumed turns per session (default 3)")
+    parser.add_argument("--requests", type=int, default=None, help="overhead requests, both targets (default 40)")
+    parser.add_argument("--model-size", choices=list(MODEL_SPECS), default="tiny")
+    parser.add_argument("--note", default="", help="a remark on the conditions of the run, kept with the results")
+    parser.add_argument("--keep", type=Path, default=None, help="keep models, slots and logs in this directory")
+    return parser.parse_args(argv)
+
+
+def config_from(args: argparse.Namespace) -> BenchConfig:
+    small = args.small
+    tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else ((500,) if small else (2000,))
+    return BenchConfig(
+        model_size=args.model_size,
+        sessions=args.sessions or (2 if small else 4),
+        tokens=tokens,
+        rounds=args.rounds or (2 if small else 3),
+        overhead_requests=args.requests or (6 if small else 40),
+        overhead_answer_tokens=50 if small else 200,
+        small=small,
+        note=args.note,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = config_from(args)
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    with tempfile.TemporaryDirectory(prefix="slotkeeper-bench-") as tmp:
+        root = args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            started = time.monotonic()
+            result = SCENARIOS[name](config, root / name)
+            result["wall_seconds"] = time.monotonic() - started
+            path = write_result(args.out, name, result)
+            print(f"{name}: {path} ({result['wall_seconds']:.0f} s)", file=sys.stderr)
+    chart = write_chart(args.out)
+    print(f"chart: {chart}" if chart else "chart: skipped (matplotlib is not installed)", file=sys.stderr)
+    print(f"report: {write_report(args.out)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Shared pieces of the benchmark runner: configuration, process lifetimes, one timed streamed chat request, and
+summary statistics."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
+from tests.support import Backend, Slotkeeper, llama_server_binary
+
+MODEL_SPECS: dict[str, TinyModelSpec] = {
+    "tiny": TinyModelSpec(),
+    "medium": TinyModelSpec(n_embd=1024, n_layer=8, n_head=16, n_head_kv=8, n_ff=2816),
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a scenario needs to know; stored verbatim in each result file."""
+
+    model_size: str = "tiny"
+    sessions: int = 4
+    tokens: tuple[int, ...] = (2000,)
+    rounds: int = 3
+    answer_tokens: int = 8
+    overhead_requests: int = 40
+    overhead_answer_tokens: int = 200
+    small: bool = False
+    threads: int = 2
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["tokens"] = list(self.tokens)
+        return data
+
+
+# Random weights mostly pick byte tokens that are not valid UTF-8 on their own, and llama-server streams nothing for
+# them; this grammar keeps every generated token a plain letter, so each one arrives as its own content chunk and the
+# first one marks the time to first token. Every target is sent the same grammar.
+GRAMMAR = "root ::= [a-z ]+"
+
+
+@dataclass
+class StreamResult:
+    """One streamed chat completion as the client saw it."""
+
+    ttft_ms: float
+    total_ms: float
+    content_chunks: int
+    prompt_n: int
+    cache_n: int
+    predicted_n: int
+    cache_header: str | None
+
+    @property
+    def chunks_per_second(self) -> float:
+        span = (self.total_ms - self.ttft_ms) / 1000
+        return (self.content_chunks - 1) / span if span > 0 and self.content_chunks > 1 else 0.0
+
+
+def stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]], session: str,
+                max_tokens: int) -> StreamResult:
+    """One timed request; retried once if a pooled keep-alive connection turns out to be closed by the server
+    before it answered (the request was then never processed)."""
+    try:
+        return _stream_chat(client, url, messages, session, max_tokens)
+    except httpx.RemoteProtocolError:
+        return _stream_chat(client, url, messages, session, max_tokens)
+
+
+def _stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]], session: str,
+                 max_tokens: int) -> StreamResult:
+    """POST a streamed /v1/chat/completions and time the first content chunk and the end of the stream."""
+    body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                            "temperature": 0, "stream_options": {"include_usage": True}, "grammar": GRAMMAR}
+    timings: dict[str, Any] = {}
+    chunks = 0
+    ttft: float | None = None
+    t0 = time.perf_counter()
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body,
+                       headers={"X-Session-Id": session}) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:500]}")
+        header = response.headers.get("x-slotkeeper-cache")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "timings" in chunk:
+                timings = chunk["timings"]
+            for choice in chunk.get("choices", []):
+                if choice.get("delta", {}).get("content"):
+                    chunks += 1
+                    if ttft is None:
+                        ttft = time.perf_counter()
+    end = time.perf_counter()
+    return StreamResult(
+        ttft_ms=((ttft if ttft is not None else end) - t0) * 1000, total_ms=(end - t0) * 1000,
+        content_chunks=chunks, prompt_n=int(timings.get("prompt_n", -1)), cache_n=int(timings.get("cache_n", -1)),
+        predicted_n=int(timings.get("predicted_n", -1)), cache_header=header,
+    )
+
+
+def make_model(root: Path, size: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"{size}.gguf"
+    if not path.exists():
+        write_tiny_model(path, MODEL_SPECS[size])
+    return path
+
+
+class Processes:
+    """Backends and slotkeepers started for one scenario, all stopped when its `with` block ends."""
+
+    def __init__(self, root: Path, model: Path, stack: ExitStack) -> None:
+        self.root = root
+        self.model = model
+        self.stack = stack
+
+    def backend(self, name: str, cache_ram: int, ctx_per_slot: int) -> Backend:
+        backend = Backend("binary", self.model, self.root / name / "slots", self.root / f"{name}.log", parallel=1,
+                          ctx_per_slot=ctx_per_slot, cache_ram=cache_ram)
+        self.stack.callback(backend.stop)
+        (self.root / name).mkdir(parents=True, exist_ok=True)
+        return backend.start()
+
+    def slotkeeper(self, name: str, backend: Backend) -> Slotkeeper:
+        keeper = Slotkeeper(self.root / name / "cache", self.root / f"{name}.log", backend)
+        self.stack.callback(keeper.stop)
+        return keeper.start()
+
+
+@contextmanager
+def processes(root: Path, model: Path) -> Iterator[Processes]:
+    with ExitStack() as stack:
+        yield Processes(root, model, stack)
+
+
+def keeper_record(client: httpx.Client, keeper_url: str, session: str, since: float,
+                  timeout: float = 5.0) -> dict[str, Any]:
+    """slotkeeper's own record of the newest request of `session` that started after `since` (a time.time()); the
+    record is written just after the response ends, so it is polled for."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = client.get(f"{keeper_url}/api/requests/recent", params={"limit": 5}).json()["requests"]
+        for row in rows:
+            if row["session"] == session and row["time"] >= since:
+                found: dict[str, Any] = row
+                return found
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"slotkeeper has no record of the request of {session!r}")
+        time.sleep(0.02)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def describe(values: list[float]) -> dict[str, float]:
+    return {"n": len(values), "median": statistics.median(values), "mean": statistics.fmean(values),
+            "min": min(values), "max": max(values), "p99": percentile(values, 99)}
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else float("inf")
+
+
+def machine() -> dict[str, Any]:
+    load = os.getloadavg()
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "loadavg_at_start": [round(x, 2) for x in load], "llama_server": str(llama_server_binary())}
+
+
+def write_result(out: Path, scenario: str, result: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{scenario}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path

@@ -1,0 +1,68 @@
+"""Scenario `overhead`: what slotkeeper adds to a hot request. A tiny prompt with a long streamed answer is sent N
+times to one `--cache-ram 0` llama-server, alternately directly and through slotkeeper (one session, always hot;
+the order within each pair alternates too). Measured per pair: total time and time to first chunk, slotkeeper minus
+direct, and the rate of streamed chunks."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import BenchConfig, describe, machine, make_model, percentile, processes, ratio, stream_chat
+
+MESSAGES = [{"role": "system", "content": "You are a storyteller."},
+            {"role": "user", "content": "Tell me a long story about a lighthouse."}]
+SESSION = "overhead"
+
+
+def run(config: BenchConfig, root: Path) -> dict[str, Any]:
+    model = make_model(root, config.model_size)
+    samples: list[dict[str, Any]] = []
+    with processes(root, model) as procs, httpx.Client(timeout=600) as client:
+        backend = procs.backend("overhead-backend", cache_ram=0, ctx_per_slot=4096)
+        keeper = procs.slotkeeper("overhead-slotkeeper", backend)
+        urls = {"direct": backend.url, "slotkeeper": keeper.url}
+        for url in urls.values():  # warm-up: the prompt is in the slot, the session is hot
+            stream_chat(client, url, MESSAGES, SESSION, config.overhead_answer_tokens)
+        for pair in range(config.overhead_requests // 2):
+            order = ["direct", "slotkeeper"] if pair % 2 == 0 else ["slotkeeper", "direct"]
+            for target in order:
+                r = stream_chat(client, urls[target], MESSAGES, SESSION, config.overhead_answer_tokens)
+                samples.append({"pair": pair, "target": target, "position": order.index(target),
+                                "ttft_ms": r.ttft_ms, "total_ms": r.total_ms, "chunks": r.content_chunks,
+                                "chunks_per_s": r.chunks_per_second, "prompt_n": r.prompt_n, "cache_n": r.cache_n,
+                                "cache": r.cache_header})
+    return {"scenario": "overhead", "config": config.as_json(), "machine": machine(), "samples": samples,
+            "summary": summarize(samples)}
+
+
+def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    pairs: dict[int, dict[str, dict[str, Any]]] = {}
+    for s in samples:
+        pairs.setdefault(s["pair"], {})[s["target"]] = s
+    added_total = [p["slotkeeper"]["total_ms"] - p["direct"]["total_ms"] for p in pairs.values()]
+    added_ttft = [p["slotkeeper"]["ttft_ms"] - p["direct"]["ttft_ms"] for p in pairs.values()]
+    rate_ratio = [ratio(p["slotkeeper"]["chunks_per_s"], p["direct"]["chunks_per_s"]) for p in pairs.values()]
+    per_target = {
+        target: {
+            "total_ms": describe([s["total_ms"] for s in samples if s["target"] == target]),
+            "ttft_ms": describe([s["ttft_ms"] for s in samples if s["target"] == target]),
+            "chunks_per_s": describe([s["chunks_per_s"] for s in samples if s["target"] == target]),
+        }
+        for target in ("direct", "slotkeeper")
+    }
+    return {
+        "pairs": len(pairs),
+        "targets": per_target,
+        "added_total_ms": {"p50": statistics.median(added_total), "p99": percentile(added_total, 99),
+                           "mean": statistics.fmean(added_total)},
+        "added_ttft_ms": {"p50": statistics.median(added_ttft), "p99": percentile(added_ttft, 99),
+                          "mean": statistics.fmean(added_ttft)},
+        "chunks_per_s_ratio": {"median_per_pair": statistics.median(rate_ratio),
+                               "of_medians": ratio(per_target["slotkeeper"]["chunks_per_s"]["median"],
+                                                   per_target["direct"]["chunks_per_s"]["median"])},
+        "slotkeeper_cache_states": sorted({str(s["cache"]) for s in samples if s["target"] == "slotkeeper"}),
+    }

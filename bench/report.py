@@ -1,0 +1,129 @@
+"""The Markdown summary of whatever result files a run directory holds (bench/results/README.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(value: float, digits: int = 1) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def _header(results: dict[str, dict[str, Any]]) -> list[str]:
+    first = next(iter(results.values()))
+    m, c = first["machine"], first["config"]
+    notes = sorted({r["config"].get("note", "") for r in results.values()} - {""})
+    loads = ", ".join(f"{name}: {r['machine']['loadavg_at_start']}" for name, r in results.items())
+    return [
+        "# slotkeeper benchmark results",
+        "",
+        "Written by `python -m bench` (see `bench/__main__.py`). Every target gets the same requests, interleaved in "
+        "rotating order, so slow moments of the machine fall on all targets alike and the ratios are the numbers to "
+        "read; absolute times depend on the machine.",
+        "",
+        f"Machine: {m['cpus']} CPUs ({m['platform']}, Python {m['python']}), shared and possibly loaded by other "
+        f"work while this ran (1/5/15-minute load averages at the start of each scenario: {loads}). "
+        f"Model: generated random-weight `{c['model_size']}` model; llama-server with `-t {c['threads']}`, "
+        f"`--parallel 1`.{' CI size (`--small`).' if c['small'] else ''}",
+        "",
+        *(f"Note: {note}\n" for note in notes),
+    ]
+
+
+def _switch(r: dict[str, Any]) -> list[str]:
+    c = r["config"]
+    lines = [
+        "## switch: sessions taking turns on one slot",
+        "",
+        f"{c['sessions']} sessions round-robin on one slot, {c['rounds']} resumed turns each (history + one new user "
+        f"message, {c['answer_tokens']}-token answers). TTFT = time to the first streamed content chunk. "
+        "`cram0` = llama-server `--cache-ram 0`; `default` = llama-server with its host-memory prompt cache "
+        "(`--cache-ram 8192`); slotkeeper runs in front of a `--cache-ram 0` llama-server, saving on eviction "
+        "(`--save-idle-seconds -1`, so the save of the previous session is inside the measured TTFT).",
+        "",
+        "| context tokens | target | TTFT median ms | TTFT p99 ms | prefilled (prompt_n) | reused (cache_n) "
+        "| restore ms | save ms |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for tokens, s in r["summary"].items():
+        for target, t in s["targets"].items():
+            extra = ["", ""]
+            if "restore_ms" in t:
+                extra = [_fmt(t["restore_ms"]["median"]), _fmt(t["save_ms"]["median"])]
+            lines.append(f"| {tokens} | {target} | {_fmt(t['ttft_ms']['median'])} | {_fmt(t['ttft_ms']['p99'])} "
+                         f"| {t['prompt_n_median']:g} | {t['cache_n_median']:g} | {' | '.join(extra)} |")
+    lines += ["", "| context tokens | cram0 / slotkeeper (of medians, per-turn median) "
+              "| default / slotkeeper (of medians, per-turn median) |", "|---:|---|---|"]
+    for tokens, s in r["summary"].items():
+        a, b = s["ratios"]["cram0_over_slotkeeper"], s["ratios"]["default_over_slotkeeper"]
+        lines.append(f"| {tokens} | {a['of_medians']:.2f}x, {a['median_per_turn']:.2f}x "
+                     f"| {b['of_medians']:.2f}x, {b['median_per_turn']:.2f}x |")
+    return [*lines, ""]
+
+
+def _overhead(r: dict[str, Any]) -> list[str]:
+    c, s = r["config"], r["summary"]
+    lines = [
+        "## overhead: a hot session, direct vs through slotkeeper",
+        "",
+        f"{s['pairs']} pairs of requests (tiny prompt, {c['overhead_answer_tokens']} streamed tokens), one to "
+        "llama-server directly and one through slotkeeper, order alternating within pairs. Added = slotkeeper "
+        "minus direct, per pair.",
+        "",
+        "| target | total median ms | TTFT median ms | chunks/s median |",
+        "|---|---:|---:|---:|",
+    ]
+    for target, t in s["targets"].items():
+        lines.append(f"| {target} | {_fmt(t['total_ms']['median'])} | {_fmt(t['ttft_ms']['median'])} "
+                     f"| {_fmt(t['chunks_per_s']['median'])} |")
+    lines += [
+        "",
+        "| added total ms p50 | added total ms p99 | added TTFT ms p50 | added TTFT ms p99 "
+        "| chunks/s ratio slotkeeper / direct |",
+        "|---:|---:|---:|---:|---:|",
+        f"| {_fmt(s['added_total_ms']['p50'], 2)} | {_fmt(s['added_total_ms']['p99'], 2)} "
+        f"| {_fmt(s['added_ttft_ms']['p50'], 2)} | {_fmt(s['added_ttft_ms']['p99'], 2)} "
+        f"| {s['chunks_per_s_ratio']['median_per_pair']:.3f} |",
+        "",
+    ]
+    return lines
+
+
+def _restart(r: dict[str, Any]) -> list[str]:
+    c, s = r["config"], r["summary"]
+    lines = [
+        "## restart: resuming after llama-server and slotkeeper restarted",
+        "",
+        f"{c['sessions']} sessions of {s['tokens']} tokens primed through slotkeeper; both processes stopped and "
+        "started again; each session's next turn through slotkeeper (restored from disk) vs a cold prefill of the "
+        "same turn on a fresh `--cache-ram 0` llama-server.",
+        "",
+        "| target | TTFT median ms | prefilled (prompt_n) | reused (cache_n) | restore ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for target, t in s["targets"].items():
+        restore = _fmt(t["restore_ms"]["median"]) if "restore_ms" in t else ""
+        lines.append(f"| {target} | {_fmt(t['ttft_ms']['median'])} | {t['prompt_n_median']:g} "
+                     f"| {t['cache_n_median']:g} | {restore} |")
+    ratio = s["ratios"]["cold_over_restored"]
+    lines += ["", f"cold / restored: {ratio['of_medians']:.2f}x (of medians), "
+              f"{ratio['median_per_session']:.2f}x (per-session median).", ""]
+    return lines
+
+
+SECTIONS = {"switch": _switch, "overhead": _overhead, "restart": _restart}
+
+
+def write_report(out: Path) -> Path:
+    results = {name: json.loads((out / f"{name}.json").read_text()) for name in SECTIONS
+               if (out / f"{name}.json").exists()}
+    lines = _header(results) if results else ["# slotkeeper benchmark results", ""]
+    for name, result in results.items():
+        lines += SECTIONS[name](result)
+    if results and (out / "results.png").exists():
+        lines += ["![median time to first token per target](results.png)", ""]
+    path = out / "README.md"
+    path.write_text("\n".join(lines).rstrip() + "\n")
+    return path
