@@ -53,6 +53,7 @@ def test_kill_9_at_random_points_of_saving(tmp_path: Path, tiny_model: Path) -> 
     rng = random.Random(2026)
     history = {s: [{"role": "system", "content": f"session {s} " + words(400, i)}] for i, s in enumerate(SESSIONS)}
     temporaries_seen = 0
+    keeper: Slotkeeper | None = None
     try:
         for _kill in range(KILLS):
             keeper = Slotkeeper(cache, tmp_path / "slotkeeper.log", backend,
@@ -98,4 +99,6 @@ def test_kill_9_at_random_points_of_saving(tmp_path: Path, tiny_model: Path) -> 
         saves = len(re.findall(r"saved slot \d+ as ", keeper.log_text()))
         print(f"{KILLS} kills, {saves} completed saves, {temporaries_seen} leftover temporaries reconciled")
     finally:
+        if keeper is not None:
+            keeper.stop()  # a failed assertion must not leave a slotkeeper running
         backend.stop()
