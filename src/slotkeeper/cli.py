@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="save a changed slot after S idle seconds (default 2; negative: only on switch/exit)")
     serve.add_argument("--min-restore-tokens", type=int, metavar="N",
                        help="skip restores that would reuse fewer than N tokens (default 128)")
+    serve.add_argument("--system-snapshots", action=argparse.BooleanOptionalAction, default=None,
+                       help="start new conversations from a saved snapshot of their system prompt and tools, warming "
+                       "a new one up once (default on)")
     serve.add_argument("--max-queue", type=int, metavar="N",
                        help="requests that may wait for a slot before new ones get 503 (default 64; 0: no limit)")
     serve.add_argument("--api-key", metavar="KEY", help="require this key on the model routes")
@@ -95,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _tiny_model(args)
     if args.command == "serve":
         return _serve(args)
-    if args.command in ("sessions", "doctor"):
+    if args.command in ("sessions", "doctor", "prewarm"):
         from slotkeeper.manage import run
 
         return run(args)

@@ -38,6 +38,8 @@ class Settings:
     save_idle_seconds: float = 2.0
     # A restore that would reuse fewer tokens than this is skipped (a prefill that short is as cheap).
     min_restore_tokens: int = 128
+    # A new conversation starts from its system prompt's snapshot; a new system prompt is warmed up and saved once.
+    system_snapshots: bool = True
     # Requests allowed to wait for a slot; one more is answered 503 in the client's dialect (0: unbounded).
     max_queue: int = 64
     # Seconds to wait for a save, restore or erase (the backend defers them while the slot is busy).
@@ -190,6 +192,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "allowed_hosts": _headers,
     "max_body_bytes": int,
     "log_json": _bool,
+    "system_snapshots": _bool,
 }
 _SECRETS = frozenset({"api_key", "admin_key"})
 # What a TOML value may be, per setting (default: a string).
@@ -200,6 +203,7 @@ _FILE_TYPES: dict[str, tuple[type, ...]] = {
     "session_headers": (list, str),
     "allowed_hosts": (list, str),
     "log_json": (bool,),
+    "system_snapshots": (bool,),
 }
 
 

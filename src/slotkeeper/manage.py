@@ -10,9 +10,10 @@ import json
 import os
 import sys
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
@@ -33,14 +34,37 @@ class AdminClient:
     timeout: float = 30.0
 
     def call(self, method: str, path: str, params: dict[str, str] | None = None) -> Any:
-        headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
         try:
-            response = httpx.request(method, self.url + path, params=params, headers=headers, timeout=self.timeout)
+            response = httpx.request(method, self.url + path, params=params, headers=self._headers(),
+                                     timeout=self.timeout)
         except httpx.TransportError as exc:
-            raise CommandError(
-                f"cannot reach slotkeeper at {self.url} ({exc or type(exc).__name__}): is `slotkeeper serve` "
-                "running there? Give its address with --url or SLOTKEEPER_URL"
-            ) from exc
+            raise self._unreachable(exc) from exc
+        return self._checked(method, path, response)
+
+    def stream_lines(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """POST `body` and yield the NDJSON answer's objects as they arrive (no read timeout: prefills are long)."""
+        timeout = httpx.Timeout(self.timeout, read=None)
+        try:
+            with httpx.stream("POST", self.url + path, json=body, headers=self._headers(), timeout=timeout) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    self._checked("POST", path, response)
+                for line in response.iter_lines():
+                    if line.strip():
+                        yield json.loads(line)
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from exc
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+
+    def _unreachable(self, exc: httpx.TransportError) -> CommandError:
+        return CommandError(
+            f"cannot reach slotkeeper at {self.url} ({exc or type(exc).__name__}): is `slotkeeper serve` "
+            "running there? Give its address with --url or SLOTKEEPER_URL"
+        )
+
+    def _checked(self, method: str, path: str, response: httpx.Response) -> Any:
         try:
             body = response.json()
         except ValueError:
@@ -74,6 +98,19 @@ def add_commands(sub: Any) -> None:
     rm.add_argument("--model", help="the model namespace (default: the served model)")
     actions.add_parser("clear", parents=[common], help="save changed slots, then erase every slot")
 
+    prewarm = sub.add_parser(
+        "prewarm", parents=[common], help="warm a system prompt up once and keep it as a system snapshot",
+        description="Evaluate a system prompt (and tools) in a running slotkeeper and save it as a system snapshot, so "
+        "the first conversation on it starts warm. FILE is the system prompt as plain text, or a JSON object with "
+        "any of: system, messages (leading system messages, or a first user message whose leading text blocks are "
+        "instructions), tools, api, model. '-' reads standard input. Progress goes to stderr.")
+    prewarm.add_argument("file", metavar="FILE")
+    prewarm.add_argument("--tools", metavar="TOOLS.json", help="a JSON list of tool definitions to warm up with it")
+    prewarm.add_argument("--api", choices=["openai", "anthropic", "ollama"],
+                         help="the client API whose requests will carry this prompt (default: anthropic when the "
+                         "tools have input_schema, else openai; the three render some prompts differently)")
+    prewarm.add_argument("--model", help="the model namespace (default: the served model)")
+
     sub.add_parser("doctor", parents=[common], help="check the backend's settings, slot dir, fingerprints and "
                    "restores, and say what to change",
                    description="Check a running slotkeeper and its backend; exit status 1 if a check fails.")
@@ -87,6 +124,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
             from slotkeeper.doctor import run_doctor
 
             return run_doctor(client, args.json, out)
+        if args.command == "prewarm":
+            return _prewarm(client, args, out, err)
         return _SESSION_ACTIONS[args.action](client, args, out)
     except CommandError as exc:
         print(f"slotkeeper: {exc}", file=err)
@@ -154,6 +193,90 @@ def _clear(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     erased = ", ".join(str(i) for i in data["erased_slots"]) or "none"
     print(f"saved changed slots, then erased slot(s): {erased}", file=out)
     return 0
+
+
+def _prewarm(client: AdminClient, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    body = _prewarm_body(args)
+    result: dict[str, Any] | None = None
+    progress = Progress(err)
+    for event in client.stream_lines("/api/sessions/prewarm", body):
+        status = event.get("status")
+        if status == "prefill":
+            progress.show(int(event.get("processed", 0)), int(event.get("total", 0)))
+        elif status == "failed":
+            progress.done()
+            raise CommandError(f"the pre-warm failed, nothing was saved: {event.get('error')}")
+        elif status in ("saved", "exists", "too-short"):
+            result = event
+    progress.done()
+    if result is None:
+        raise CommandError("the pre-warm ended without a result (did slotkeeper stop?)")
+    if args.json:
+        _print_json(result, out)
+        return 0
+    what = {"saved": "saved as a system snapshot", "exists": "already had a system snapshot",
+            "too-short": "is shorter than --min-restore-tokens: not worth a snapshot"}[str(result["status"])]
+    print(f"system prompt {str(result['system'])[:12]} ({result['model']}, {result['tokens']} tokens) {what}"
+          + (f", {human_bytes(result['bytes'])}" if result["status"] == "saved" else "")
+          + f" in {float(result['ms']) / 1000:.1f} s", file=out)
+    return 0
+
+
+def _prewarm_body(args: argparse.Namespace) -> dict[str, Any]:
+    text = _read_text(args.file)
+    body: dict[str, Any]
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    body = dict(parsed) if isinstance(parsed, dict) else {"system": text}
+    if args.tools:
+        try:
+            body["tools"] = json.loads(_read_text(args.tools))
+        except ValueError as exc:
+            raise CommandError(f"{args.tools} is not JSON: {exc}") from exc
+    if args.api:
+        body["api"] = args.api
+    if args.model:
+        body["model"] = args.model
+    body["stream"] = True
+    return body
+
+
+def _read_text(path: str) -> str:
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise CommandError(f"{path} is not UTF-8 text: {exc}") from exc
+
+
+class Progress:
+    """A prefill progress line on stderr: rewritten in place on a terminal, every 10% otherwise."""
+
+    def __init__(self, err: TextIO) -> None:
+        self._err = err
+        self._tty = err.isatty()
+        self._shown = -1
+        self._open = False
+
+    def show(self, processed: int, total: int) -> None:
+        percent = int(100 * processed / total) if total else 0
+        if not self._tty and percent // 10 == self._shown // 10:
+            return
+        self._shown = percent
+        text = f"prefill {processed}/{total} tokens ({percent}%)"
+        if self._tty:
+            print("\r" + text, end="", file=self._err, flush=True)
+            self._open = True
+        else:
+            print(text, file=self._err, flush=True)
+
+    def done(self) -> None:
+        if self._open:
+            print(file=self._err)
+            self._open = False
 
 
 _SESSION_ACTIONS = {"ls": _ls, "show": _show, "rm": _rm, "clear": _clear}

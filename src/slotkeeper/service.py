@@ -6,22 +6,24 @@ Speaks no client dialect itself: routes hand it a session and an upstream body a
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from slotkeeper.cache.chain import Link, message_chain
+from slotkeeper.cache.chain import message_chain
 from slotkeeper.cache.pool import SlotLease, SlotPool, TurnEnd
-from slotkeeper.dialects.framing import SseDecoder, TimingsScanner, UpstreamEvent
+from slotkeeper.cache.systemprompt import SystemPrompt, system_prompt_of
+from slotkeeper.dialects.framing import KEEPALIVE, SseDecoder, TimingsScanner, UpstreamEvent
 from slotkeeper.errors import SlotkeeperError, UpstreamError, UpstreamUnavailable
 from slotkeeper.journal import RequestEntry, RequestJournal
-from slotkeeper.types import SessionKey
+from slotkeeper.types import SessionKey, Snapshot
 from slotkeeper.upstream.client import UpstreamClient, iter_errors_as_unavailable
 
 log = logging.getLogger("slotkeeper.turn")
@@ -88,8 +90,7 @@ class TurnService:
         A side request (a title or tag task) runs without becoming its session's state (see SlotPool.acquire).
         """
         self._check_backend()
-        record = TurnRecord(api, key, await self.pool.acquire(key, _chain_of(build), side=side),
-                            journal=self.journal)
+        record = TurnRecord(api, key, await self._acquire(key, build, side), journal=self.journal)
         end = TurnEnd.CANCELLED
         try:
             data = await self.client.post_json(path, build(record.lease.slot_id))
@@ -107,12 +108,20 @@ class TurnService:
             record.finish(end)
 
     async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
-                          side: bool = False) -> StreamTurn:
-        """Lease a slot and open the backend's stream; an error answer is raised before any byte reaches the client."""
+                          side: bool = False, warm_in_stream: bool = False) -> StreamTurn:
+        """Lease a slot and open the backend's stream; an error answer is raised before any byte reaches the client.
+
+        With `warm_in_stream` (a dialect that can send keep-alives), a warm-up of a new system prompt runs inside
+        the stream instead, as keep-alive events, so a long one does not keep the client waiting for any byte; the
+        backend's answer to the turn itself (an error included) then arrives as events.
+        """
         self._check_backend()
-        record = TurnRecord(api, key, await self.pool.acquire(key, _chain_of(build), side=side),
-                            journal=self.journal)
+        lease = await self._acquire(key, build, side, warm_now=not warm_in_stream)
+        record = TurnRecord(api, key, lease, journal=self.journal)
         context = self.client.stream(path, build(record.lease.slot_id))
+        if lease.warm_up:
+            return StreamTurn(record, None, context, self.client.base_url,
+                              warm_up=lambda progress: self._warm_up(lease, progress))
         try:
             response = await context.__aenter__()
         except UpstreamError as exc:
@@ -125,25 +134,149 @@ class TurnService:
             raise
         return StreamTurn(record, response, context, self.client.base_url)
 
+    async def _acquire(self, key: SessionKey, build: BodyBuilder, side: bool, warm_now: bool = True) -> SlotLease:
+        """Lease a slot for the turn; when the pool asks for it, warm the request's new system prompt up first (or,
+        without `warm_now`, leave `lease.warm_up` set for the stream to do it)."""
+        body = build(0)  # the same for every slot id, so any id will do
+        messages = body.get("messages")
+        chain = message_chain(messages, body.get("tools")) if isinstance(messages, list) else []
+        system = None if side else system_prompt_of(body)
+        lease = await self.pool.acquire(key, chain, side=side, system=system)
+        if lease.warm_up and warm_now:
+            lease.warm_up = False
+            try:
+                await self._warm_up(lease)
+            except SlotkeeperError:
+                pass  # logged; the turn prefills as it would have without a system snapshot
+            except BaseException:
+                lease.release(TurnEnd.FAILED)
+                raise
+        return lease
+
+    async def prewarm(self, model: str, system: SystemPrompt, progress: ProgressCallback | None = None) -> Prewarm:
+        """Warm a system prompt up ahead of time and keep it as its system snapshot (an operator's pre-warm).
+
+        Raises the backend's error when the warm-up fails; nothing is saved then.
+        """
+        self._check_backend()
+        started = time.perf_counter()
+        held = await self.pool.warm_lease(model, system)
+        end = TurnEnd.FAILED
+        try:
+            if held.existing is not None:
+                end = TurnEnd.COMPLETED
+                return Prewarm(system.digest, "exists", held.existing.n_tokens, held.existing.n_bytes,
+                               _ms_since(started))
+            snapshot = await self._warm_up(held, progress)
+            end = TurnEnd.COMPLETED
+            if snapshot is None:
+                return Prewarm(system.digest, "too-short", self.pool.slots[held.slot_id].n_tokens, 0,
+                               _ms_since(started))
+            return Prewarm(system.digest, "saved", snapshot.n_tokens, snapshot.n_bytes, _ms_since(started))
+        finally:
+            held.release(end)
+
+    async def _warm_up(self, lease: SlotLease, progress: ProgressCallback | None = None) -> Snapshot | None:
+        """Evaluate the lease's system part into its slot and save it as the system snapshot. A failed warm-up is
+        logged and raised, and saves nothing."""
+        system = lease.system
+        assert system is not None
+        started = time.perf_counter()
+        try:
+            n_tokens = await self._run_warm_up(lease.slot_id, system, progress)
+        except SlotkeeperError as exc:
+            self.pool.warm_up_failed(lease)
+            log.warning("warming up system prompt %s in slot %d failed, so no system snapshot was saved: %s",
+                        system.short_id, lease.slot_id, exc.message)
+            raise
+        finally:
+            lease.warm_ms = _ms_since(started)
+        snapshot = await self.pool.save_system(lease, n_tokens)
+        log.info("system prompt %s warmed up in slot %d: %d tokens in %.0f ms%s", system.short_id, lease.slot_id,
+                 n_tokens, lease.warm_ms, ", saved" if snapshot is not None else "")
+        return snapshot
+
+    async def _run_warm_up(self, slot_id: int, system: SystemPrompt, progress: ProgressCallback | None) -> int:
+        """Send the warm-up request; returns the prompt's token count. With `progress`, the backend reports how far
+        its prefill got (return_progress) and each report is passed on."""
+        path = "/v1/chat/completions"
+        if progress is None:
+            data = await self.client.post_json(path, system.warmup_body(slot_id))
+            return _prompt_tokens(data.get("timings") if isinstance(data, dict) else None)
+        timings: Any = None
+        decoder = SseDecoder()
+        try:
+            async with self.client.stream(path, system.warmup_body(slot_id, progress=True)) as response:
+                async for chunk in response.aiter_raw():
+                    for event in decoder.feed(chunk):
+                        if not isinstance(event, dict):
+                            continue
+                        if "error" in event:
+                            raise UpstreamError(502, json.dumps({"error": event["error"]}).encode())
+                        report = event.get("prompt_progress")
+                        if isinstance(report, dict):
+                            await progress(int(report.get("processed", 0)), int(report.get("total", 0)))
+                        if isinstance(event.get("timings"), dict):
+                            timings = event["timings"]
+        except httpx.HTTPError as exc:
+            raise iter_errors_as_unavailable(exc, self.client.base_url) from exc
+        return _prompt_tokens(timings)
+
+
+@dataclass(frozen=True, slots=True)
+class Prewarm:
+    """What a pre-warm did: saved a new system snapshot, found one, or found the prompt too short for one."""
+
+    digest: str
+    status: str  # "saved", "exists" or "too-short"
+    n_tokens: int
+    n_bytes: int
+    ms: float
+
+
+ProgressCallback = Callable[[int, int], Awaitable[None]]
+
+
+def _prompt_tokens(timings: object) -> int:
+    if not isinstance(timings, dict):
+        raise UpstreamError(502, b'{"error": {"message": "the backend answered the warm-up without timings"}}')
+    return int(timings.get("cache_n") or 0) + int(timings.get("prompt_n") or 0)
+
+
+def _ms_since(started: float) -> float:
+    return (time.perf_counter() - started) * 1000
+
 
 class StreamTurn:
-    """A streaming turn in flight. `chunks()` yields the backend's bytes as they come; `close()` always runs last."""
+    """A streaming turn in flight. `chunks()` yields the backend's bytes as they come; `close()` always runs last.
 
-    def __init__(self, record: TurnRecord, response: httpx.Response,
-                 context: AbstractAsyncContextManager[httpx.Response], base_url: str) -> None:
+    A turn with `warm_up` opens the backend's stream only after the warm-up, inside `events()`.
+    """
+
+    def __init__(self, record: TurnRecord, response: httpx.Response | None,
+                 context: AbstractAsyncContextManager[httpx.Response], base_url: str,
+                 warm_up: Callable[[ProgressCallback], Awaitable[Snapshot | None]] | None = None) -> None:
         self.record = record
         self.response = response
         self._context = context
         self._base_url = base_url
+        self._warm_up = warm_up
         self._scanner = TimingsScanner()
         self._end = TurnEnd.CANCELLED
         self._closed = False
 
     @property
+    def status_code(self) -> int:
+        return 200 if self.response is None else self.response.status_code
+
+    @property
     def media_type(self) -> str:
+        if self.response is None:
+            return "text/event-stream"
         return str(self.response.headers.get("content-type", "text/event-stream"))
 
     async def chunks(self, on_error: Callable[[SlotkeeperError], bytes]) -> AsyncIterator[bytes]:
+        assert self.response is not None, "a turn that warms up in its stream is read with events()"
         try:
             async for chunk in self.response.aiter_raw():
                 self._scanner.feed(chunk)
@@ -161,6 +294,10 @@ class StreamTurn:
     async def events(self) -> AsyncIterator[UpstreamEvent]:
         """The backend's stream as parsed events, for dialects that re-frame it. A broken connection is raised as
         UpstreamUnavailable after the turn is marked failed; an `{"error": ...}` event is passed on as it is."""
+        if self.response is None:
+            async for keepalive in self._warm_then_open():
+                yield keepalive
+        assert self.response is not None
         decoder = SseDecoder()
         errored = False
         try:
@@ -181,13 +318,47 @@ class StreamTurn:
         if not errored:
             self._end = TurnEnd.COMPLETED
 
+    async def _warm_then_open(self) -> AsyncIterator[UpstreamEvent]:
+        """Run the warm-up, one keep-alive per progress report, then open the backend's stream for the turn."""
+        assert self._warm_up is not None
+        reports: asyncio.Queue[None] = asyncio.Queue()
+
+        async def report(processed: int, total: int) -> None:
+            reports.put_nowait(None)
+
+        self._end = TurnEnd.FAILED  # cut short, the slot holds part of a warm-up: nothing in it is worth saving
+        warm_up = asyncio.ensure_future(self._warm_up(report))
+        try:
+            while not warm_up.done():
+                report_arrived = asyncio.ensure_future(reports.get())
+                await asyncio.wait({report_arrived, warm_up}, return_when=asyncio.FIRST_COMPLETED)
+                report_arrived.cancel()
+                if report_arrived.done() and not report_arrived.cancelled():
+                    yield KEEPALIVE
+        finally:
+            if not warm_up.done():
+                warm_up.cancel()
+        error = warm_up.exception()
+        if error is not None and not isinstance(error, SlotkeeperError):
+            raise error  # a bug: a failed warm-up is a SlotkeeperError, logged, and the turn runs without it
+        try:
+            self.response = await self._context.__aenter__()
+        except UpstreamError as exc:
+            self.record.status, self._end = exc.status_code, TurnEnd.REJECTED
+            raise
+        except SlotkeeperError as exc:
+            self.record.status = exc.status_code
+            raise
+        self._end = TurnEnd.CANCELLED
+
     async def close(self) -> None:
         """Close the backend connection (which stops its generation) and give the slot back. Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
-            await asyncio.shield(self._context.__aexit__(None, None, None))
+            if self.response is not None:
+                await asyncio.shield(self._context.__aexit__(None, None, None))
         except (httpx.HTTPError, SlotkeeperError):
             pass
         finally:
@@ -196,13 +367,6 @@ class StreamTurn:
             if self._end is TurnEnd.CANCELLED:
                 self.record.status = 499
             self.record.finish(self._end)
-
-
-def _chain_of(build: BodyBuilder) -> list[Link]:
-    """The message chain of the upstream body (the same for every slot id, so any id will do)."""
-    body = build(0)
-    messages = body.get("messages")
-    return message_chain(messages, body.get("tools")) if isinstance(messages, list) else []
 
 
 def _int(value: Any) -> int | None:

@@ -21,6 +21,13 @@ class IdSource(enum.StrEnum):
     DEFAULT = "default"
 
 
+class SnapshotKind(enum.StrEnum):
+    """What a snapshot holds: a conversation's state, or a system prompt's (shared by new conversations on it)."""
+
+    SESSION = "session"
+    SYSTEM = "system"
+
+
 class CacheOutcome(enum.StrEnum):
     """How a request's slot got its state: already there, restored from disk, or whatever the slot held."""
 
@@ -43,9 +50,12 @@ class SessionKey:
         """The catch-all session of requests with no id and no system prompt: never saved or restored."""
         return self.source is IdSource.DEFAULT
 
-    def file_stem(self, fingerprint: str) -> str:
-        """Our own hex file name for this session's snapshot: never derived textually from client strings."""
-        digest = hashlib.sha256(f"{fingerprint}\0{self.model}\0{self.session_id}".encode()).hexdigest()
+    def file_stem(self, fingerprint: str, kind: SnapshotKind = SnapshotKind.SESSION) -> str:
+        """Our own hex file name for this key's snapshot: never derived textually from client strings."""
+        name = f"{fingerprint}\0{self.model}\0{self.session_id}"
+        if kind is not SnapshotKind.SESSION:
+            name += f"\0{kind}"
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
         return digest[:40]
 
     def __str__(self) -> str:
@@ -82,6 +92,7 @@ class Snapshot:
     created: float
     last_used: float
     hits: int
+    kind: SnapshotKind = SnapshotKind.SESSION
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,7 +53,7 @@ def test_fork_restores_the_state_up_to_the_edited_message(stack: Stack, client_f
     assert t["prompt_n"] > 100  # the edited message and everything after it were prefilled again
 
 
-def test_new_chat_on_a_known_system_prompt_starts_from_its_prefix(stack: Stack, client_for) -> None:
+def test_new_chat_on_a_known_system_prompt_starts_from_its_system_snapshot(stack: Stack, client_for) -> None:
     backend = stack.backend(cache_ram=0)
     keeper = stack.slotkeeper(backend)
     client = client_for(keeper)
@@ -65,13 +65,16 @@ def test_new_chat_on_a_known_system_prompt_starts_from_its_prefix(stack: Stack, 
     assert row_x is not None
 
     second = chat(client, [system, {"role": "user", "content": "second chat " + words(100, 2)}], "chat-y")
-    assert second.headers["x-slotkeeper-cache"] == "prefix"
+    # From the system prompt's own snapshot (made when chat-x brought the prompt in), not from chat-x's.
+    assert second.headers["x-slotkeeper-cache"] == "restored"
     system_tokens = prompt_tokens(backend.url, [system])
     assert timings(second)["cache_n"] >= system_tokens - 8
     # chat-y's own state goes to its own snapshot; chat-x's snapshot is untouched.
     Conversation(client, "unrelated", size=300, seed=4).turn()
     assert keeper.row("chat-y") is not None and keeper.row("chat-y")["filename"] != row_x["filename"]  # type: ignore[index]
     assert keeper.row("chat-x")["checksum"] == row_x["checksum"]  # type: ignore[index]
+    restores = [line for line in keeper.log_text().splitlines() if "session=tiny/chat-y" in line]
+    assert restores and "cache=restored" in restores[0]
 
 
 def test_a_full_queue_answers_503_in_the_clients_dialect(stack: Stack, client_for) -> None:

@@ -35,7 +35,8 @@ def _index(cache_dir: Path) -> list[sqlite3.Row]:
 
 
 def _assert_index_consistent(cache_dir: Path, slot_dir: Path) -> dict[str, str]:
-    """Every indexed file exists with the indexed size and checksum; returns session -> checksum."""
+    """Every indexed file (of sessions and system prompts) exists with the indexed size and checksum; returns
+    session -> checksum for the sessions."""
     good = {}
     for row in _index(cache_dir):
         path = slot_dir / row["filename"]
@@ -43,7 +44,8 @@ def _assert_index_consistent(cache_dir: Path, slot_dir: Path) -> dict[str, str]:
         assert path.stat().st_size == row["n_bytes"], f"torn file in the index: {row['filename']}"
         assert file_checksum(path) == row["checksum"], f"checksum mismatch in the index: {row['filename']}"
         assert row["n_tokens"] > 0
-        good[row["session_id"]] = row["checksum"]
+        if row["kind"] == "session":
+            good[row["session_id"]] = row["checksum"]
     return good
 
 

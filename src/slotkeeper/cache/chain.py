@@ -27,11 +27,11 @@ class Link:
 def message_chain(messages: Sequence[Any], tools: Any = None) -> list[Link]:
     """The chain of an OpenAI-style message list (the backend's own format, whatever the client's dialect)."""
     running = hashlib.sha256(b"slotkeeper-chain-v1\0")
-    running.update(_canonical(tools).encode("utf-8", "surrogatepass"))
+    running.update(canonical_json(tools).encode("utf-8", "surrogatepass"))
     links: list[Link] = []
     chars = 0
     for message in messages:
-        text = _canonical(message)
+        text = canonical_json(message)
         chars += len(text)
         running.update(b"\0")
         running.update(text.encode("utf-8", "surrogatepass"))
@@ -49,7 +49,8 @@ def common_prefix(a: Sequence[Link], b: Sequence[Link]) -> int:
     return n
 
 
-def _canonical(value: Any) -> str:
+def canonical_json(value: Any) -> str:
+    """Compact JSON with sorted keys and without keys that never change what the model sees."""
     return json.dumps(_strip(value), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 

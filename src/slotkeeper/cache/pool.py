@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.errors import Overloaded, SnapshotError, UpstreamError, UpstreamUnavailable
-from slotkeeper.types import CacheOutcome, SessionKey, Snapshot
+from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import UpstreamClient
 
 log = logging.getLogger("slotkeeper.pool")
@@ -28,6 +29,8 @@ log = logging.getLogger("slotkeeper.pool")
 _EFFECTIVE_SHARE = 0.5
 # Restores that did not help, in a row, before restoring is switched off for the backend.
 _INEFFECTIVE_LIMIT = 3
+# System prompts found too short to be worth a snapshot, remembered so they are not warmed up again.
+_SHORT_SYSTEMS_KEPT = 1024
 
 
 class TurnEnd(enum.Enum):
@@ -77,6 +80,12 @@ class SlotLease:
     restored_from: str | None = None
     restore_ms: float = 0.0
     save_ms: float = 0.0
+    # The request's system part; `warm_up` asks the caller to evaluate it into the slot (and `save_system` it) first.
+    system: SystemPrompt | None = None
+    warm_up: bool = False
+    warm_ms: float = 0.0
+    # The system snapshot already on disk, for a lease taken only to warm a system prompt up (see `warm_lease`).
+    existing: Snapshot | None = None
     _release: Callable[[SlotLease, TurnEnd, int, int | None], None] | None = field(default=None, repr=False)
 
     def release(self, end: TurnEnd, n_tokens: int = 0, cache_n: int | None = None) -> None:
@@ -107,6 +116,7 @@ class SlotPool:
         save_idle_seconds: float = 2.0,
         min_restore_tokens: int = 0,
         max_queue: int = 0,
+        system_snapshots: bool = True,
     ) -> None:
         self.slots = [SlotState(i) for i in range(n_slots)]
         self._client = client
@@ -116,6 +126,8 @@ class SlotPool:
         self._save_idle_seconds = save_idle_seconds
         self._min_restore_tokens = min_restore_tokens
         self._max_queue = max_queue
+        self._system_snapshots = system_snapshots
+        self._short_systems: deque[str] = deque(maxlen=_SHORT_SYSTEMS_KEPT)
         self._waiters: deque[_Waiter] = deque()
         self._timers: set[asyncio.Task[None]] = set()
         self.saves = 0
@@ -130,8 +142,12 @@ class SlotPool:
 
     # -- leasing --------------------------------------------------------------------------------------------
 
-    async def acquire(self, key: SessionKey, chain: Sequence[Link] = (), side: bool = False) -> SlotLease:
+    async def acquire(self, key: SessionKey, chain: Sequence[Link] = (), side: bool = False,
+                      system: SystemPrompt | None = None) -> SlotLease:
         """Wait for a slot for `key`, bring the best state for its messages (`chain`) into it, and lease it.
+
+        `system` is the request's system part: a new conversation starts from its system snapshot, or, when there
+        is none yet, the lease comes back with `warm_up` set (see `save_system`).
 
         A side request (a title or tag task sent under the conversation's id) must not become the session's state:
         it gets a slot that holds no unsaved session when there is one, the slot's changed occupant is saved first,
@@ -141,7 +157,8 @@ class SlotPool:
         previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
         slot.occupant, slot.dirty = (None if side else key), False
         slot.generation += 1
-        lease = SlotLease(slot.slot_id, key, CacheOutcome.COLD, side=side, chain=list(chain), _release=self._finish)
+        lease = SlotLease(slot.slot_id, key, CacheOutcome.COLD, side=side, chain=list(chain), system=system,
+                          _release=self._finish)
         if previous == key and not side:
             slot.dirty = previous_dirty
             lease.outcome = CacheOutcome.HOT
@@ -207,8 +224,13 @@ class SlotPool:
         slot = self.slots[lease.slot_id]
         slot.busy = False
         slot.last_used = time.monotonic()
-        if end is TurnEnd.FAILED or slot.forget_on_release or lease.side:
-            slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
+        if lease.existing is not None:
+            pass  # a pre-warm that found its snapshot on disk did not touch the slot
+        elif end is TurnEnd.FAILED or slot.forget_on_release or lease.side:
+            slot.occupant, slot.dirty, slot.n_tokens = None, False, 0
+            # A completed pre-warm leaves its system part in the slot, for the next conversation on it.
+            keeps_system = end is TurnEnd.COMPLETED and lease.side and lease.system is not None
+            slot.chain = slot.chain if keeps_system else []
             slot.forget_on_release = False
         elif end in (TurnEnd.COMPLETED, TurnEnd.CANCELLED):
             slot.dirty = not lease.key.is_default
@@ -223,7 +245,8 @@ class SlotPool:
     # -- bringing a state in --------------------------------------------------------------------------------
 
     async def _bring_in(self, slot: SlotState, lease: SlotLease, in_slot: Sequence[Link]) -> None:
-        """Restore the session's own snapshot, else the snapshot sharing the longest message prefix, else nothing."""
+        """Restore the session's own snapshot; else another session's snapshot that shares more than the system
+        part; else the system part's snapshot (or ask for a warm-up when there is none); else nothing."""
         key = lease.key
         if key.is_default or self.restore_stats.disabled:
             return
@@ -239,10 +262,74 @@ class SlotPool:
             if expected >= max(self._min_restore_tokens, 1) and (shared is None or (messages > 0 and kept <= messages)):
                 await self._restore(slot, lease, own, CacheOutcome.RESTORED, expected)
                 return
+        system = lease.system if self._system_snapshots else None
+        # Another conversation's state is used only where it shares more than the system part: conversations on one
+        # system prompt share its system snapshot, never each other's.
+        n_system = system.n_messages if system is not None else 0
         match = await asyncio.to_thread(self._store.best_prefix, key.model, self._fingerprint, lease.chain)
-        if match is None or match.messages <= kept or match.est_tokens < self._min_restore_tokens:
+        if match is not None and match.messages > max(kept, n_system) and match.est_tokens >= self._min_restore_tokens:
+            await self._restore(slot, lease, match.snapshot, CacheOutcome.PREFIX, match.est_tokens)
             return
-        await self._restore(slot, lease, match.snapshot, CacheOutcome.PREFIX, match.est_tokens)
+        if system is None or own is not None:
+            return
+        system_key = SessionKey(key.model, system.digest)
+        snapshot = await asyncio.to_thread(self._store.checked_snapshot, system_key, self._fingerprint,
+                                           SnapshotKind.SYSTEM)
+        if snapshot is None:
+            lease.warm_up = self._worth_warming(system)
+            return
+        if kept > 0 and kept >= n_system:
+            return  # the slot already holds this system part (another conversation on it was there)
+        if snapshot.n_tokens >= max(self._min_restore_tokens, 1):
+            await self._restore(slot, lease, snapshot, CacheOutcome.RESTORED, snapshot.n_tokens)
+
+    def _worth_warming(self, system: SystemPrompt) -> bool:
+        # About two characters of canonical JSON per token at the least: shorter prompts cannot reach the threshold.
+        return system.chars >= 2 * self._min_restore_tokens and system.digest not in self._short_systems
+
+    async def save_system(self, lease: SlotLease, n_tokens: int) -> Snapshot | None:
+        """The caller warmed the leased slot up with the lease's system part (`n_tokens` prompt tokens): keep it as
+        the system snapshot, unless it is too short to be worth one. Only called after a warm-up that succeeded."""
+        system = lease.system
+        assert system is not None
+        slot = self.slots[lease.slot_id]
+        slot.chain = system.chain()
+        slot.n_tokens = n_tokens
+        if n_tokens < max(self._min_restore_tokens, 1):
+            self._short_systems.append(system.digest)
+            log.info("system prompt %s has %d tokens, fewer than --min-restore-tokens: no system snapshot",
+                     system.short_id, n_tokens)
+            return None
+        key = SessionKey(lease.key.model, system.digest)
+        lease.save_ms += await self._save(slot.slot_id, key, slot.chain, SnapshotKind.SYSTEM)
+        return await asyncio.to_thread(self._store.get, key, SnapshotKind.SYSTEM)
+
+    def warm_up_failed(self, lease: SlotLease) -> None:
+        """The warm-up request failed: nothing is saved, and the slot's content is not known any more."""
+        self.slots[lease.slot_id].chain = []
+
+    async def warm_lease(self, model: str, system: SystemPrompt) -> SlotLease:
+        """Lease a slot to warm `system` up ahead of time (an operator's pre-warm). The lease's `existing` is the
+        system snapshot already on disk, if any (then there is nothing to do). Release it like a side request."""
+        slot = await self._take(self._choose_side, bounded=True)
+        previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
+        slot.occupant, slot.dirty = None, False
+        slot.generation += 1
+        key = SessionKey(model, system.digest)
+        lease = SlotLease(slot.slot_id, key, CacheOutcome.COLD, side=True, chain=system.chain(), system=system,
+                          _release=self._finish)
+        try:
+            lease.existing = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint,
+                                                     SnapshotKind.SYSTEM)
+            if lease.existing is None and previous is not None and previous_dirty:
+                lease.save_ms = await self._save(slot.slot_id, previous, in_slot)
+        except BaseException:
+            lease.release(TurnEnd.FAILED)
+            raise
+        if lease.existing is not None:
+            # Nothing to do: the slot keeps what it held, unsaved changes included.
+            slot.occupant, slot.dirty = previous, previous_dirty
+        return lease
 
     async def _restore(self, slot: SlotState, lease: SlotLease, snapshot: Snapshot, outcome: CacheOutcome,
                        expected: int) -> None:
@@ -263,11 +350,12 @@ class SlotPool:
         lease.outcome = outcome
         lease.restored_tokens = result.n_tokens
         lease.expected_reuse = min(expected, result.n_tokens)
-        lease.restored_from = snapshot.session_id
+        lease.restored_from = snapshot.session_id if snapshot.kind is SnapshotKind.SESSION else (
+            f"system:{snapshot.session_id[:12]}")
         self.restores += 1
         self.events.restored(lease.restore_ms, snapshot.n_bytes, result.n_tokens)
         slot.n_tokens = result.n_tokens
-        await asyncio.to_thread(self._store.mark_used, SessionKey(snapshot.model, snapshot.session_id))
+        await asyncio.to_thread(self._store.mark_used, SessionKey(snapshot.model, snapshot.session_id), snapshot.kind)
 
     def _judge_restore(self, lease: SlotLease, cache_n: int) -> None:
         stats = self.restore_stats
@@ -292,16 +380,17 @@ class SlotPool:
 
     # -- saving ---------------------------------------------------------------------------------------------
 
-    async def _save(self, slot_id: int, key: SessionKey, chain: Sequence[Link]) -> float:
+    async def _save(self, slot_id: int, key: SessionKey, chain: Sequence[Link],
+                    kind: SnapshotKind = SnapshotKind.SESSION) -> float:
         """Save the slot's state as `key`'s snapshot. A failure is logged and costs only the snapshot's freshness."""
         if self.restore_stats.disabled:
             return 0.0  # nothing would ever restore it
-        temp = self._store.temp_name(key, self._fingerprint)
+        temp = self._store.temp_name(key, self._fingerprint, kind)
         started = time.perf_counter()
         try:
             result = await self._client.slot_action(slot_id, "save", temp)
             await asyncio.to_thread(self._store.commit, key, temp, self._fingerprint, result.n_tokens, chain,
-                                    result.n_bytes)
+                                    result.n_bytes, kind)
         except (UpstreamError, UpstreamUnavailable, SnapshotError) as exc:
             self.failed_saves += 1
             await asyncio.to_thread(self._store.discard_temp, temp)
@@ -310,8 +399,9 @@ class SlotPool:
         elapsed = (time.perf_counter() - started) * 1000
         self.saves += 1
         self.events.saved(elapsed, result.n_bytes, result.n_tokens)
-        log.info("saved slot %d as %s: %d tokens, %d bytes, %.1f ms", slot_id, key, result.n_tokens,
-                 result.n_bytes, elapsed)
+        log.info("saved slot %d as %s%s: %d tokens, %d bytes, %.1f ms", slot_id,
+                 "the system snapshot " if kind is SnapshotKind.SYSTEM else "", key, result.n_tokens, result.n_bytes,
+                 elapsed)
         return elapsed
 
     def _schedule_idle_save(self, slot: SlotState) -> None:

@@ -16,12 +16,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
 from slotkeeper.cache.chain import Link
 from slotkeeper.errors import SnapshotError
-from slotkeeper.types import SessionKey, Snapshot
+from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 
 log = logging.getLogger("slotkeeper.store")
 
@@ -56,7 +57,7 @@ CREATE TABLE IF NOT EXISTS file_identities (
     PRIMARY KEY (path, size, mtime_ns)
 );
 """
-_COLUMNS = "model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits"
+_COLUMNS = "model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind"
 # Our own names: 40 hex digits, a dash and a nonce; temporaries carry `.tmp-<nonce>` before `.bin`.
 _FINAL_NAME = re.compile(r"^[0-9a-f]{40}-[0-9a-f]{8}\.bin$")
 _TEMP_NAME = re.compile(r"^[0-9a-f]{40}\.tmp-[0-9a-f]{8}\.bin$")
@@ -112,12 +113,13 @@ class SnapshotStore:
 
     # -- saving ---------------------------------------------------------------------------------------------
 
-    def temp_name(self, key: SessionKey, fingerprint: str) -> str:
+    def temp_name(self, key: SessionKey, fingerprint: str, kind: SnapshotKind = SnapshotKind.SESSION) -> str:
         """A fresh temporary file name for the backend to write a save into."""
-        return f"{key.file_stem(fingerprint)}.tmp-{secrets.token_hex(4)}.bin"
+        return f"{key.file_stem(fingerprint, kind)}.tmp-{secrets.token_hex(4)}.bin"
 
     def commit(self, key: SessionKey, temp_name: str, fingerprint: str, n_tokens: int,
-               chain: Sequence[Link] = (), n_written: int | None = None) -> Snapshot:
+               chain: Sequence[Link] = (), n_written: int | None = None,
+               kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot:
         """Make a finished save durable and index it; the previous snapshot of the session is replaced only now.
 
         `n_written` is the size the backend says it wrote; a file of any other size is torn and never indexed.
@@ -133,7 +135,7 @@ class SnapshotStore:
             if n_written is not None and n_bytes != n_written:
                 raise OSError(f"the file has {n_bytes} bytes but the backend wrote {n_written}")
             checksum = file_checksum(temp_path)
-            final_name = f"{key.file_stem(fingerprint)}-{secrets.token_hex(4)}.bin"
+            final_name = f"{key.file_stem(fingerprint, kind)}-{secrets.token_hex(4)}.bin"
             os.replace(temp_path, self.slot_dir / final_name)
             _fsync_dir(self.slot_dir)
         except OSError as exc:
@@ -141,14 +143,14 @@ class SnapshotStore:
             raise SnapshotError(f"could not finish the snapshot of {key}: {exc}") from exc
         now = time.time()
         with self._lock:
-            previous = self._row(key)
+            previous = self._row(key, kind)
             self._db.execute(
                 "INSERT INTO snapshots (model, session_id, kind, filename, fingerprint, n_tokens, n_bytes, checksum,"
-                " created, last_used, hits) VALUES (?, ?, 'session', ?, ?, ?, ?, ?, ?, ?, 0)"
+                " created, last_used, hits) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)"
                 " ON CONFLICT(model, session_id, kind) DO UPDATE SET filename=excluded.filename,"
                 " fingerprint=excluded.fingerprint, n_tokens=excluded.n_tokens, n_bytes=excluded.n_bytes,"
                 " checksum=excluded.checksum, last_used=excluded.last_used",
-                (key.model, key.session_id, final_name, fingerprint, n_tokens, n_bytes, checksum, now, now),
+                (key.model, key.session_id, str(kind), final_name, fingerprint, n_tokens, n_bytes, checksum, now, now),
             )
             self._db.executemany(
                 "INSERT INTO chains (filename, position, digest, chars) VALUES (?, ?, ?, ?)",
@@ -156,7 +158,7 @@ class SnapshotStore:
             )
             if previous is not None:
                 self._db.execute("DELETE FROM chains WHERE filename=?", (previous.filename,))
-            snapshot = self._row(key)
+            snapshot = self._row(key, kind)
         if previous is not None and previous.filename != final_name:
             _unlink_quietly(self.slot_dir / previous.filename)
         assert snapshot is not None
@@ -167,14 +169,16 @@ class SnapshotStore:
 
     # -- restoring ------------------------------------------------------------------------------------------
 
-    def checked_snapshot(self, key: SessionKey, fingerprint: str) -> Snapshot | None:
-        """The session's snapshot if its file is intact and made by this backend; else None (bad files quarantined)."""
+    def checked_snapshot(self, key: SessionKey, fingerprint: str,
+                         kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
+        """The key's snapshot if its file is intact and made by this backend; else None (bad files quarantined)."""
         with self._lock:
-            snapshot = self._row(key)
+            snapshot = self._row(key, kind)
         return None if snapshot is None else self._verified(snapshot, fingerprint)
 
     def best_prefix(self, model: str, fingerprint: str, chain: Sequence[Link]) -> PrefixMatch | None:
-        """The intact snapshot (of any session of this model and backend) sharing the longest message prefix."""
+        """The intact session snapshot (of any session of this model and backend) sharing the longest message
+        prefix. System snapshots are found by their key instead (see checked_snapshot)."""
         if not chain:
             return None
         position_of = {link.digest: i for i, link in enumerate(chain)}
@@ -183,12 +187,13 @@ class SnapshotStore:
             f"SELECT {', '.join('s.' + c.strip() for c in _COLUMNS.split(','))}, c.position,"
             " (SELECT MAX(chars) FROM chains WHERE filename = s.filename)"
             f" FROM chains c JOIN snapshots s ON s.filename = c.filename WHERE c.digest IN ({marks})"
-            " AND s.model = ? AND s.fingerprint = ? ORDER BY c.position DESC, s.last_used DESC LIMIT 8"
+            " AND s.model = ? AND s.fingerprint = ? AND s.kind = 'session'"
+            " ORDER BY c.position DESC, s.last_used DESC LIMIT 8"
         )
         with self._lock:
             rows = self._db.execute(query, (*position_of, model, fingerprint)).fetchall()
         for row in rows:
-            snapshot, position, total_chars = Snapshot(*row[:-2]), int(row[-2]), int(row[-1] or 0)
+            snapshot, position, total_chars = _snapshot(row[:-2]), int(row[-2]), int(row[-1] or 0)
             if self._verified(snapshot, fingerprint) is None:
                 continue
             share = chain[position].chars / total_chars if total_chars else 0.0
@@ -240,10 +245,7 @@ class SnapshotStore:
     def quarantine(self, snapshot: Snapshot, reason: str) -> None:
         """Drop the index row and move the file aside so it is never handed to the backend again."""
         with self._lock:
-            self._db.execute(
-                "DELETE FROM snapshots WHERE model=? AND session_id=? AND filename=?",
-                (snapshot.model, snapshot.session_id, snapshot.filename),
-            )
+            self._db.execute("DELETE FROM snapshots WHERE filename=?", (snapshot.filename,))
             self._db.execute("DELETE FROM chains WHERE filename=?", (snapshot.filename,))
         source = self.slot_dir / snapshot.filename
         if source.exists() or source.is_symlink():
@@ -255,38 +257,40 @@ class SnapshotStore:
                 log.error("could not move %s aside: %s", source, exc)
         log.warning("snapshot %s/%s quarantined: %s", snapshot.model, snapshot.session_id, reason)
 
-    def mark_used(self, key: SessionKey) -> None:
+    def mark_used(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> None:
         with self._lock:
             self._db.execute(
-                "UPDATE snapshots SET last_used=?, hits=hits+1 WHERE model=? AND session_id=? AND kind='session'",
-                (time.time(), key.model, key.session_id),
+                "UPDATE snapshots SET last_used=?, hits=hits+1 WHERE model=? AND session_id=? AND kind=?",
+                (time.time(), key.model, key.session_id, str(kind)),
             )
 
     # -- listing and deleting -------------------------------------------------------------------------------
 
-    def get(self, key: SessionKey) -> Snapshot | None:
+    def get(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
         with self._lock:
-            return self._row(key)
+            return self._row(key, kind)
 
-    def list(self, model: str | None = None) -> list[Snapshot]:
-        query = f"SELECT {_COLUMNS} FROM snapshots WHERE kind='session'"
+    def list(self, model: str | None = None, kind: SnapshotKind | None = SnapshotKind.SESSION) -> list[Snapshot]:
+        """Snapshots, most recently used first: of one kind (sessions by default) or, with kind None, all."""
+        query = f"SELECT {_COLUMNS} FROM snapshots WHERE 1=1"
         params: tuple[str, ...] = ()
+        if kind is not None:
+            query += " AND kind=?"
+            params += (str(kind),)
         if model is not None:
             query += " AND model=?"
-            params = (model,)
+            params += (model,)
         with self._lock:
             rows = self._db.execute(query + " ORDER BY last_used DESC", params).fetchall()
-        return [Snapshot(*row) for row in rows]
+        return [_snapshot(row) for row in rows]
 
-    def delete(self, key: SessionKey) -> Snapshot | None:
-        """Remove a session's row and file; returns what was removed, or None when there was nothing."""
+    def delete(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
+        """Remove a snapshot's row and file; returns what was removed, or None when there was nothing."""
         with self._lock:
-            snapshot = self._row(key)
+            snapshot = self._row(key, kind)
             if snapshot is None:
                 return None
-            self._db.execute(
-                "DELETE FROM snapshots WHERE model=? AND session_id=? AND kind='session'", (key.model, key.session_id)
-            )
+            self._db.execute("DELETE FROM snapshots WHERE filename=?", (snapshot.filename,))
             self._db.execute("DELETE FROM chains WHERE filename=?", (snapshot.filename,))
         _unlink_quietly(self.slot_dir / snapshot.filename)
         return snapshot
@@ -339,12 +343,19 @@ class SnapshotStore:
                 (path, size, mtime_ns, identity),
             )
 
-    def _row(self, key: SessionKey) -> Snapshot | None:
+    def _row(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
         row = self._db.execute(
-            f"SELECT {_COLUMNS} FROM snapshots WHERE model=? AND session_id=? AND kind='session'",
-            (key.model, key.session_id),
+            f"SELECT {_COLUMNS} FROM snapshots WHERE model=? AND session_id=? AND kind=?",
+            (key.model, key.session_id, str(kind)),
         ).fetchone()
-        return None if row is None else Snapshot(*row)
+        return None if row is None else _snapshot(row)
+
+
+def _snapshot(row: Sequence[Any]) -> Snapshot:
+    """An index row (the columns of _COLUMNS, in order) as a Snapshot."""
+    model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind = row
+    return Snapshot(model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits,
+                    SnapshotKind(kind))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -40,7 +40,8 @@ async def create_message(request: Request) -> Response:
     message_id = "msg_" + secrets.token_hex(12)
     stop_sequences = message.stop_sequences or []
     if message.stream:
-        turn = await state.service.open_stream("anthropic.messages", key, "/v1/chat/completions", build, side=side)
+        turn = await state.service.open_stream("anthropic.messages", key, "/v1/chat/completions", build, side=side,
+                                               warm_in_stream=True)
         encoder = anthropic.MessageStreamEncoder(message_id, message.model, stop_sequences)
         return TurnStreamResponse(turn, _encode(turn, encoder), media_type="text/event-stream")
     data, record = await state.service.unary("anthropic.messages", key, "/v1/chat/completions", build, side=side)

@@ -23,7 +23,16 @@ from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.launcher import EmbeddedBackend
 from slotkeeper.watch import BackendWatch
-from slotkeeper.web import activity, admin, anthropic_routes, dashboard, metrics, ollama_routes, openai_routes
+from slotkeeper.web import (
+    activity,
+    admin,
+    anthropic_routes,
+    dashboard,
+    metrics,
+    ollama_routes,
+    openai_routes,
+    prewarm_routes,
+)
 from slotkeeper.web.errors import error_response
 from slotkeeper.web.security import Guard
 from slotkeeper.web.state import AppState, app_state
@@ -64,7 +73,8 @@ def create_app(settings: Settings) -> FastAPI:
             store.close()
             raise
         pool = SlotPool(backend.n_slots, client, store, backend.fingerprint, backend.n_ctx_slot,
-                        settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue)
+                        settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue,
+                        settings.system_snapshots)
         app.state.slotkeeper = AppState(settings, backend, client, store, pool, TurnService(client, pool), time.time())
         app.state.metrics = metrics.Metrics(app.state.slotkeeper)
         log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
@@ -113,6 +123,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(prewarm_routes.router)  # before the session routes' /api/sessions/{id}
     app.include_router(admin.router)
     # Before the Ollama routes, whose /api/{rest} catch-all would answer /api/requests and /api/backend.
     for router in (metrics.router, activity.router, dashboard.router):

@@ -20,7 +20,7 @@ class TurnStreamResponse(StreamingResponse):
     def __init__(self, turn: StreamTurn, body: AsyncIterator[bytes], media_type: str | None = None) -> None:
         super().__init__(
             body,
-            status_code=turn.response.status_code,
+            status_code=turn.status_code,
             headers={**turn.record.headers(), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             media_type=media_type or turn.media_type,
         )

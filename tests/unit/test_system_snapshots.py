@@ -1,0 +1,134 @@
+"""System snapshots in the pool and the turn service, against a fake backend client and a real SnapshotStore:
+a new system prompt is warmed up and saved once, a failed warm-up saves nothing, new conversations start from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.cache.systemprompt import system_prompt_of
+from slotkeeper.errors import UpstreamError
+from slotkeeper.service import TurnService
+from slotkeeper.types import CacheOutcome, SnapshotKind
+from tests.unit.test_pool import FP, FakeClient, key
+
+SYSTEM = {"role": "system", "content": "Agent rules. " + "rule " * 400}
+
+
+class ChatClient(FakeClient):
+    """Also answers chat requests: a warm-up (max_tokens 0) reports `warm_tokens` prompt tokens, or fails."""
+
+    base_url = "http://fake"
+
+    def __init__(self, slot_dir: Path) -> None:
+        super().__init__(slot_dir)
+        self.posts: list[dict[str, Any]] = []
+        self.warm_tokens = 900
+        self.save_tokens = 900
+        self.warm_error: Exception | None = None
+
+    async def post_json(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> Any:
+        self.posts.append(body)
+        if body.get("max_tokens") == 0:
+            if self.warm_error is not None:
+                raise self.warm_error
+            return {"timings": {"cache_n": 0, "prompt_n": self.warm_tokens}}
+        return {"choices": [], "timings": {"cache_n": 10, "prompt_n": 5, "predicted_n": 1}}
+
+    def warm_ups(self) -> list[dict[str, Any]]:
+        return [b for b in self.posts if b.get("max_tokens") == 0]
+
+
+@pytest.fixture
+def client(slot_dir: Path) -> ChatClient:
+    return ChatClient(slot_dir)
+
+
+def service(client: ChatClient, store: SnapshotStore, min_restore_tokens: int = 128) -> TurnService:
+    pool = SlotPool(1, client, store, FP, 8192, save_idle_seconds=-1,  # type: ignore[arg-type]
+                    min_restore_tokens=min_restore_tokens)
+    return TurnService(client, pool)  # type: ignore[arg-type]
+
+
+def builder(user: str, system: dict[str, Any] = SYSTEM) -> Any:
+    messages = [system, {"role": "user", "content": user}]
+    return lambda slot_id: {"messages": messages, "id_slot": slot_id, "cache_prompt": True}
+
+
+def system_rows(store: SnapshotStore) -> list[Any]:
+    return store.list(kind=SnapshotKind.SYSTEM)
+
+
+async def test_a_new_system_prompt_is_warmed_up_and_saved_once(client: ChatClient, store: SnapshotStore) -> None:
+    turns = service(client, store)
+    _, first = await turns.unary("t", key("a"), "/v1/chat/completions", builder("first chat"))
+    assert first.lease.outcome is CacheOutcome.COLD
+    assert len(client.warm_ups()) == 1
+    rows = system_rows(store)
+    part = system_prompt_of(builder("x")(0))
+    assert part is not None and [r.session_id for r in rows] == [part.digest]
+    # Another conversation takes the only slot; a third, new one on the same system prompt restores the snapshot.
+    await turns.unary("t", key("b"), "/v1/chat/completions", builder("unrelated", {"role": "system", "content": "x"}))
+    _, third = await turns.unary("t", key("c"), "/v1/chat/completions", builder("third chat"))
+    assert third.lease.outcome is CacheOutcome.RESTORED
+    assert third.lease.restored_from == f"system:{part.digest[:12]}"
+    assert client.actions("restore")[-1][2] == rows[0].filename
+    assert len(client.warm_ups()) == 1  # never warmed again
+    assert len(system_rows(store)) == 1
+
+
+async def test_a_failed_warm_up_saves_nothing_and_the_turn_still_runs(client: ChatClient,
+                                                                      store: SnapshotStore) -> None:
+    client.warm_error = UpstreamError(500, b'{"error": {"message": "boom"}}')
+    turns = service(client, store)
+    data, record = await turns.unary("t", key("a"), "/v1/chat/completions", builder("first chat"))
+    assert record.status == 200 and data["timings"]["prompt_n"] == 5
+    assert system_rows(store) == []
+    assert client.actions("save") == []
+    assert [p.name for p in store.slot_dir.iterdir()] == []
+
+
+async def test_a_prompt_too_short_for_a_snapshot_is_not_saved_nor_warmed_again(client: ChatClient,
+                                                                              store: SnapshotStore) -> None:
+    client.warm_tokens = 100  # fewer than min_restore_tokens
+    turns = service(client, store)
+    await turns.unary("t", key("a"), "/v1/chat/completions", builder("one"))
+    await turns.unary("t", key("b"), "/v1/chat/completions", builder("two"))
+    assert len(client.warm_ups()) == 1
+    assert system_rows(store) == []
+
+
+async def test_side_requests_and_short_prompts_are_not_warmed_up(client: ChatClient, store: SnapshotStore) -> None:
+    turns = service(client, store)
+    await turns.unary("t", key("a"), "/v1/chat/completions", builder("title please"), side=True)
+    await turns.unary("t", key("b"), "/v1/chat/completions", builder("hi", {"role": "system", "content": "Be brief."}))
+    assert client.warm_ups() == []
+
+
+async def test_prewarm_saves_once_then_finds_the_snapshot(client: ChatClient, store: SnapshotStore) -> None:
+    turns = service(client, store)
+    part = system_prompt_of(builder("x")(0))
+    assert part is not None
+    first = await turns.prewarm("m", part)
+    second = await turns.prewarm("m", part)
+    assert (first.status, first.n_tokens) == ("saved", 900)
+    assert second.status == "exists"
+    assert len(client.warm_ups()) == 1 and len(system_rows(store)) == 1
+    # The slot still holds the warmed-up prompt: the next conversation on it needs no restore.
+    _, record = await turns.unary("t", key("new"), "/v1/chat/completions", builder("hello"))
+    assert record.lease.outcome is CacheOutcome.COLD and client.actions("restore") == []
+
+
+async def test_a_failed_prewarm_raises_and_saves_nothing(client: ChatClient, store: SnapshotStore) -> None:
+    client.warm_error = UpstreamError(400, b'{"error": {"message": "context exceeded"}}')
+    turns = service(client, store)
+    part = system_prompt_of(builder("x")(0))
+    assert part is not None
+    with pytest.raises(UpstreamError):
+        await turns.prewarm("m", part)
+    assert system_rows(store) == [] and client.actions("save") == []
+    assert not turns.pool.slots[0].busy
