@@ -53,6 +53,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--system-snapshots", action=argparse.BooleanOptionalAction, default=None,
                        help="start new conversations from a saved snapshot of their system prompt and tools, warming "
                        "a new one up once (default on)")
+    serve.add_argument("--disk-budget", metavar="SIZE",
+                       help="keep the snapshots under SIZE in total (e.g. 50G), evicting the least recently used "
+                       "(default 0: no limit)")
+    serve.add_argument("--max-snapshot-age", metavar="DURATION",
+                       help="evict snapshots unused for longer than DURATION (e.g. 7d, 12h; default 0: never)")
+    serve.add_argument("--max-system-snapshots", type=int, metavar="N",
+                       help="keep at most N system-prompt snapshots per model, the most recently used "
+                       "(default 0: no limit; 1 keeps one)")
     serve.add_argument("--max-queue", type=int, metavar="N",
                        help="requests that may wait for a slot before new ones get 503 (default 64; 0: no limit)")
     serve.add_argument("--api-key", metavar="KEY", help="require this key on the model routes")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -40,6 +41,11 @@ class Settings:
     min_restore_tokens: int = 128
     # A new conversation starts from its system prompt's snapshot; a new system prompt is warmed up and saved once.
     system_snapshots: bool = True
+    # The disk budget (0: no limit): total bytes of snapshots, seconds since last use, system snapshots per model.
+    # Least recently used go first; pinned snapshots and those of sessions in a slot are never evicted.
+    disk_budget: int = 0
+    max_snapshot_age: float = 0.0
+    max_system_snapshots: int = 0
     # Requests allowed to wait for a slot; one more is answered 503 in the client's dialect (0: unbounded).
     max_queue: int = 64
     # Seconds to wait for a save, restore or erase (the backend defers them while the slot is busy).
@@ -81,6 +87,8 @@ class Settings:
             raise ValueError(f"port {self.port} is out of range")
         if self.parallel < 1:
             raise ValueError("--parallel must be at least 1")
+        if self.max_system_snapshots < 0:
+            raise ValueError("--max-system-snapshots must be 0 (no limit) or more")
 
     @classmethod
     def build(cls, cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
@@ -168,6 +176,36 @@ def _bool(value: Any) -> bool:
     raise ValueError("expected true or false")
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
+               "g": 1024**3, "gb": 1024**3, "gib": 1024**3, "t": 1024**4, "tb": 1024**4, "tib": 1024**4}
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def _with_unit(value: Any, units: Mapping[str, int], what: str) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected {what}")
+    if isinstance(value, int | float):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(value))
+        if match is None:
+            raise ValueError(f"expected {what}")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    if unit not in units or number < 0:
+        raise ValueError(f"expected {what}")
+    return number * units[unit]
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from 123, "500M", "20GiB" (K, M, G, T are powers of 1024)."""
+    return int(_with_unit(value, _SIZE_UNITS, "a size such as 500M or 20G"))
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from 90, "45m", "12h", "7d", "2w"."""
+    return _with_unit(value, _DURATION_UNITS, "a duration such as 90s, 12h or 7d")
+
+
 def _headers(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return tuple(h.strip() for h in value.split(",") if h.strip())
@@ -193,6 +231,9 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "max_body_bytes": int,
     "log_json": _bool,
     "system_snapshots": _bool,
+    "disk_budget": parse_size,
+    "max_snapshot_age": parse_duration,
+    "max_system_snapshots": int,
 }
 _SECRETS = frozenset({"api_key", "admin_key"})
 # What a TOML value may be, per setting (default: a string).
@@ -204,6 +245,9 @@ _FILE_TYPES: dict[str, tuple[type, ...]] = {
     "allowed_hosts": (list, str),
     "log_json": (bool,),
     "system_snapshots": (bool,),
+    "disk_budget": (int, str),
+    "max_snapshot_age": (int, float, str),
+    "max_system_snapshots": (int,),
 }
 
 

@@ -90,6 +90,8 @@ def add_commands(sub: Any) -> None:
     actions = sessions.add_subparsers(dest="action", required=True)
     ls = actions.add_parser("ls", parents=[common], help="list saved sessions, most recently used first")
     ls.add_argument("--model", help="only this model's sessions")
+    ls.add_argument("--kind", choices=["session", "system", "all"], default="session",
+                    help="conversations (default), system-prompt snapshots, or both")
     show = actions.add_parser("show", parents=[common], help="one session's snapshot and activity")
     show.add_argument("session")
     show.add_argument("--model", help="the model namespace (default: the served model)")
@@ -97,6 +99,13 @@ def add_commands(sub: Any) -> None:
     rm.add_argument("session", nargs="+")
     rm.add_argument("--model", help="the model namespace (default: the served model)")
     actions.add_parser("clear", parents=[common], help="save changed slots, then erase every slot")
+    for verb, what in (("pin", "keep snapshots from the disk budget (never evicted)"),
+                       ("unpin", "let the disk budget evict snapshots again")):
+        action = actions.add_parser(verb, parents=[common], help=what)
+        action.add_argument("session", nargs="+", help="session ids (or, with --system, system snapshot keys)")
+        action.add_argument("--system", action="store_true", help="the ids are system-prompt snapshot keys")
+        action.add_argument("--model", help="the model namespace (default: the served model)")
+    actions.add_parser("disk", parents=[common], help="disk used by snapshots, the budget, and evictions")
 
     prewarm = sub.add_parser(
         "prewarm", parents=[common], help="warm a system prompt up once and keep it as a system snapshot",
@@ -110,6 +119,7 @@ def add_commands(sub: Any) -> None:
                          help="the client API whose requests will carry this prompt (default: anthropic when the "
                          "tools have input_schema, else openai; the three render some prompts differently)")
     prewarm.add_argument("--model", help="the model namespace (default: the served model)")
+    prewarm.add_argument("--pin", action="store_true", help="keep the snapshot from the disk budget")
 
     sub.add_parser("doctor", parents=[common], help="check the backend's settings, slot dir, fingerprints and "
                    "restores, and say what to change",
@@ -133,7 +143,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
 
 
 def _ls(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
-    data = client.call("GET", "/api/sessions")
+    data = client.call("GET", "/api/sessions", {"kind": args.kind})
     sessions = [s for s in data["sessions"] if args.model is None or s["model"] == args.model]
     if args.json:
         _print_json({"slot_dir": data["slot_dir"], "sessions": sessions}, out)
@@ -141,9 +151,10 @@ def _ls(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     if not sessions:
         print(f"no saved sessions in {data['slot_dir']}", file=out)
         return 0
-    rows = [[s["session"], s["model"], s["tokens"], human_bytes(s["bytes"]), since(s["last_used"]), s["hits"],
-             "" if s["hot_in_slot"] is None else s["hot_in_slot"]] for s in sessions]
-    print(table(["SESSION", "MODEL", "TOKENS", "SIZE", "LAST USED", "HITS", "SLOT"], rows), file=out)
+    rows = [[s["session"], s["model"], s["kind"], s["tokens"], human_bytes(s["bytes"]), since(s["last_used"]),
+             s["hits"], "yes" if s["pinned"] else "no", "" if s["hot_in_slot"] is None else s["hot_in_slot"]]
+            for s in sessions]
+    print(table(["SESSION", "MODEL", "KIND", "TOKENS", "SIZE", "LAST USED", "HITS", "PINNED", "SLOT"], rows), file=out)
     total = sum(s["bytes"] for s in sessions)
     print(f"{len(sessions)} session(s), {human_bytes(total)} in {data['slot_dir']}", file=out)
     return 0
@@ -239,6 +250,8 @@ def _prewarm_body(args: argparse.Namespace) -> dict[str, Any]:
         body["api"] = args.api
     if args.model:
         body["model"] = args.model
+    if args.pin:
+        body["pin"] = True
     body["stream"] = True
     return body
 
@@ -279,7 +292,37 @@ class Progress:
             self._open = False
 
 
-_SESSION_ACTIONS = {"ls": _ls, "show": _show, "rm": _rm, "clear": _clear}
+def _pin(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
+    params = {**(_model_param(args) or {}), **({"kind": "system"} if args.system else {})}
+    results = [client.call("POST", f"/api/sessions/{_quote(s)}/{args.action}", params or None) for s in args.session]
+    if args.json:
+        _print_json({args.action + "ned": results}, out)
+        return 0
+    for r in results:
+        print(f"{r['kind']} snapshot {r['session']} ({r['model']}) is {'pinned' if r['pinned'] else 'not pinned'}",
+              file=out)
+    return 0
+
+
+def _disk(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
+    data = client.call("GET", "/api/sessions/disk")
+    if args.json:
+        _print_json(data, out)
+        return 0
+    budget = data["budget"]
+    rows = [[kind, u["count"], human_bytes(u["bytes"]), u["pinned"]] for kind, u in data["snapshots"].items()]
+    print(table(["KIND", "SNAPSHOTS", "SIZE", "PINNED"], rows), file=out)
+    limits = [f"total {human_bytes(budget['max_bytes'])}" if budget["max_bytes"] else "no size limit",
+              f"max age {budget['max_age_seconds'] / 86400:.1f} d" if budget["max_age_seconds"] else "no max age",
+              f"{budget['max_system_snapshots']} system snapshot(s) per model" if budget["max_system_snapshots"]
+              else "no system snapshot limit"]
+    print(f"{human_bytes(data['bytes'])} in {data['slot_dir']} ({human_bytes(data['disk_free_bytes'])} free); "
+          f"budget: {', '.join(limits)}; {data['evictions']} evicted since start", file=out)
+    return 0
+
+
+_SESSION_ACTIONS = {"ls": _ls, "show": _show, "rm": _rm, "clear": _clear, "pin": _pin, "unpin": _pin,
+                    "disk": _disk}
 
 
 # -- output helpers -----------------------------------------------------------------------------------------------

@@ -153,8 +153,10 @@ class TurnService:
                 raise
         return lease
 
-    async def prewarm(self, model: str, system: SystemPrompt, progress: ProgressCallback | None = None) -> Prewarm:
-        """Warm a system prompt up ahead of time and keep it as its system snapshot (an operator's pre-warm).
+    async def prewarm(self, model: str, system: SystemPrompt, progress: ProgressCallback | None = None,
+                      pin: bool = False) -> Prewarm:
+        """Warm a system prompt up ahead of time and keep it as its system snapshot (an operator's pre-warm);
+        `pin` keeps it from the disk budget.
 
         Raises the backend's error when the warm-up fails; nothing is saved then.
         """
@@ -163,18 +165,18 @@ class TurnService:
         held = await self.pool.warm_lease(model, system)
         end = TurnEnd.FAILED
         try:
-            if held.existing is not None:
-                end = TurnEnd.COMPLETED
-                return Prewarm(system.digest, "exists", held.existing.n_tokens, held.existing.n_bytes,
-                               _ms_since(started))
-            snapshot = await self._warm_up(held, progress)
+            snapshot = held.existing if held.existing is not None else await self._warm_up(held, progress)
             end = TurnEnd.COMPLETED
-            if snapshot is None:
-                return Prewarm(system.digest, "too-short", self.pool.slots[held.slot_id].n_tokens, 0,
-                               _ms_since(started))
-            return Prewarm(system.digest, "saved", snapshot.n_tokens, snapshot.n_bytes, _ms_since(started))
         finally:
             held.release(end)
+        if snapshot is None:
+            return Prewarm(system.digest, "too-short", self.pool.slots[held.slot_id].n_tokens, 0, False,
+                           _ms_since(started))
+        if pin:
+            snapshot = await self.pool.pin(snapshot) or snapshot
+        status = "exists" if held.existing is not None else "saved"
+        return Prewarm(system.digest, status, snapshot.n_tokens, snapshot.n_bytes, snapshot.pinned,
+                       _ms_since(started))
 
     async def _warm_up(self, lease: SlotLease, progress: ProgressCallback | None = None) -> Snapshot | None:
         """Evaluate the lease's system part into its slot and save it as the system snapshot. A failed warm-up is
@@ -231,6 +233,7 @@ class Prewarm:
     status: str  # "saved", "exists" or "too-short"
     n_tokens: int
     n_bytes: int
+    pinned: bool
     ms: float
 
 

@@ -93,6 +93,7 @@ class Snapshot:
     last_used: float
     hits: int
     kind: SnapshotKind = SnapshotKind.SESSION
+    pinned: bool = False  # never evicted by the disk budget
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,9 +50,9 @@ def test_sessions_ls_show_rm(stack: Stack, client_for) -> None:
     ls = cli("sessions", "ls", "--url", keeper.url)
     assert ls.returncode == 0 and ls.stderr == ""
     lines = ls.stdout.splitlines()
-    assert lines[0].split() == ["SESSION", "MODEL", "TOKENS", "SIZE", "LAST", "USED", "HITS", "SLOT"]
+    assert lines[0].split() == ["SESSION", "MODEL", "KIND", "TOKENS", "SIZE", "LAST", "USED", "HITS", "PINNED", "SLOT"]
     assert [line.split()[0] for line in lines[1:3]] == ["cli-b", "cli-a"]  # most recently used first
-    assert lines[1].split()[2] == str(rows["cli-b"]["n_tokens"])
+    assert lines[1].split()[2:4] == ["session", str(rows["cli-b"]["n_tokens"])]
     assert lines[3].startswith("2 session(s), ")
 
     as_json = cli("sessions", "ls", "--json", "--url", keeper.url)

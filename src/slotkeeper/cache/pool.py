@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from slotkeeper.cache.budget import DiskBudget, SnapshotId
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.store import SnapshotStore
@@ -117,6 +118,7 @@ class SlotPool:
         min_restore_tokens: int = 0,
         max_queue: int = 0,
         system_snapshots: bool = True,
+        budget: DiskBudget | None = None,
     ) -> None:
         self.slots = [SlotState(i) for i in range(n_slots)]
         self._client = client
@@ -127,6 +129,8 @@ class SlotPool:
         self._min_restore_tokens = min_restore_tokens
         self._max_queue = max_queue
         self._system_snapshots = system_snapshots
+        self.budget = budget or DiskBudget()
+        self.evictions = 0
         self._short_systems: deque[str] = deque(maxlen=_SHORT_SYSTEMS_KEPT)
         self._waiters: deque[_Waiter] = deque()
         self._timers: set[asyncio.Task[None]] = set()
@@ -397,6 +401,7 @@ class SlotPool:
             log.error("saving slot %d as %s failed: %s", slot_id, key, exc.message)
             return 0.0
         elapsed = (time.perf_counter() - started) * 1000
+        await self.enforce_budget({(key.model, key.session_id, kind)})
         self.saves += 1
         self.events.saved(elapsed, result.n_bytes, result.n_tokens)
         log.info("saved slot %d as %s%s: %d tokens, %d bytes, %.1f ms", slot_id,
@@ -428,6 +433,27 @@ class SlotPool:
         finally:
             slot.busy = False
             self._dispatch()
+
+    async def pin(self, snapshot: Snapshot) -> Snapshot | None:
+        """Keep a snapshot from the disk budget; returns it as indexed now (None if it is gone)."""
+        key = SessionKey(snapshot.model, snapshot.session_id)
+        return await asyncio.to_thread(self._store.set_pinned, key, True, snapshot.kind)
+
+    async def enforce_budget(self, also_keep: set[SnapshotId] | None = None) -> int:
+        """Evict what the disk budget does not allow, never a snapshot whose session a slot holds (nor `also_keep`).
+        Returns how many were evicted; a failure is logged and leaves everything in place."""
+        if not self.budget.limited:
+            return 0
+        keep = set(also_keep or ())
+        keep.update((s.occupant.model, s.occupant.session_id, SnapshotKind.SESSION)
+                    for s in self.slots if s.occupant is not None)
+        try:
+            evicted = await asyncio.to_thread(self._store.enforce_budget, self.budget, keep)
+        except Exception as exc:  # the budget is housekeeping: it must never fail a turn
+            log.error("enforcing the disk budget failed: %s", exc)
+            return 0
+        self.evictions += len(evicted)
+        return len(evicted)
 
     # -- operator actions -----------------------------------------------------------------------------------
 

@@ -13,13 +13,14 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
 from slotkeeper.cache.chain import Link
 from slotkeeper.errors import SnapshotError
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
@@ -39,6 +40,7 @@ CREATE TABLE IF NOT EXISTS snapshots (
     created     REAL NOT NULL,
     last_used   REAL NOT NULL,
     hits        INTEGER NOT NULL DEFAULT 0,
+    pinned      INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (model, session_id, kind)
 );
 CREATE TABLE IF NOT EXISTS chains (
@@ -57,10 +59,14 @@ CREATE TABLE IF NOT EXISTS file_identities (
     PRIMARY KEY (path, size, mtime_ns)
 );
 """
-_COLUMNS = "model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind"
+_COLUMNS = (
+    "model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned"
+)
 # Our own names: 40 hex digits, a dash and a nonce; temporaries carry `.tmp-<nonce>` before `.bin`.
 _FINAL_NAME = re.compile(r"^[0-9a-f]{40}-[0-9a-f]{8}\.bin$")
 _TEMP_NAME = re.compile(r"^[0-9a-f]{40}\.tmp-[0-9a-f]{8}\.bin$")
+# A sidecar a patched llama-server may write next to a slot file (context checkpoints): it lives and dies with it.
+SIDECAR_SUFFIXES = (".ckpt",)
 QUARANTINE_DIR = "quarantine"
 _CHUNK = 4 * 1024 * 1024
 
@@ -106,6 +112,9 @@ class SnapshotStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")}
+        if "pinned" not in columns:  # an index from before pinning
+            self._db.execute("ALTER TABLE snapshots ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         with self._lock:
@@ -160,7 +169,7 @@ class SnapshotStore:
                 self._db.execute("DELETE FROM chains WHERE filename=?", (previous.filename,))
             snapshot = self._row(key, kind)
         if previous is not None and previous.filename != final_name:
-            _unlink_quietly(self.slot_dir / previous.filename)
+            self._unlink_snapshot_files(previous.filename)
         assert snapshot is not None
         return snapshot
 
@@ -292,8 +301,54 @@ class SnapshotStore:
                 return None
             self._db.execute("DELETE FROM snapshots WHERE filename=?", (snapshot.filename,))
             self._db.execute("DELETE FROM chains WHERE filename=?", (snapshot.filename,))
-        _unlink_quietly(self.slot_dir / snapshot.filename)
+        self._unlink_snapshot_files(snapshot.filename)
         return snapshot
+
+    def set_pinned(self, key: SessionKey, pinned: bool, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
+        """Pin (never evict) or unpin a snapshot; None when there is none."""
+        with self._lock:
+            self._db.execute("UPDATE snapshots SET pinned=? WHERE model=? AND session_id=? AND kind=?",
+                             (int(pinned), key.model, key.session_id, str(kind)))
+            return self._row(key, kind)
+
+    def evict(self, snapshot: Snapshot, reason: str) -> bool:
+        """Remove an evicted snapshot: its index row, its chain, its file and any sidecar, in that order (a crash
+        in between leaves at most an unindexed file, which the next start removes). False if it was gone already."""
+        with self._lock:
+            gone = self._db.execute("DELETE FROM snapshots WHERE filename=?", (snapshot.filename,)).rowcount == 0
+            self._db.execute("DELETE FROM chains WHERE filename=?", (snapshot.filename,))
+        if gone:
+            return False
+        self._unlink_snapshot_files(snapshot.filename)
+        log.info("evicted %s snapshot %s/%s (%d bytes, last used %.0f s ago): %s", snapshot.kind, snapshot.model,
+                 snapshot.session_id, snapshot.n_bytes, time.time() - snapshot.last_used, reason)
+        return True
+
+    def enforce_budget(self, budget: DiskBudget, protected: Collection[SnapshotId] = ()) -> Sequence[Eviction]:
+        """Evict what the budget does not allow (see budget.py); returns what was evicted."""
+        if not budget.limited:
+            return []
+        evictions = choose_evictions(self.list(kind=None), budget, protected, time.time())
+        return [e for e in evictions if self.evict(e.snapshot, e.reason)]
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Bytes and snapshot counts per kind: {"session": {"count", "bytes", "pinned"}, "system": {...}}."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT kind, COUNT(*), COALESCE(SUM(n_bytes), 0), COALESCE(SUM(pinned), 0) FROM snapshots"
+                " GROUP BY kind"
+            ).fetchall()
+        out = {str(kind): {"count": 0, "bytes": 0, "pinned": 0} for kind in SnapshotKind}
+        for kind, count, n_bytes, pinned in rows:
+            out[str(kind)] = {"count": int(count), "bytes": int(n_bytes), "pinned": int(pinned)}
+        return out
+
+    def _unlink_snapshot_files(self, filename: str) -> None:
+        _unlink_quietly(self.slot_dir / filename)
+        for suffix in SIDECAR_SUFFIXES:
+            sidecar = self.slot_dir / (filename + suffix)
+            if sidecar.exists():
+                _unlink_quietly(sidecar)
 
     def reconcile(self) -> ReconcileReport:
         """At start: remove our leftover temporaries and unindexed files, and rows whose file is gone.
@@ -307,7 +362,7 @@ class SnapshotStore:
             if _TEMP_NAME.match(entry.name):
                 _unlink_quietly(Path(entry.path))
                 temps += 1
-            elif _FINAL_NAME.match(entry.name) and entry.name not in indexed:
+            elif _unindexed_own_file(entry.name, indexed):
                 _unlink_quietly(Path(entry.path))
                 orphans += 1
         with self._lock:
@@ -351,11 +406,19 @@ class SnapshotStore:
         return None if row is None else _snapshot(row)
 
 
+def _unindexed_own_file(name: str, indexed: set[str]) -> bool:
+    """A snapshot file of our naming, or its sidecar, that no index row names."""
+    base = name
+    for suffix in SIDECAR_SUFFIXES:
+        base = base.removesuffix(suffix)
+    return bool(_FINAL_NAME.match(base)) and base not in indexed
+
+
 def _snapshot(row: Sequence[Any]) -> Snapshot:
     """An index row (the columns of _COLUMNS, in order) as a Snapshot."""
-    model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind = row
+    model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned = row
     return Snapshot(model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits,
-                    SnapshotKind(kind))
+                    SnapshotKind(kind), bool(pinned))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -29,6 +29,8 @@ class PrewarmRequest(BaseModel):
     api: Api | None = None
     model: str | None = None
     stream: bool = False
+    # Never evicted by the disk budget.
+    pin: bool = False
 
 
 def parse_prewarm_request(body: Mapping[str, Any]) -> PrewarmRequest:

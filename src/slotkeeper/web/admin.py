@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from slotkeeper.errors import NotFound
-from slotkeeper.types import IdSource, SessionKey, Snapshot
+from slotkeeper.errors import BadRequest, NotFound
+from slotkeeper.types import IdSource, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.web.state import AppState, app_state
 
 router = APIRouter(prefix="/api/sessions")
@@ -17,8 +18,9 @@ router = APIRouter(prefix="/api/sessions")
 
 @router.get("")
 async def list_sessions(request: Request) -> dict[str, Any]:
+    """Saved sessions; `?kind=system` lists system-prompt snapshots instead, `?kind=all` both."""
     state = app_state(request)
-    snapshots = await asyncio.to_thread(state.store.list)
+    snapshots = await asyncio.to_thread(state.store.list, None, _kind_filter(request))
     return {
         "slot_dir": str(state.store.slot_dir),
         "sessions": [_snapshot_json(s, _hot_slot(state, s.model, s.session_id)) for s in snapshots],
@@ -58,6 +60,45 @@ async def current_session(request: Request) -> dict[str, Any]:
     }
 
 
+@router.get("/disk")
+async def disk(request: Request) -> dict[str, Any]:
+    """What the snapshots take, the budget they are kept under, and how much the budget evicted."""
+    state = app_state(request)
+    usage = await asyncio.to_thread(state.store.usage)
+    free = await asyncio.to_thread(shutil.disk_usage, state.store.slot_dir)
+    budget = state.pool.budget
+    return {
+        "slot_dir": str(state.store.slot_dir),
+        "bytes": sum(u["bytes"] for u in usage.values()),
+        "snapshots": usage,
+        "budget": {"max_bytes": budget.max_bytes, "max_age_seconds": budget.max_age_seconds,
+                   "max_system_snapshots": budget.max_system_snapshots},
+        "evictions": state.pool.evictions,
+        "disk_free_bytes": free.free,
+    }
+
+
+@router.post("/{session_id:path}/pin")
+async def pin(session_id: str, request: Request) -> dict[str, Any]:
+    return await _set_pinned(session_id, request, True)
+
+
+@router.post("/{session_id:path}/unpin")
+async def unpin(session_id: str, request: Request) -> dict[str, Any]:
+    return await _set_pinned(session_id, request, False)
+
+
+async def _set_pinned(session_id: str, request: Request, pinned: bool) -> dict[str, Any]:
+    """Pin (never evicted by the disk budget) or unpin a snapshot; `?kind=system` for a system prompt's."""
+    state = app_state(request)
+    key = _key(state, session_id, request)
+    kind = _kind_filter(request) or SnapshotKind.SESSION
+    snapshot = await asyncio.to_thread(state.store.set_pinned, key, pinned, kind)
+    if snapshot is None:
+        raise NotFound(f"no {kind} snapshot '{session_id}'")
+    return _snapshot_json(snapshot, _hot_slot(state, key.model, key.session_id))
+
+
 @router.post("/clear")
 async def clear_slots(request: Request) -> dict[str, Any]:
     state = app_state(request)
@@ -94,6 +135,16 @@ def _key(state: AppState, session_id: str, request: Request) -> SessionKey:
     return SessionKey(model, session_id, IdSource.HEADER)
 
 
+def _kind_filter(request: Request) -> SnapshotKind | None:
+    value = request.query_params.get("kind", "session")
+    if value == "all":
+        return None
+    try:
+        return SnapshotKind(value)
+    except ValueError:
+        raise BadRequest(f"kind must be session, system or all, not {value!r}") from None
+
+
 def _hot_slot(state: AppState, model: str, session_id: str) -> int | None:
     for slot in state.pool.slots:
         if slot.occupant is not None and slot.occupant.model == model and slot.occupant.session_id == session_id:
@@ -112,6 +163,8 @@ def _snapshot_json(snapshot: Snapshot, hot_slot: int | None) -> dict[str, Any]:
         "created": _iso(snapshot.created),
         "last_used": _iso(snapshot.last_used),
         "hits": snapshot.hits,
+        "kind": str(snapshot.kind),
+        "pinned": snapshot.pinned,
         "hot_in_slot": hot_slot,
     }
 

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from slotkeeper import __version__
 from slotkeeper.backend import discover
+from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.store import SnapshotStore, make_private_dir
 from slotkeeper.config import Settings
@@ -74,7 +75,9 @@ def create_app(settings: Settings) -> FastAPI:
             raise
         pool = SlotPool(backend.n_slots, client, store, backend.fingerprint, backend.n_ctx_slot,
                         settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue,
-                        settings.system_snapshots)
+                        settings.system_snapshots, DiskBudget(settings.disk_budget, settings.max_snapshot_age,
+                                                              settings.max_system_snapshots))
+        await pool.enforce_budget()
         app.state.slotkeeper = AppState(settings, backend, client, store, pool, TurnService(client, pool), time.time())
         app.state.metrics = metrics.Metrics(app.state.slotkeeper)
         log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
@@ -86,10 +89,12 @@ def create_app(settings: Settings) -> FastAPI:
 
         watch = BackendWatch(client, pool, backend_changed)
         watch_task = asyncio.create_task(watch.run())
+        budget_task = asyncio.create_task(_keep_budget(pool))
         try:
             yield
         finally:
             watch_task.cancel()
+            budget_task.cancel()
             saved = await pool.flush()
             log.info("shutdown: saved %d changed slot(s)", saved)
             await pool.aclose()
@@ -130,6 +135,13 @@ def create_app(settings: Settings) -> FastAPI:
         app.include_router(router)
     app.include_router(ollama_routes.router)
     return app
+
+
+async def _keep_budget(pool: SlotPool, interval: float = 60.0) -> None:
+    """Saves enforce the disk budget as they happen; this catches snapshots that age out while nothing is saved."""
+    while True:
+        await asyncio.sleep(interval)
+        await pool.enforce_budget()
 
 
 def _tiny_model(cache_dir: Path) -> Path:

@@ -1,0 +1,80 @@
+"""The disk budget: which snapshots to evict so the slot directory stays within its limits.
+
+Three limits, each off at 0: a maximum age since last use, a number of system snapshots per model, and a total
+size. Least recently used first; pinned snapshots and the ones in use (a slot holds their session) are never evicted.
+Pure: the store applies the decision.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from slotkeeper.types import Snapshot, SnapshotKind
+
+# (model, session id, kind): how the pool names the snapshots it must keep.
+SnapshotId = tuple[str, str, SnapshotKind]
+
+
+@dataclass(frozen=True, slots=True)
+class DiskBudget:
+    max_bytes: int = 0
+    max_age_seconds: float = 0.0
+    max_system_snapshots: int = 0  # per model
+
+    @property
+    def limited(self) -> bool:
+        return self.max_bytes > 0 or self.max_age_seconds > 0 or self.max_system_snapshots > 0
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    snapshot: Snapshot
+    reason: str
+
+
+def identity(snapshot: Snapshot) -> SnapshotId:
+    return snapshot.model, snapshot.session_id, snapshot.kind
+
+
+def choose_evictions(snapshots: Sequence[Snapshot], budget: DiskBudget, protected: Collection[SnapshotId],
+                     now: float) -> list[Eviction]:
+    """The snapshots to evict, each with the limit it broke, least recently used first within each limit."""
+    by_age = sorted(snapshots, key=lambda s: s.last_used)
+    evicted: list[Eviction] = []
+    gone: set[str] = set()
+
+    def evict(snapshot: Snapshot, reason: str) -> None:
+        evicted.append(Eviction(snapshot, reason))
+        gone.add(snapshot.filename)
+
+    def evictable(snapshot: Snapshot) -> bool:
+        return not snapshot.pinned and identity(snapshot) not in protected and snapshot.filename not in gone
+
+    if budget.max_age_seconds > 0:
+        for snapshot in by_age:
+            if evictable(snapshot) and now - snapshot.last_used > budget.max_age_seconds:
+                evict(snapshot, f"unused for more than {budget.max_age_seconds:.0f} s (max age)")
+    if budget.max_system_snapshots > 0:
+        systems: dict[str, list[Snapshot]] = defaultdict(list)
+        for snapshot in by_age:
+            if snapshot.kind is SnapshotKind.SYSTEM and snapshot.filename not in gone:
+                systems[snapshot.model].append(snapshot)
+        for model_systems in systems.values():
+            excess = len(model_systems) - budget.max_system_snapshots
+            for snapshot in model_systems:
+                if excess <= 0:
+                    break
+                if evictable(snapshot):
+                    evict(snapshot, f"more than {budget.max_system_snapshots} system snapshot(s) for the model")
+                    excess -= 1
+    if budget.max_bytes > 0:
+        total = sum(s.n_bytes for s in snapshots if s.filename not in gone)
+        for snapshot in by_age:
+            if total <= budget.max_bytes:
+                break
+            if evictable(snapshot):
+                evict(snapshot, f"the snapshots take more than {budget.max_bytes} bytes (disk budget)")
+                total -= snapshot.n_bytes
+    return evicted
