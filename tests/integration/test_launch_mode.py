@@ -271,6 +271,11 @@ def test_killed_llama_server_is_restarted_and_in_flight_requests_fail_cleanly(la
     assert log.count("llama-server is back") == 3
     metrics = client.get("/metrics").text
     assert "slotkeeper_backend_restarts_total 3.0" in metrics
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTKEEPER_")}
+    doctor = subprocess.run([sys.executable, "-m", "slotkeeper.cli", "doctor", "--url", keeper.url], env=env,
+                            capture_output=True, text=True, timeout=60, check=False)
+    server_line = next(line for line in doctor.stdout.splitlines() if line[6:].startswith("server"))
+    assert server_line.startswith("warn") and "restarted 3 time(s)" in server_line, doctor.stdout
     # Nothing the dead server held is trusted: the conversation comes back from disk, with its whole prefix.
     resumed = conv.turn()
     assert resumed.headers["x-slotkeeper-cache"] == "restored"

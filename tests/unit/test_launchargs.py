@@ -270,7 +270,7 @@ QUIET = ["-np", "2", "--cache-ram", "0"]  # a command slotkeeper has nothing to 
         (["--cache-ram", "0", "-np", "-1"], []),
         (["-np", "2"], ["prompt cache in RAM"]),
         (["-np", "2", "--cache-ram", "4096"], ["4096 MiB"]),
-        (["-np", "2", "--cache-ram", "-1"], ["prompt cache in RAM"]),
+        (["-np", "2", "--cache-ram", "-1"], ["(--cache-ram, no limit)"]),
         (["--no-cache-idle-slots"], ["prompt cache in RAM"]),
         (["--no-kv-unified"], ["prompt cache in RAM"]),
         ([], ["no -np", "prompt cache in RAM"]),

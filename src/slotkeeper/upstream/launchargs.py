@@ -257,7 +257,10 @@ def launch_warnings(args: LlamaServerArgs) -> list[str]:
             "directly could land in a slot slotkeeper keeps for another conversation. -sps 0 says so explicitly"
         )
     if args.cache_ram != 0:
-        size = f"{args.cache_ram} MiB" if args.cache_ram is not None else f"{DEFAULT_CACHE_RAM_MIB} MiB by default"
+        if args.cache_ram is None:
+            size = f"{DEFAULT_CACHE_RAM_MIB} MiB by default"
+        else:
+            size = f"{args.cache_ram} MiB" if args.cache_ram > 0 else "no limit"
         warnings.append(
             f"llama-server keeps its own prompt cache in RAM (--cache-ram, {size}): it competes with slotkeeper's "
             "snapshots for memory and may swap a slot's state for another conversation's cached prompt behind "
