@@ -17,9 +17,24 @@ from typing import Any
 
 import httpx
 
-from slotkeeper.upstream.launcher import free_port, wait_healthy
+from slotkeeper.upstream.launcher import free_port
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes] | None, timeout: float) -> None:
+    """Poll GET /health until it answers 200; fail early if the process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{process.args!r} exited with code {process.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} was not ready after {timeout:.0f} s")
 
 
 def llama_server_binary() -> Path:
@@ -95,6 +110,8 @@ class Slotkeeper:
     extra_args: tuple[str, ...] = ()
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    # Run in a process group of its own, as llama-swap starts its commands (so a test can signal the group).
+    own_group: bool = False
 
     @property
     def url(self) -> str:
@@ -107,7 +124,8 @@ class Slotkeeper:
             argv += ["--upstream", self.upstream.url, "--slot-dir", str(self.upstream.slot_dir)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTKEEPER_")}
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                            process_group=0 if self.own_group else None)
         wait_healthy(self.url, self.process, timeout)
         return self
 

@@ -9,6 +9,36 @@ from pathlib import Path
 
 from slotkeeper import __version__
 
+_SERVE_DESCRIPTION = """\
+Run the proxy. Three modes:
+
+  launch    everything after -- is a llama-server command line. slotkeeper starts it (adding
+            --host 127.0.0.1, a free --port and --slot-save-path <cache dir>/slots/launch when
+            they are missing), restarts it if it exits on its own, and stops it after saving
+            the slots. It dies with slotkeeper, even on kill -9. Its output goes to
+            <cache dir>/llama-server.log.
+  attach    --upstream URL --slot-dir DIR: a llama-server you run yourself.
+  embedded  neither: --model (or a generated tiny test model) on llama.cpp's server from the
+            xllamacpp package.
+
+Every option can also be set as an environment variable SLOTKEEPER_<OPTION> (e.g. SLOTKEEPER_PORT)
+or as a key of the TOML file given with --config (e.g. port = 11500); flags win over the
+environment, which wins over the file. The launch command can come from SLOTKEEPER_LAUNCH_COMMAND
+(one string, split like a shell would) or launch_command (a list of words) in the file.
+"""
+
+_SERVE_EPILOG = """\
+examples:
+  slotkeeper serve -- llama-server -m model.gguf -c 65536 -np 2 --cache-ram 0
+  slotkeeper serve --port 11500 -- /opt/llama/llama-server -m model.gguf -np 4 --slot-save-path /srv/slots
+  slotkeeper serve --upstream http://127.0.0.1:8080 --slot-dir /var/cache/llama-slots
+  slotkeeper serve --model model.gguf --ctx-size 16384
+
+SIGTERM or Ctrl-C: running responses get a third of --shutdown-timeout to finish (then they are cut),
+the changed slots are saved, then a server slotkeeper started is stopped (SIGTERM, then SIGKILL);
+slotkeeper exits within --shutdown-timeout (default 30 s).
+"""
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -20,12 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     serve = sub.add_parser(
-        "serve", help="run the proxy",
-        description="Run the proxy. With --upstream it attaches to a running llama-server; otherwise it serves "
-        "--model (or a generated tiny test model) with llama.cpp's embedded server from the xllamacpp package. "
-        "Every option can also be set as an environment variable SLOTKEEPER_<OPTION> (e.g. SLOTKEEPER_PORT) or as "
-        "a key of the TOML file given with --config (e.g. port = 11500); flags win over the environment, which "
-        "wins over the file.",
+        "serve", help="run the proxy", usage="%(prog)s [options] [-- /path/to/llama-server [llama-server options ...]]",
+        description=_SERVE_DESCRIPTION, epilog=_SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument("--config", metavar="FILE.toml", help="read settings from this TOML file (keys: the option "
                        "names with underscores, e.g. slot_dir; default $SLOTKEEPER_CONFIG)")
@@ -35,7 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port to listen on (default 11434)")
     serve.add_argument("--upstream", metavar="URL", help="a running llama-server, e.g. http://127.0.0.1:8080")
     serve.add_argument("--slot-dir", metavar="DIR",
-                       help="with --upstream: the directory llama-server was started with as --slot-save-path")
+                       help="with --upstream: the directory llama-server was started with as --slot-save-path; in "
+                       "launch mode: the --slot-save-path to give llama-server when its command has none (default "
+                       "<cache dir>/slots/launch)")
     serve.add_argument("--model", metavar="PATH.gguf", help="embedded mode: the GGUF to serve")
     serve.add_argument("--cache-dir", metavar="DIR",
                        help="index, embedded slot files, logs (default ~/.cache/slotkeeper)")
@@ -74,6 +102,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="give up on a backend that sends nothing for S seconds (default 600)")
     serve.add_argument("--slot-op-timeout", type=float, metavar="S",
                        help="give up on a slot save, restore or erase after S seconds (default 120)")
+    serve.add_argument("--start-timeout", type=float, metavar="S",
+                       help="launch and embedded modes: seconds the server may take to answer /health (default 600)")
+    serve.add_argument("--shutdown-timeout", type=float, metavar="S",
+                       help="seconds from SIGTERM to exit: a third for running responses, half for saving slots, "
+                       "a sixth for stopping the server slotkeeper started (default 30)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
     serve.add_argument("--log-json", action="store_const", const=True,
                        help="log one JSON object per line (a request's line carries its fields as keys)")
@@ -101,11 +134,23 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first `--` is the llama-server command of launch mode, kept word for word.
+    launch: list[str] | None = None
+    if "--" in words:
+        cut = words.index("--")
+        words, launch = words[:cut], words[cut + 1:]
+    args = parser.parse_args(words)
+    if launch is not None and args.command != "serve":
+        parser.error("only `slotkeeper serve` takes a command after --")
     if args.command == "tiny-model":
         return _tiny_model(args)
     if args.command == "serve":
-        return _serve(args)
+        if launch is not None and not launch:
+            print("slotkeeper: nothing after --: give the llama-server command, e.g. "
+                  "`slotkeeper serve -- llama-server -m model.gguf -np 2`", file=sys.stderr)
+            return 2
+        return _serve(args, tuple(launch or ()))
     if args.command in ("sessions", "doctor", "prewarm"):
         from slotkeeper.manage import run
 
@@ -114,11 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, launch_command: tuple[str, ...]) -> int:
     from slotkeeper.config import Settings, settings_toml
     from slotkeeper.logfmt import configure_logging
 
     cli = {k: v for k, v in vars(args).items() if k not in ("command", "print_config")}
+    cli["launch_command"] = launch_command
     try:
         settings = Settings.build(cli)
     except ValueError as exc:
@@ -132,8 +178,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     from slotkeeper.web.app import create_app
 
+    # Running responses get a third of shutdown_timeout (whole seconds) before uvicorn cuts them; the app's
+    # shutdown then saves the slots and stops a server it started within the rest (see Settings.shutdown_budget).
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_config=None,
-                            timeout_graceful_shutdown=10, access_log=False)
+                            timeout_graceful_shutdown=int(settings.shutdown_budget.responses), access_log=False)
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 1

@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from slotkeeper.upstream.launchargs import check_command, launch_slot_dir
 
 
 def default_cache_dir() -> Path:
@@ -33,6 +36,13 @@ class Settings:
     parallel: int = 1
     cache_ram_mib: int | None = None
     model_alias: str | None = None
+    # Launch mode: a llama-server command line (program first) that slotkeeper starts, supervises and stops.
+    launch_command: tuple[str, ...] = ()
+    # Seconds a launched or embedded server may take to answer /health (loading a big model takes a while).
+    start_timeout: float = 600.0
+    # Seconds from SIGTERM (or Ctrl-C) to exit: a third for running responses to finish, half for saving the
+    # changed slots, a sixth for stopping a launched or embedded server (SIGTERM, then SIGKILL).
+    shutdown_timeout: float = 30.0
     # Extra header names that carry a session id (checked after the built-in ones).
     session_headers: tuple[str, ...] = ()
     # A changed slot is saved after this many idle seconds (and always before its slot is reused, and at shutdown).
@@ -67,16 +77,38 @@ class Settings:
         return self.cache_dir / "index.sqlite3"
 
     @property
+    def mode(self) -> str:
+        """attach (--upstream), launch (a llama-server command) or embedded (xllamacpp, the default)."""
+        if self.launch_command:
+            return "launch"
+        return "attach" if self.upstream is not None else "embedded"
+
+    @property
     def embedded(self) -> bool:
-        return self.upstream is None
+        return self.mode == "embedded"
+
+    @property
+    def shutdown_budget(self) -> ShutdownBudget:
+        return ShutdownBudget(self.shutdown_timeout / 3, self.shutdown_timeout / 2, self.shutdown_timeout / 6)
 
     def effective_slot_dir(self) -> Path:
-        """The backend's --slot-save-path: given in attach mode, ours under the cache dir in embedded mode."""
+        """The backend's --slot-save-path: given in attach mode; in launch mode the command's own, else --slot-dir,
+        else ours under the cache dir; in embedded mode --slot-dir or ours under the cache dir."""
+        if self.launch_command:
+            return launch_slot_dir(self.launch_command, self.slot_dir or self.cache_dir / "slots" / "launch")
         if self.slot_dir is not None:
             return self.slot_dir
         return self.cache_dir / "slots"
 
     def validate(self) -> None:
+        if self.launch_command:
+            if self.upstream is not None:
+                raise ValueError("give either a llama-server command after -- (launch mode) or --upstream (attach "
+                                 "to a running server), not both")
+            if self.model is not None:
+                raise ValueError("give either a llama-server command after -- (launch mode) or --model (embedded "
+                                 "mode), not both; put the model in the command as -m PATH.gguf")
+            check_command(self.launch_command, self.slot_dir)
         if self.upstream is not None and self.slot_dir is None:
             raise ValueError(
                 "--upstream needs --slot-dir: the directory the llama-server was started with as --slot-save-path"
@@ -89,6 +121,8 @@ class Settings:
             raise ValueError("--parallel must be at least 1")
         if self.max_system_snapshots < 0:
             raise ValueError("--max-system-snapshots must be 0 (no limit) or more")
+        if self.shutdown_timeout <= 0 or self.start_timeout <= 0:
+            raise ValueError("--shutdown-timeout and --start-timeout must be more than 0 seconds")
 
     @classmethod
     def build(cls, cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
@@ -114,6 +148,16 @@ class Settings:
         settings = cls(**values)
         settings.validate()
         return settings
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownBudget:
+    """How shutdown_timeout is shared out, in seconds: running responses may finish (then they are cut, and what
+    their slots hold is still saved), changed slots are saved, then a server slotkeeper started is stopped."""
+
+    responses: float
+    saving: float
+    stopping: float
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -206,6 +250,13 @@ def parse_duration(value: Any) -> float:
     return _with_unit(value, _DURATION_UNITS, "a duration such as 90s, 12h or 7d")
 
 
+def _command(value: Any) -> tuple[str, ...]:
+    """A command line: a list of words (TOML, the CLI), or one string split like a shell would (the environment)."""
+    if isinstance(value, str):
+        return tuple(shlex.split(value))
+    return tuple(str(word) for word in value)
+
+
 def _headers(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return tuple(h.strip() for h in value.split(",") if h.strip())
@@ -222,6 +273,9 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "save_idle_seconds": float,
     "slot_op_timeout": float,
     "upstream_read_timeout": float,
+    "start_timeout": float,
+    "shutdown_timeout": float,
+    "launch_command": _command,
     "slot_dir": lambda v: Path(v).expanduser(),
     "model": lambda v: Path(v).expanduser(),
     "cache_dir": lambda v: Path(v).expanduser(),
@@ -240,7 +294,9 @@ _SECRETS = frozenset({"api_key", "admin_key"})
 _FILE_TYPES: dict[str, tuple[type, ...]] = {
     **{name: (int,) for name in ("port", "ctx_size", "parallel", "min_restore_tokens", "max_queue", "cache_ram_mib",
                                  "max_body_bytes")},
-    **{name: (int, float) for name in ("save_idle_seconds", "slot_op_timeout", "upstream_read_timeout")},
+    **{name: (int, float) for name in ("save_idle_seconds", "slot_op_timeout", "upstream_read_timeout",
+                                       "start_timeout", "shutdown_timeout")},
+    "launch_command": (list, str),
     "session_headers": (list, str),
     "allowed_hosts": (list, str),
     "log_json": (bool,),

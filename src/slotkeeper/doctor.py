@@ -52,8 +52,9 @@ def diagnose(client: AdminClient) -> list[Check]:
     backend = client.call("GET", "/api/backend")
     current = client.call("GET", "/api/sessions/current")
     sessions = client.call("GET", "/api/sessions")["sessions"]
-    return [
+    checks = [
         Check("backend", "ok", f"{backend['url']} is up: model {backend['model']}, build {backend['build'] or '?'}"),
+        *_server_check(backend),
         _slots_check(backend),
         _context_check(backend),
         _slot_dir_check(backend, sessions),
@@ -61,6 +62,19 @@ def diagnose(client: AdminClient) -> list[Check]:
         _restore_check(current),
         _save_check(current),
     ]
+    return checks
+
+
+def _server_check(backend: dict[str, Any]) -> list[Check]:
+    """Launch and embedded modes: the server process slotkeeper runs, and whether it had to be restarted."""
+    server = backend.get("server")
+    if not isinstance(server, dict):
+        return []
+    if server.get("restarts"):
+        return [Check("server", "warn", f"{server['name']} was restarted {server['restarts']} time(s) after it "
+                      f"exited on its own (last: {server['last_exit']}); it runs as pid {server['pid']}",
+                      f"read the end of {server['log']} for why; an OOM kill shows in dmesg")]
+    return [Check("server", "ok", f"{server['name']} runs as pid {server['pid']}, output in {server['log']}")]
 
 
 def _reachable(client: AdminClient) -> bool:

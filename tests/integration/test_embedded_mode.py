@@ -59,3 +59,28 @@ def test_kill_9_of_slotkeeper_takes_the_embedded_server_down(tmp_path: Path) -> 
         assert wait_until(lambda: not _embedded_children(cache), timeout=10), "the embedded server outlived us"
     finally:
         keeper.stop()
+
+
+def test_a_killed_embedded_server_is_restarted(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    keeper = Slotkeeper(cache, tmp_path / "slotkeeper.log", extra_args=("--cache-ram", "0")).start()
+    try:
+        with httpx.Client(base_url=keeper.url, timeout=120) as client:
+            first = client.get("/api/backend").json()["server"]
+            assert (first["name"], first["restarts"]) == ("the embedded server", 0)
+            assert _embedded_children(cache) == [str(first["pid"])]
+            subprocess.run(["kill", "-9", str(first["pid"])], check=True)
+
+            def restarted() -> bool:
+                server = client.get("/api/backend").json()["server"]
+                return server["restarts"] == 1 and server["pid"] != first["pid"] and server["running"]
+
+            assert wait_until(restarted, timeout=60, interval=0.2)
+            assert client.get("/health").status_code == 200
+            answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                              "max_tokens": 2})
+            assert answer.status_code == 200
+        assert "the embedded server is back" in keeper.log_text()
+    finally:
+        keeper.stop()
+    assert wait_until(lambda: not _embedded_children(cache), timeout=10)

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slotkeeper.upstream.launcher import free_port, wait_healthy
+from slotkeeper.upstream.launcher import free_port
 from tests.conftest import Stack
-from tests.support import REPO, Backend, Conversation, Slotkeeper, llama_server_binary, timings
+from tests.support import REPO, Backend, Conversation, Slotkeeper, llama_server_binary, timings, wait_healthy
 
 pytestmark = pytest.mark.backend
 

@@ -27,10 +27,13 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]
         (["-h"], ["usage: slotkeeper", "serve", "tiny-model"]),
         (["serve", "--help"], ["usage: slotkeeper serve", "--upstream", "--slot-dir", "--model", "--port",
                                "--cache-dir", "--session-header", "SLOTKEEPER_"]),
+        (["serve", "--help"], ["[-- /path/to/llama-server [llama-server options ...]]", "launch", "attach",
+                               "embedded", "slotkeeper serve -- llama-server -m model.gguf", "--shutdown-timeout",
+                               "--start-timeout", "SLOTKEEPER_LAUNCH_COMMAND", "llama-server.log"]),
         (["serve", "-h"], ["usage: slotkeeper serve", "--upstream", "--slot-dir", "--model"]),
         (["tiny-model", "--help"], ["usage: slotkeeper tiny-model", "OUT.gguf", "--seed"]),
     ],
-    ids=["help", "h", "serve-help", "serve-h", "tiny-model-help"],
+    ids=["help", "h", "serve-help", "serve-help-launch", "serve-h", "tiny-model-help"],
 )
 def test_help(args: list[str], fragments: list[str]) -> None:
     result = run(*args)
@@ -66,9 +69,18 @@ def test_no_command_prints_help_and_exits_2() -> None:
         (["serve", "--no-such-flag"], ["unrecognized arguments"]),
         (["bogus-command"], ["invalid choice"]),
         (["tiny-model"], ["OUT.gguf"]),
+        (["serve", "--"], ["nothing after --", "slotkeeper serve -- llama-server"]),
+        (["serve", "--upstream", "http://x", "--slot-dir", "/s", "--", "llama-server"], ["--upstream", "not both"]),
+        (["serve", "--model", "/m.gguf", "--", "llama-server", "-np", "2"], ["--model", "-m PATH.gguf"]),
+        (["serve", "--", "llama-server", "--port"], ["--port needs a value"]),
+        (["serve", "--", "-m", "model.gguf"], ["llama-server program"]),
+        (["serve", "--shutdown-timeout", "0", "--", "llama-server"], ["--shutdown-timeout"]),
+        (["tiny-model", "/tmp/x.gguf", "--", "llama-server"], ["only `slotkeeper serve`"]),
     ],
     ids=["upstream-without-slot-dir", "upstream-and-model", "port-zero", "port-too-big", "parallel-zero",
-         "port-not-int", "bad-log-level", "unknown-flag", "unknown-command", "tiny-model-without-out"],
+         "port-not-int", "bad-log-level", "unknown-flag", "unknown-command", "tiny-model-without-out",
+         "launch-empty", "launch-and-upstream", "launch-and-model", "launch-port-without-value",
+         "launch-without-program", "shutdown-timeout-zero", "launch-on-another-command"],
 )
 def test_argument_errors_exit_2(args: list[str], fragments: list[str]) -> None:
     result = run(*args)
@@ -86,6 +98,17 @@ def test_upstream_without_slot_dir_message() -> None:
     assert result.stderr.startswith("slotkeeper: ")
     assert "--slot-dir" in result.stderr
     assert "--slot-save-path" in result.stderr
+
+
+def test_launch_command_is_everything_after_the_first_double_dash() -> None:
+    import tomllib
+
+    result = run("serve", "--port", "11500", "--print-config", "--", "/opt/llama-server", "-m", "a b.gguf", "--port",
+                 "9000", "--", "--not-ours")
+    assert result.returncode == 0, result.stderr
+    printed = tomllib.loads(result.stdout)
+    assert printed["port"] == 11500
+    assert printed["launch_command"] == ["/opt/llama-server", "-m", "a b.gguf", "--port", "9000", "--", "--not-ours"]
 
 
 def test_tiny_model_writes_a_file(tmp_path: Path) -> None:

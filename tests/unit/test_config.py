@@ -100,6 +100,18 @@ PRECEDENCE_ROWS: list[tuple[str, Any, dict[str, str], Any]] = [
     ("model", None, {}, None),
     ("cache_dir", "/cli/cache", {"SLOTKEEPER_CACHE_DIR": "/env/cache"}, Path("/cli/cache")),
     ("cache_dir", None, {"SLOTKEEPER_CACHE_DIR": "/env/cache"}, Path("/env/cache")),
+    ("launch_command", ["/cli/llama-server", "-m", "a.gguf"],
+     {"SLOTKEEPER_LAUNCH_COMMAND": "/env/llama-server -m b.gguf"}, ("/cli/llama-server", "-m", "a.gguf")),
+    ("launch_command", None, {"SLOTKEEPER_LAUNCH_COMMAND": "/env/llama-server -m 'my model.gguf' -np 2"},
+     ("/env/llama-server", "-m", "my model.gguf", "-np", "2")),
+    ("launch_command", (), {"SLOTKEEPER_LAUNCH_COMMAND": "/env/llama-server"}, ("/env/llama-server",)),
+    ("launch_command", None, {}, ()),
+    ("start_timeout", 30, {"SLOTKEEPER_START_TIMEOUT": "60"}, 30.0),
+    ("start_timeout", None, {"SLOTKEEPER_START_TIMEOUT": "60"}, 60.0),
+    ("start_timeout", None, {}, 600.0),
+    ("shutdown_timeout", 12, {"SLOTKEEPER_SHUTDOWN_TIMEOUT": "90"}, 12.0),
+    ("shutdown_timeout", None, {"SLOTKEEPER_SHUTDOWN_TIMEOUT": "90"}, 90.0),
+    ("shutdown_timeout", None, {}, 30.0),
 ]
 
 
@@ -256,11 +268,24 @@ def test_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path
         ({}, {"SLOTKEEPER_PARALLEL": "many"}, ["parallel", "many"]),
         ({}, {"SLOTKEEPER_CTX_SIZE": "big"}, ["ctx_size", "big"]),
         ({}, {"SLOTKEEPER_SAVE_IDLE_SECONDS": "soon"}, ["save_idle_seconds", "soon"]),
+        ({**ATTACH, "launch_command": ["llama-server"]}, {}, ["--upstream", "launch mode", "not both"]),
+        ({"model": "/m.gguf", "launch_command": ["llama-server"]}, {}, ["--model", "-m PATH.gguf"]),
+        ({}, {"SLOTKEEPER_LAUNCH_COMMAND": "llama-server --port"}, ["--port", "needs a value"]),
+        ({}, {"SLOTKEEPER_LAUNCH_COMMAND": "llama-server --port x"}, ["--port", "whole number", "'x'"]),
+        ({}, {"SLOTKEEPER_LAUNCH_COMMAND": "-m x.gguf"}, ["program", "'-m'"]),
+        ({}, {"SLOTKEEPER_LAUNCH_COMMAND": "llama-server --no-slots"}, ["--no-slots"]),
+        ({"slot_dir": "/a", "launch_command": ["llama-server", "--slot-save-path", "/b"]}, {},
+         ["--slot-dir /a", "--slot-save-path /b", "differ"]),
+        ({"shutdown_timeout": 0}, {}, ["--shutdown-timeout", "more than 0"]),
+        ({}, {"SLOTKEEPER_START_TIMEOUT": "-1"}, ["--start-timeout"]),
     ],
     ids=["upstream-without-slot-dir", "env-upstream-without-slot-dir", "upstream-and-model",
          "env-upstream-and-model", "port-zero", "port-negative", "port-65536", "port-huge", "env-port-huge",
          "env-port-not-int", "env-port-float", "cli-port-not-int", "parallel-zero", "parallel-negative",
-         "env-parallel-zero", "env-parallel-not-int", "env-ctx-not-int", "env-float-not-float"],
+         "env-parallel-zero", "env-parallel-not-int", "env-ctx-not-int", "env-float-not-float",
+         "launch-and-upstream", "launch-and-model", "launch-port-without-value", "launch-port-not-int",
+         "launch-without-program", "launch-no-slots", "launch-slot-dir-conflict", "shutdown-timeout-zero",
+         "start-timeout-negative"],
 )
 def test_validation_errors(cli: dict[str, Any], env: dict[str, str], fragments: list[str]) -> None:
     with pytest.raises(ValueError) as info:
@@ -295,8 +320,16 @@ def test_validate_on_direct_construction() -> None:
         ({"cache_dir": "/c", "model": "/m.gguf"}, True, Path("/c/slots")),
         ({"cache_dir": "/c", **ATTACH}, False, Path("/srv/slots")),
         ({"cache_dir": "/c", "slot_dir": "/own"}, True, Path("/own")),
+        ({"cache_dir": "/c", "launch_command": ["llama-server", "-m", "m.gguf"]}, False, Path("/c/slots/launch")),
+        ({"cache_dir": "/c", "launch_command": ["llama-server", "--slot-save-path", "/srv/s"]}, False,
+         Path("/srv/s")),
+        ({"cache_dir": "/c", "launch_command": ["llama-server", "--slot-save-path=/srv/s"]}, False, Path("/srv/s")),
+        ({"cache_dir": "/c", "slot_dir": "/own", "launch_command": ["llama-server"]}, False, Path("/own")),
+        ({"cache_dir": "/c", "slot_dir": "/s", "launch_command": ["llama-server", "--slot-save-path", "/s/"]}, False,
+         Path("/s")),
     ],
-    ids=["embedded-tiny", "embedded-model", "attach", "embedded-explicit-slot-dir"],
+    ids=["embedded-tiny", "embedded-model", "attach", "embedded-explicit-slot-dir", "launch-default",
+         "launch-slot-save-path", "launch-slot-save-path-equals", "launch-slot-dir", "launch-both-the-same"],
 )
 def test_effective_slot_dir(cli: dict[str, Any], embedded: bool, slot_dir: Path) -> None:
     settings = Settings.build(cli, {})
@@ -314,6 +347,28 @@ def test_settings_is_frozen(name: str, value: Any) -> None:
     settings = Settings.build({}, {})
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(settings, name, value)
+
+
+@pytest.mark.parametrize(
+    ("cli", "mode"),
+    [({}, "embedded"), ({"model": "/m.gguf"}, "embedded"), (ATTACH, "attach"),
+     ({"launch_command": ["llama-server", "-m", "m.gguf"]}, "launch")],
+    ids=["embedded", "embedded-model", "attach", "launch"],
+)
+def test_mode(cli: dict[str, Any], mode: str) -> None:
+    assert Settings.build(cli, {}).mode == mode
+
+
+@pytest.mark.parametrize(
+    ("total", "responses", "saving", "stopping"),
+    [(30.0, 10.0, 15.0, 5.0), (6.0, 2.0, 3.0, 1.0), (120.0, 40.0, 60.0, 20.0)],
+    ids=["default", "short", "long"],
+)
+def test_shutdown_budget_adds_up_to_the_timeout(total: float, responses: float, saving: float,
+                                                stopping: float) -> None:
+    budget = Settings.build({"shutdown_timeout": total}, {}).shutdown_budget
+    assert (budget.responses, budget.saving, budget.stopping) == pytest.approx((responses, saving, stopping))
+    assert budget.responses + budget.saving + budget.stopping == pytest.approx(total)
 
 
 def test_settings_is_hashable_and_comparable() -> None:

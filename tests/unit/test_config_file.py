@@ -47,6 +47,14 @@ PRECEDENCE: list[tuple[str, Any, dict[str, str], Any, Any]] = [
     ("log_json", None, {"SLOTKEEPER_LOG_JSON": "0"}, True, False),
     ("log_level", "debug", {"SLOTKEEPER_LOG_LEVEL": "error"}, "warning", "debug"),
     ("log_level", None, {}, "warning", "warning"),
+    ("launch_command", None, {}, ["/opt/llama-server", "-m", "/m/a b.gguf"],
+     ("/opt/llama-server", "-m", "/m/a b.gguf")),
+    ("launch_command", None, {}, "/opt/llama-server -m '/m/a b.gguf'", ("/opt/llama-server", "-m", "/m/a b.gguf")),
+    ("launch_command", None, {"SLOTKEEPER_LAUNCH_COMMAND": "/env/llama-server"}, ["/file/llama-server"],
+     ("/env/llama-server",)),
+    ("launch_command", ["/cli/llama-server"], {}, ["/file/llama-server"], ("/cli/llama-server",)),
+    ("shutdown_timeout", None, {}, 45, 45.0),
+    ("start_timeout", None, {}, 12.5, 12.5),
 ]
 
 
@@ -67,6 +75,13 @@ def test_config_path_from_cli_or_environment(tmp_path: Path) -> None:
     assert (from_cli.port, from_cli.upstream, from_cli.slot_dir) == (12000, "http://127.0.0.1:8080", Path("/srv/slots"))
     assert Settings.build({"config": str(path), "port": 13000}, {"SLOTKEEPER_PORT": "14000"}).port == 13000
     assert Settings.build({"config": str(path)}, {"SLOTKEEPER_PORT": "14000"}).port == 14000
+
+
+def test_a_launch_command_reads_back_from_the_printed_file(tmp_path: Path) -> None:
+    settings = Settings.build({"launch_command": ["/opt/llama-server", "-m", "/m/x y.gguf", "--alias", 'a"b'],
+                               "shutdown_timeout": 12}, {})
+    path = write(tmp_path, settings_toml(settings))
+    assert Settings.build({"config": str(path)}, {}) == settings
 
 
 def test_every_setting_can_come_from_the_file(tmp_path: Path) -> None:
@@ -91,9 +106,12 @@ def test_every_setting_can_come_from_the_file(tmp_path: Path) -> None:
         ("save_idle_seconds = \"2\"", ["save_idle_seconds must be int or float"]),
         ("port = 70000", ["port 70000 is out of range"]),
         ('upstream = "http://x"', ["--slot-dir"]),
+        ("launch_command = 5", ["launch_command must be list or str"]),
+        ('launch_command = ["llama-server", "-np", "two"]', ["-np", "whole number", "'two'"]),
+        ('launch_command = ["llama-server"]\nupstream = "http://x"\nslot_dir = "/s"', ["launch mode", "--upstream"]),
     ],
     ids=["broken", "unknown-key", "string-port", "float-port", "bool-port", "int-bool", "string-float",
-         "port-range", "upstream-alone"],
+         "port-range", "upstream-alone", "launch-command-int", "launch-command-bad-np", "launch-and-upstream"],
 )
 def test_bad_files_say_what_is_wrong(tmp_path: Path, text: str, fragments: list[str]) -> None:
     path = write(tmp_path, text + "\n")

@@ -1,20 +1,22 @@
-"""Starting and stopping a backend process: the embedded xllamacpp server, supervised as a child of slotkeeper.
-
-The child gets a free loopback port, must answer /health before we go on, and is stopped (TERM, then KILL) with us.
+"""Bringing up the backend for each mode: attach (a URL someone else runs), launch (a llama-server command line) and
+embedded (llama.cpp's server from the xllamacpp package). The last two share ServerProcess: a child on a loopback
+port that dies with slotkeeper, must answer /health before we go on, and is stopped (TERM, then KILL) at exit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import os
-import signal
 import socket
-import subprocess
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from slotkeeper.cache.store import make_private_dir
+from slotkeeper.config import Settings
+from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
+from slotkeeper.upstream.launchargs import plan_launch
+from slotkeeper.upstream.process import ServerProcess, ServerStartError
 
 log = logging.getLogger("slotkeeper.launcher")
 
@@ -25,61 +27,73 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_healthy(url: str, process: subprocess.Popen[bytes] | None, timeout: float) -> None:
-    """Poll GET /health until it answers 200; fail early if the process exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the backend exited with code {process.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"the backend at {url} was not ready after {timeout:.0f} s")
+@dataclass
+class StartedBackend:
+    """Where the backend answers, and the process behind it when slotkeeper started one (launch and embedded)."""
+
+    url: str
+    model_alias: str | None = None
+    server: ServerProcess | None = None
+
+    async def stop(self, timeout: float) -> None:
+        if self.server is not None:
+            await self.server.stop(timeout)
 
 
-class EmbeddedBackend:
-    """llama.cpp's server from the xllamacpp package, in a child process on a free loopback port."""
+async def start_backend(settings: Settings, slot_dir: Path) -> StartedBackend:
+    """Start (or, in attach mode, just name) the backend, and wait until it answers /health.
 
-    def __init__(self, model: Path, slot_dir: Path, *, ctx_size: int, parallel: int, cache_ram_mib: int | None,
-                 alias: str | None = None, log_path: Path | None = None) -> None:
-        self.model = model
-        self.slot_dir = slot_dir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._argv = [
-            sys.executable, "-m", "slotkeeper.upstream.embedded", "--model", str(model), "--port", str(self.port),
-            "--slot-dir", str(slot_dir), "--ctx-size", str(ctx_size), "--parallel", str(parallel),
-        ]
-        if cache_ram_mib is not None:
-            self._argv += ["--cache-ram", str(cache_ram_mib)]
-        if alias:
-            self._argv += ["--alias", alias]
-        self._log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
+    Runs on the event loop's thread on purpose: see ServerProcess.spawn.
+    """
+    if settings.mode == "attach":
+        assert settings.upstream is not None
+        return StartedBackend(settings.upstream)
+    if settings.mode == "launch":
+        plan = plan_launch(settings.launch_command, slot_dir, free_port)
+        for warning in plan.warnings:
+            log.warning("%s", warning)
+        if plan.added:
+            log.info("launch mode: added %s to the llama-server command", " ".join(plan.added))
+        server = ServerProcess("llama-server", plan.argv, plan.url, settings.cache_dir / "llama-server.log")
+        alias = plan.alias
+    else:
+        model = settings.model if settings.model is not None else await asyncio.to_thread(
+            _tiny_model, settings.cache_dir
+        )
+        port = free_port()
+        server = ServerProcess("the embedded server", embedded_argv(settings, model, port, slot_dir),
+                               f"http://127.0.0.1:{port}", settings.cache_dir / "embedded-server.log")
+        alias = None
+        log.info("starting the embedded llama.cpp server (xllamacpp) for %s on %s", model, server.url)
+    server.spawn()
+    try:
+        await server.wait_ready(settings.start_timeout)
+    except BaseException as exc:
+        if isinstance(exc, ServerStartError):
+            log.error("%s", exc)
+        await asyncio.shield(server.stop(2.0))
+        raise
+    return StartedBackend(server.url, alias, server)
 
-    def start(self, timeout: float = 120.0) -> None:
-        log.info("starting the embedded llama.cpp server (xllamacpp) for %s on %s", self.model, self.url)
-        output = open(self._log_path, "ab") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
-        try:
-            self.process = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=output,
-                                            stderr=subprocess.STDOUT)
-        finally:
-            if output is not subprocess.DEVNULL:
-                output.close()  # type: ignore[union-attr]
-        wait_healthy(self.url, self.process, timeout)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        if process.stdin is not None:
-            process.stdin.close()
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait()
+def embedded_argv(settings: Settings, model: Path, port: int, slot_dir: Path) -> list[str]:
+    argv = [
+        sys.executable, "-m", "slotkeeper.upstream.embedded", "--model", str(model), "--port", str(port),
+        "--slot-dir", str(slot_dir), "--ctx-size", str(settings.ctx_size), "--parallel", str(settings.parallel),
+    ]
+    if settings.cache_ram_mib is not None:
+        argv += ["--cache-ram", str(settings.cache_ram_mib)]
+    if settings.model_alias:
+        argv += ["--alias", settings.model_alias]
+    return argv
+
+
+def _tiny_model(cache_dir: Path) -> Path:
+    spec = TinyModelSpec()
+    path = cache_dir / "models" / f"{spec.name}-{spec.seed}.gguf"
+    if not path.exists():
+        make_private_dir(path.parent)
+        write_tiny_model(path, spec)
+    log.info("no model given: using the generated tiny random-weight test model %s (its output is gibberish; "
+             "pass --model PATH.gguf for a real one)", path)
+    return path

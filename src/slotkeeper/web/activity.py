@@ -1,6 +1,7 @@
 """Operator views: the recent requests with their cache path, and the backend's settings as slotkeeper read them.
 
-The dashboard polls these; `slotkeeper doctor` reads `/api/backend` to check the backend's settings.
+The dashboard polls these; `slotkeeper doctor` reads `/api/backend` to check the backend's settings. In launch and
+embedded modes `/api/backend` also names the server process slotkeeper runs (pid, restarts, log file).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from fastapi import APIRouter, Request
 
 from slotkeeper import __version__
 from slotkeeper.journal import RECENT_REQUESTS
-from slotkeeper.web.state import app_state
+from slotkeeper.web.state import AppState, app_state
 
 router = APIRouter(prefix="/api")
 
@@ -49,7 +50,8 @@ async def backend_info(request: Request) -> dict[str, Any]:
         "version": __version__,
         "url": backend.url,
         "up": await state.client.healthy(),
-        "mode": "embedded" if settings.embedded else "attach",
+        "mode": settings.mode,
+        "server": _server_info(state),
         "model": backend.model_id,
         "model_path": backend.model_path,
         "slots": backend.n_slots,
@@ -69,6 +71,21 @@ async def backend_info(request: Request) -> dict[str, Any]:
             "n_ctx": generation.get("n_ctx") if isinstance(generation, dict) else None,
             "is_sleeping": props.get("is_sleeping"),
         },
+    }
+
+
+def _server_info(state: AppState) -> dict[str, Any] | None:
+    """The server process slotkeeper runs (launch and embedded modes): its pid, restarts and log file."""
+    server, supervisor = state.server, state.supervisor
+    if server is None:
+        return None
+    return {
+        "name": server.name,
+        "pid": server.pid,
+        "running": server.running,
+        "restarts": supervisor.restarts if supervisor is not None else 0,
+        "last_exit": supervisor.last_exit if supervisor is not None else None,
+        "log": str(server.log_path),
     }
 
 

@@ -7,7 +7,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -20,9 +19,9 @@ from slotkeeper.cache.store import SnapshotStore, make_private_dir
 from slotkeeper.config import Settings
 from slotkeeper.errors import SlotkeeperError
 from slotkeeper.service import TurnService
-from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
 from slotkeeper.upstream.client import UpstreamClient
-from slotkeeper.upstream.launcher import EmbeddedBackend
+from slotkeeper.upstream.launcher import StartedBackend, start_backend
+from slotkeeper.upstream.supervisor import Supervisor
 from slotkeeper.watch import BackendWatch
 from slotkeeper.web import (
     activity,
@@ -48,29 +47,19 @@ def create_app(settings: Settings) -> FastAPI:
         slot_dir = settings.effective_slot_dir()
         store = SnapshotStore(slot_dir, settings.index_path)
         await asyncio.to_thread(store.reconcile)
-        embedded: EmbeddedBackend | None = None
-        if settings.embedded:
-            model = settings.model if settings.model is not None else await asyncio.to_thread(
-                _tiny_model, settings.cache_dir
-            )
-            embedded = EmbeddedBackend(
-                model, slot_dir, ctx_size=settings.ctx_size, parallel=settings.parallel,
-                cache_ram_mib=settings.cache_ram_mib, alias=settings.model_alias,
-                log_path=settings.cache_dir / "embedded-server.log",
-            )
-            await asyncio.to_thread(embedded.start)
-            url = embedded.url
-        else:
-            assert settings.upstream is not None
-            url = settings.upstream
-        client = UpstreamClient(url, read_timeout=settings.upstream_read_timeout,
+        budget = settings.shutdown_budget
+        try:
+            started = await start_backend(settings, slot_dir)
+        except BaseException:
+            store.close()
+            raise
+        client = UpstreamClient(started.url, read_timeout=settings.upstream_read_timeout,
                                 slot_op_timeout=settings.slot_op_timeout)
         try:
-            backend = await discover(client, store, slot_dir, settings.model_alias)
+            backend = await discover(client, store, slot_dir, settings.model_alias or started.model_alias)
         except BaseException:
             await client.aclose()
-            if embedded is not None:
-                embedded.stop()
+            await started.stop(budget.stopping)
             store.close()
             raise
         pool = SlotPool(backend.n_slots, client, store, backend.fingerprint, backend.n_ctx_slot,
@@ -78,29 +67,37 @@ def create_app(settings: Settings) -> FastAPI:
                         settings.system_snapshots, DiskBudget(settings.disk_budget, settings.max_snapshot_age,
                                                               settings.max_system_snapshots))
         await pool.enforce_budget()
-        app.state.slotkeeper = AppState(settings, backend, client, store, pool, TurnService(client, pool), time.time())
-        app.state.metrics = metrics.Metrics(app.state.slotkeeper)
-        log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
-                 backend.model_id, url, backend.n_slots, backend.n_ctx_slot, backend.fingerprint, slot_dir)
-        service = app.state.slotkeeper.service
+        service = TurnService(client, pool)
 
         def backend_changed(up: bool) -> None:
             service.backend_down = not up
 
         watch = BackendWatch(client, pool, backend_changed)
-        watch_task = asyncio.create_task(watch.run())
-        budget_task = asyncio.create_task(_keep_budget(pool))
+        supervisor = _supervisor(started, watch, pool, settings)
+        app.state.slotkeeper = AppState(settings, backend, client, store, pool, service, time.time(), started.server,
+                                        supervisor)
+        app.state.metrics = metrics.Metrics(app.state.slotkeeper)
+        log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
+                 backend.model_id, started.url, backend.n_slots, backend.n_ctx_slot, backend.fingerprint, slot_dir)
+        tasks = [asyncio.create_task(watch.run()), asyncio.create_task(_keep_budget(pool))]
+        if supervisor is not None:
+            tasks.append(asyncio.create_task(supervisor.run()))
         try:
             yield
         finally:
-            watch_task.cancel()
-            budget_task.cancel()
-            saved = await pool.flush()
-            log.info("shutdown: saved %d changed slot(s)", saved)
+            # The supervisor goes first, so that stopping the server below is not taken for a crash.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                saved = await asyncio.wait_for(pool.flush(), budget.saving)
+                log.info("shutdown: saved %d changed slot(s)", saved)
+            except TimeoutError:
+                log.warning("shutdown: saving the changed slots took more than %.0f s (half of shutdown_timeout); "
+                            "the slots not saved by then lose their latest turns", budget.saving)
             await pool.aclose()
             await client.aclose()
-            if embedded is not None:
-                await asyncio.to_thread(embedded.stop)
+            await started.stop(budget.stopping)
             store.close()
 
     app = FastAPI(title="slotkeeper", version=__version__, lifespan=lifespan)
@@ -144,12 +141,18 @@ async def _keep_budget(pool: SlotPool, interval: float = 60.0) -> None:
         await pool.enforce_budget()
 
 
-def _tiny_model(cache_dir: Path) -> Path:
-    spec = TinyModelSpec()
-    path = cache_dir / "models" / f"{spec.name}-{spec.seed}.gguf"
-    if not path.exists():
-        make_private_dir(path.parent)
-        write_tiny_model(path, spec)
-    log.info("no model given: using the generated tiny random-weight test model %s (its output is gibberish; "
-             "pass --model PATH.gguf for a real one)", path)
-    return path
+def _supervisor(started: StartedBackend, watch: BackendWatch, pool: SlotPool, settings: Settings) -> Supervisor | None:
+    """A supervisor for the server slotkeeper started (none in attach mode): a crash marks the backend down and
+    forgets what every slot held; the restarted server marks it up again."""
+    server = started.server
+    if server is None:
+        return None
+
+    def down(reason: str) -> None:
+        watch.mark_down()
+        pool.reset_slots(pool.generations(), reason)
+
+    def up() -> None:
+        watch.mark_up(pool.generations(), f"{server.name} was restarted")
+
+    return Supervisor(server, ready_timeout=settings.start_timeout, on_down=down, on_up=up)

@@ -127,6 +127,9 @@ class _StateCollector(Collector):
                      sum(s.n_bytes for s in snapshots))
         yield _gauge("slotkeeper_quarantined_files", "Snapshot files moved aside after failing a check.",
                      _count_files(state.store.slot_dir / QUARANTINE_DIR))
+        if state.supervisor is not None:
+            yield _counter("slotkeeper_backend_restarts", "Times slotkeeper restarted the server it runs (launch and "
+                           "embedded modes) after it exited on its own.", state.supervisor.restarts)
         info = GaugeMetricFamily("slotkeeper_info", "This slotkeeper and its backend.",
                                  labels=["version", "model", "fingerprint"])
         info.add_metric([__version__, state.backend.model_id, state.backend.fingerprint], 1)

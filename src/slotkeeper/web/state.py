@@ -12,6 +12,8 @@ from slotkeeper.config import Settings
 from slotkeeper.service import TurnService
 from slotkeeper.types import BackendInfo
 from slotkeeper.upstream.client import UpstreamClient
+from slotkeeper.upstream.process import ServerProcess
+from slotkeeper.upstream.supervisor import Supervisor
 
 
 @dataclass
@@ -23,6 +25,9 @@ class AppState:
     pool: SlotPool
     service: TurnService
     started: float
+    # The server process slotkeeper runs (launch and embedded modes) and its supervisor; None in attach mode.
+    server: ServerProcess | None = None
+    supervisor: Supervisor | None = None
 
 
 def app_state(request: Request) -> AppState:
