@@ -4,13 +4,14 @@ TOML file (`--config`), then defaults. Every other module receives the Settings 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shlex
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,24 @@ from slotkeeper.upstream.launchargs import check_command, launch_slot_dir
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "slotkeeper"
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One model of several (a `[[backends]]` table of the config file): requests naming `name` go to this backend.
+
+    Exactly as the single-backend settings of the same names: `upstream` + `slot_dir` attach, `launch_command`
+    launches, otherwise `model` (or the tiny test model) runs on the embedded server.
+    """
+
+    name: str
+    upstream: str | None = None
+    slot_dir: Path | None = None
+    launch_command: tuple[str, ...] = ()
+    model: Path | None = None
+    ctx_size: int | None = None
+    parallel: int | None = None
+    cache_ram_mib: int | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,9 @@ class Settings:
     admin_key: str | None = None
     allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = 32 * 1024 * 1024
+    # Several models: one backend each, chosen by the request's model name (config file `[[backends]]` tables).
+    # Each gets its own index, logs and default slot dir under <cache_dir>/backends/<name>.
+    backends: tuple[BackendSpec, ...] = ()
 
     @property
     def index_path(self) -> Path:
@@ -100,7 +122,24 @@ class Settings:
             return self.slot_dir
         return self.cache_dir / "slots"
 
+    def backend_settings(self) -> list[Settings]:
+        """The settings of each backend: this object itself, or one per `[[backends]]` table (the shared settings
+        plus the table's own, the table's name as the model name, and a cache dir of its own)."""
+        if not self.backends:
+            return [self]
+        units = []
+        for spec in self.backends:
+            units.append(replace(
+                self, backends=(), upstream=spec.upstream, slot_dir=spec.slot_dir, launch_command=spec.launch_command,
+                model=spec.model, ctx_size=spec.ctx_size or self.ctx_size, parallel=spec.parallel or self.parallel,
+                cache_ram_mib=spec.cache_ram_mib if spec.cache_ram_mib is not None else self.cache_ram_mib,
+                model_alias=spec.name, cache_dir=self.cache_dir / "backends" / _dir_name(spec.name),
+            ))
+        return units
+
     def validate(self) -> None:
+        if self.backends:
+            self._validate_backends()
         if self.launch_command:
             if self.upstream is not None:
                 raise ValueError("give either a llama-server command after -- (launch mode) or --upstream (attach "
@@ -123,6 +162,26 @@ class Settings:
             raise ValueError("--max-system-snapshots must be 0 (no limit) or more")
         if self.shutdown_timeout <= 0 or self.start_timeout <= 0:
             raise ValueError("--shutdown-timeout and --start-timeout must be more than 0 seconds")
+
+    def _validate_backends(self) -> None:
+        if self.upstream is not None or self.launch_command or self.model is not None:
+            raise ValueError("with [[backends]], give each backend's upstream, launch_command or model in its own "
+                             "table, not at the top level")
+        names = [b.name for b in self.backends]
+        if len(set(names)) != len(names):
+            raise ValueError(f"[[backends]] names must differ: {', '.join(names)}")
+        slot_dirs: dict[Path, str] = {}
+        for unit in self.backend_settings():
+            try:
+                unit.validate()
+            except ValueError as exc:
+                raise ValueError(f"backend {unit.model_alias!r}: {exc}") from None
+            slot_dir = unit.effective_slot_dir().expanduser().resolve()
+            if slot_dir in slot_dirs:
+                raise ValueError(f"backends {slot_dirs[slot_dir]!r} and {unit.model_alias!r} share the slot dir "
+                                 f"{slot_dir}: each needs its own (its index would take the other's files for "
+                                 "leftovers)")
+            slot_dirs[slot_dir] = str(unit.model_alias)
 
     @classmethod
     def build(cls, cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
@@ -190,12 +249,18 @@ def settings_toml(settings: Settings) -> str:
     lines = []
     for f in fields(settings):
         value = getattr(settings, f.name)
+        if f.name == "backends":
+            continue  # tables come after every top-level key
         if f.name in _SECRETS:
             lines.append(f"# {f.name} is {'set (not shown)' if value else 'not set'}")
         elif value is None:
             lines.append(f"# {f.name} is not set")
         else:
             lines.append(f"{f.name} = {_toml_value(value)}")
+    for spec in settings.backends:
+        lines += ["", "[[backends]]"]
+        lines += [f"{f.name} = {_toml_value(getattr(spec, f.name))}" for f in fields(spec)
+                  if getattr(spec, f.name) not in (None, ())]
     return "\n".join(lines) + "\n"
 
 
@@ -257,6 +322,49 @@ def _command(value: Any) -> tuple[str, ...]:
     return tuple(str(word) for word in value)
 
 
+_BACKEND_CONVERTERS: dict[str, Callable[[Any], Any]] = {
+    "name": str,
+    "upstream": lambda v: str(v).rstrip("/"),
+    "slot_dir": lambda v: Path(v).expanduser(),
+    "launch_command": lambda v: _command(v),
+    "model": lambda v: Path(v).expanduser(),
+    "ctx_size": int,
+    "parallel": int,
+    "cache_ram_mib": int,
+}
+
+
+def _backends(value: Any) -> tuple[BackendSpec, ...]:
+    """`[[backends]]` tables (or, from the environment, the same as a JSON list of objects)."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    if isinstance(value, BackendSpec):
+        return (value,)
+    if not isinstance(value, list | tuple):
+        raise ValueError("expected a list of backend tables")
+    specs = []
+    for i, table in enumerate(value):
+        if isinstance(table, BackendSpec):
+            specs.append(table)
+            continue
+        if not isinstance(table, Mapping):
+            raise ValueError(f"backend {i + 1} is not a table")
+        unknown = set(table) - set(_BACKEND_CONVERTERS)
+        if unknown:
+            raise ValueError(f"backend {i + 1}: unknown key(s) {', '.join(sorted(unknown))} (known: "
+                             f"{', '.join(_BACKEND_CONVERTERS)})")
+        if not str(table.get("name") or "").strip():
+            raise ValueError(f"backend {i + 1} needs a name: the model name clients ask for")
+        specs.append(BackendSpec(**{k: _BACKEND_CONVERTERS[k](v) for k, v in table.items()}))
+    return tuple(specs)
+
+
+def _dir_name(name: str) -> str:
+    """A directory name for a backend's own cache: readable, and distinct for names that differ."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
+    return f"{readable[:48]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
 def _headers(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return tuple(h.strip() for h in value.split(",") if h.strip())
@@ -284,6 +392,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "allowed_hosts": _headers,
     "max_body_bytes": int,
     "log_json": _bool,
+    "backends": _backends,
     "system_snapshots": _bool,
     "disk_budget": parse_size,
     "max_snapshot_age": parse_duration,
@@ -300,6 +409,7 @@ _FILE_TYPES: dict[str, tuple[type, ...]] = {
     "session_headers": (list, str),
     "allowed_hosts": (list, str),
     "log_json": (bool,),
+    "backends": (list,),
     "system_snapshots": (bool,),
     "disk_budget": (int, str),
     "max_snapshot_age": (int, float, str),

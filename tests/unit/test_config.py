@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from slotkeeper.config import Settings
+from slotkeeper.config import BackendSpec, Settings
 
 ATTACH = {"upstream": "http://127.0.0.1:8080", "slot_dir": "/srv/slots"}
 
@@ -112,6 +112,12 @@ PRECEDENCE_ROWS: list[tuple[str, Any, dict[str, str], Any]] = [
     ("shutdown_timeout", 12, {"SLOTKEEPER_SHUTDOWN_TIMEOUT": "90"}, 12.0),
     ("shutdown_timeout", None, {"SLOTKEEPER_SHUTDOWN_TIMEOUT": "90"}, 90.0),
     ("shutdown_timeout", None, {}, 30.0),
+    ("backends", [{"name": "cli", "upstream": "http://127.0.0.1:1/", "slot_dir": "/cli/slots"}],
+     {"SLOTKEEPER_BACKENDS": '[{"name": "env"}]'},
+     (BackendSpec("cli", "http://127.0.0.1:1", Path("/cli/slots")),)),
+    ("backends", None, {"SLOTKEEPER_BACKENDS": '[{"name": "env", "model": "/m/a.gguf", "parallel": 2}]'},
+     (BackendSpec("env", model=Path("/m/a.gguf"), parallel=2),)),
+    ("backends", None, {}, ()),
 ]
 
 

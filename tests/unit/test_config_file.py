@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -91,7 +92,50 @@ def test_every_setting_can_come_from_the_file(tmp_path: Path) -> None:
     path = write(tmp_path, settings_toml(settings))
     assert Settings.build({"config": str(path)}, {}) == settings
     names = set(tomllib.loads(path.read_text()))
-    assert names == {f.name for f in dataclasses.fields(Settings)} - {"model", "api_key", "admin_key"}
+    # backends is empty here: it is printed as [[backends]] tables (see the next test)
+    assert names == {f.name for f in dataclasses.fields(Settings)} - {"model", "api_key", "admin_key", "backends"}
+
+
+def test_several_backends_read_back_from_the_printed_file(tmp_path: Path) -> None:
+    text = """
+port = 11500
+[[backends]]
+name = "qwen3-8b"
+launch_command = ["llama-server", "-m", "/models/qwen3-8b.gguf", "-np", "2"]
+[[backends]]
+name = "coder"
+upstream = "http://127.0.0.1:8081"
+slot_dir = "/srv/coder-slots"
+[[backends]]
+name = "tiny"
+parallel = 3
+"""
+    settings = Settings.build({"config": str(write(tmp_path, text))}, {})
+    assert [b.name for b in settings.backends] == ["qwen3-8b", "coder", "tiny"]
+    units = settings.backend_settings()
+    assert [u.mode for u in units] == ["launch", "attach", "embedded"]
+    assert [u.model_alias for u in units] == ["qwen3-8b", "coder", "tiny"]
+    assert units[2].parallel == 3 and units[1].parallel == 1
+    assert len({u.cache_dir for u in units}) == 3 and all(u.cache_dir.parent == settings.cache_dir / "backends"
+                                                          for u in units)
+    again = write(tmp_path, settings_toml(settings))
+    assert Settings.build({"config": str(again)}, {}) == settings
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ('upstream = "http://x"\nslot_dir = "/s"\n[[backends]]\nname = "a"', "not at the top level"),
+    ('[[backends]]\nname = "a"\n[[backends]]\nname = "a"', "names must differ"),
+    ('[[backends]]\nname = "a"\nupstream = "http://x"', "backend 'a': --upstream needs --slot-dir"),
+    ('[[backends]]\nname = "a"\nupstream = "http://x"\nslot_dir = "/s"\n'
+     '[[backends]]\nname = "b"\nupstream = "http://y"\nslot_dir = "/s"', "share the slot dir"),
+    ('[[backends]]\nname = "a"\nport = 1', "unknown key(s) port"),
+    ('[[backends]]\nupstream = "http://x"', "needs a name"),
+    ('backends = 3', "backends must be list"),
+], ids=["top-level-mode", "duplicate-names", "attach-without-slot-dir", "shared-slot-dir", "unknown-key", "no-name",
+        "not-a-list"])
+def test_bad_backend_tables_say_what_is_wrong(tmp_path: Path, text: str, fragment: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        Settings.build({"config": str(write(tmp_path, text + "\n"))}, {})
 
 
 @pytest.mark.parametrize(

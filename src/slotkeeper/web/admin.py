@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 
 from slotkeeper.errors import BadRequest, NotFound
 from slotkeeper.types import IdSource, SessionKey, Snapshot, SnapshotKind
-from slotkeeper.web.state import AppState, app_state
+from slotkeeper.web.state import AppState, app_state, backends
 
 router = APIRouter(prefix="/api/sessions")
 
@@ -19,17 +19,20 @@ router = APIRouter(prefix="/api/sessions")
 @router.get("")
 async def list_sessions(request: Request) -> dict[str, Any]:
     """Saved sessions; `?kind=system` lists system-prompt snapshots instead, `?kind=all` both."""
-    state = app_state(request)
-    snapshots = await asyncio.to_thread(state.store.list, None, _kind_filter(request))
-    return {
-        "slot_dir": str(state.store.slot_dir),
-        "sessions": [_snapshot_json(s, _hot_slot(state, s.model, s.session_id)) for s in snapshots],
-    }
+    kind = _kind_filter(request)
+    model = request.query_params.get("model")
+    states = [app_state(request, model)] if model else backends(request).all
+    sessions = []
+    for state in states:
+        snapshots = await asyncio.to_thread(state.store.list, None, kind)
+        sessions += [_snapshot_json(s, _hot_slot(state, s.model, s.session_id)) for s in snapshots]
+    sessions.sort(key=lambda s: s["last_used"], reverse=True)
+    return {"slot_dir": str(states[0].store.slot_dir), "sessions": sessions}
 
 
 @router.get("/current")
 async def current_session(request: Request) -> dict[str, Any]:
-    state = app_state(request)
+    state = app_state(request, request.query_params.get("model"))
     slots = [
         {
             "id": slot.slot_id,
@@ -63,7 +66,7 @@ async def current_session(request: Request) -> dict[str, Any]:
 @router.get("/disk")
 async def disk(request: Request) -> dict[str, Any]:
     """What the snapshots take, the budget they are kept under, and how much the budget evicted."""
-    state = app_state(request)
+    state = app_state(request, request.query_params.get("model"))
     usage = await asyncio.to_thread(state.store.usage)
     free = await asyncio.to_thread(shutil.disk_usage, state.store.slot_dir)
     budget = state.pool.budget
@@ -90,7 +93,7 @@ async def unpin(session_id: str, request: Request) -> dict[str, Any]:
 
 async def _set_pinned(session_id: str, request: Request, pinned: bool) -> dict[str, Any]:
     """Pin (never evicted by the disk budget) or unpin a snapshot; `?kind=system` for a system prompt's."""
-    state = app_state(request)
+    state = app_state(request, request.query_params.get("model"))
     key = _key(state, session_id, request)
     kind = _kind_filter(request) or SnapshotKind.SESSION
     snapshot = await asyncio.to_thread(state.store.set_pinned, key, pinned, kind)
@@ -101,14 +104,14 @@ async def _set_pinned(session_id: str, request: Request, pinned: bool) -> dict[s
 
 @router.post("/clear")
 async def clear_slots(request: Request) -> dict[str, Any]:
-    state = app_state(request)
+    state = app_state(request, request.query_params.get("model"))
     erased = await state.pool.clear()
     return {"erased_slots": erased, "session": "default"}
 
 
 @router.get("/{session_id:path}")
 async def get_session(session_id: str, request: Request) -> dict[str, Any]:
-    state = app_state(request)
+    state = app_state(request, request.query_params.get("model"))
     key = _key(state, session_id, request)
     snapshot = await asyncio.to_thread(state.store.get, key)
     hot = _hot_slot(state, key.model, key.session_id)
@@ -121,7 +124,7 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
 
 @router.delete("/{session_id:path}")
 async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
-    state = app_state(request)
+    state = app_state(request, request.query_params.get("model"))
     key = _key(state, session_id, request)
     state.pool.forget(key)
     removed = await asyncio.to_thread(state.store.delete, key)

@@ -24,9 +24,9 @@ router = APIRouter()
 
 @router.post("/v1/messages")
 async def create_message(request: Request) -> Response:
-    state = app_state(request)
     raw = openai.parse_body(await request.body())
     message = anthropic.parse_messages_request(raw)
+    state = app_state(request, message.model)
     key = resolve_session(
         state.backend.model_id, request.headers, raw, anthropic.system_texts(message),
         state.settings.session_headers, hint=anthropic.metadata_user_id(message),
@@ -52,8 +52,8 @@ async def create_message(request: Request) -> Response:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> dict[str, int]:
     """Counted by the backend's own template and tokenizer; takes no slot, so it never waits for a turn."""
-    state = app_state(request)
     counted = anthropic.parse_count_tokens_request(openai.parse_body(await request.body()))
+    state = app_state(request, counted.model)
     body = anthropic.count_tokens_body(counted)
     try:
         data = await state.client.post_json("/v1/chat/completions/input_tokens", body)

@@ -23,7 +23,7 @@ from slotkeeper.errors import BadRequest, NotSupported, SlotkeeperError
 from slotkeeper.identity import is_side_task, resolve_session
 from slotkeeper.service import StreamTurn, TurnRecord
 from slotkeeper.types import SessionKey
-from slotkeeper.web.state import AppState, app_state
+from slotkeeper.web.state import AppState, backends
 from slotkeeper.web.streaming import TurnStreamResponse
 
 log = logging.getLogger("slotkeeper.ollama")
@@ -53,31 +53,29 @@ async def version() -> dict[str, str]:
 
 @router.api_route("/api/tags", methods=["GET", "HEAD"])
 async def tags(request: Request) -> dict[str, Any]:
-    return {"models": [ollama.tags_entry(await _facts(app_state(request)))]}
+    return {"models": [ollama.tags_entry(await _facts(state)) for state in backends(request).all]}
 
 
 @router.get("/api/ps")
 async def ps(request: Request) -> dict[str, Any]:
     # llama-server keeps its model loaded for as long as it runs: "expires" a century from now.
     expires = _timestamp(datetime.now(UTC) + timedelta(days=36500))
-    return {"models": [ollama.ps_entry(await _facts(app_state(request)), expires)]}
+    return {"models": [ollama.ps_entry(await _facts(state), expires) for state in backends(request).all]}
 
 
 @router.post("/api/show")
 async def show(request: Request) -> dict[str, Any]:
-    state = app_state(request)
     req = ollama.parse(ModelRequest, await _body(request))
-    _require_served(req.model_name, state)
+    state = _served_by(request, req.model_name)
     return ollama.show_answer(await _facts(state))
 
 
 @router.post("/api/chat")
 async def chat(request: Request) -> Response:
     started = time.perf_counter_ns()
-    state = app_state(request)
     body = await _body(request)
     req = ollama.parse(ChatRequest, body)
-    _require_served(req.model, state)
+    state = _served_by(request, req.model)
     if not req.messages:
         return JSONResponse(ollama.load_answer("chat", req.model, _now(), ollama.unloads(req)), media_type=JSON)
     ollama.check_images(ollama.all_images(req), _vision(state))
@@ -93,10 +91,9 @@ async def chat(request: Request) -> Response:
 @router.post("/api/generate")
 async def generate(request: Request) -> Response:
     started = time.perf_counter_ns()
-    state = app_state(request)
     body = await _body(request)
     req = ollama.parse(GenerateRequest, body)
-    _require_served(req.model, state)
+    state = _served_by(request, req.model)
     ollama.check_generate(req)
     if not req.prompt and not req.images:
         return JSONResponse(ollama.load_answer("generate", req.model, _now(), ollama.unloads(req)), media_type=JSON)
@@ -113,9 +110,8 @@ async def generate(request: Request) -> Response:
 @router.post("/api/embed")
 async def embed(request: Request) -> dict[str, Any]:
     started = time.perf_counter_ns()
-    state = app_state(request)
     req = ollama.parse(ollama.EmbedRequest, await _body(request))
-    _require_served(req.model, state)
+    state = _served_by(request, req.model)
     # Embeddings need a backend started with --embeddings, which then serves nothing else: no session can be on
     # it, so the request goes straight to the backend without a slot lease. Without the flag its 501 is passed on.
     data = await state.client.post_json("/v1/embeddings", ollama.embed_body(req))
@@ -124,19 +120,18 @@ async def embed(request: Request) -> dict[str, Any]:
 
 @router.post("/api/embeddings")
 async def embeddings(request: Request) -> dict[str, Any]:
-    state = app_state(request)
     req = ollama.parse(ollama.EmbeddingsRequest, await _body(request))
-    _require_served(req.model, state)
+    state = _served_by(request, req.model)
     data = await state.client.post_json("/v1/embeddings", {"input": [req.prompt]})
     return ollama.embeddings_answer(data)
 
 
 @router.post("/api/pull")
 async def pull(request: Request) -> Response:
-    state = app_state(request)
     req = ollama.parse(ModelRequest, await _body(request))
-    if not ollama.is_served(req.model_name, state.backend.model_id):
-        raise ollama.model_not_found(req.model_name, ollama.advertised_name(state.backend.model_id))
+    served = [ollama.advertised_name(s.backend.model_id) for s in backends(request).all]
+    if not any(ollama.is_served(req.model_name, s.backend.model_id) for s in backends(request).all):
+        raise ollama.model_not_found(req.model_name, "', '".join(served))
     if not req.stream:
         return JSONResponse({"status": "success"}, media_type=JSON)
     lines = [ollama.ndjson({"status": "pulling manifest"}), ollama.ndjson({"status": "success"})]
@@ -233,11 +228,14 @@ async def _body(request: Request) -> dict[str, Any]:
     return openai.parse_body(await request.body())
 
 
-def _require_served(requested: str, state: AppState) -> None:
+def _served_by(request: Request, requested: str) -> AppState:
+    """The backend serving the requested model (Ollama's names: `name` and `name:latest` are the same)."""
     if not requested:
         raise BadRequest("'model' is required")
-    if not ollama.is_served(requested, state.backend.model_id):
-        raise ollama.model_not_found(requested)
+    for state in backends(request).all:
+        if ollama.is_served(requested, state.backend.model_id):
+            return state
+    raise ollama.model_not_found(requested)
 
 
 def _vision(state: AppState) -> bool:

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from slotkeeper.dialects import openai
 from slotkeeper.errors import NotFound
 from slotkeeper.identity import is_side_task, resolve_session
-from slotkeeper.web.state import AppState, app_state
+from slotkeeper.web.state import AppState, app_state, backends
 from slotkeeper.web.streaming import TurnStreamResponse
 
 router = APIRouter()
@@ -39,24 +39,25 @@ async def responses(request: Request) -> Response:
 async def embeddings(request: Request) -> Response:
     """Passed through without a slot lease: embeddings do not touch a conversation's KV state. A backend started
     without --embeddings answers 501 itself, and that answer is passed on."""
-    state = app_state(request)
     body = openai.parse_body(await request.body())
     openai.check_embeddings_request(body)
+    state = app_state(request, _model_of(body))
     return JSONResponse(await state.client.post_json("/v1/embeddings", openai.without_own_fields(body)))
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    entry = _model_entry(app_state(request))
-    return {"object": "list", "data": [entry], "has_more": False, "first_id": entry["id"], "last_id": entry["id"]}
+    entries = [_model_entry(state) for state in backends(request).all]
+    return {"object": "list", "data": entries, "has_more": False, "first_id": entries[0]["id"],
+            "last_id": entries[-1]["id"]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
-    state = app_state(request)
-    if model_id.removesuffix(":latest") != state.backend.model_id:
-        raise NotFound(f"model '{model_id}' not found")
-    return _model_entry(state)
+    for state in backends(request).all:
+        if model_id.removesuffix(":latest") == state.backend.model_id:
+            return _model_entry(state)
+    raise NotFound(f"model '{model_id}' not found")
 
 
 def _chat_system_texts(body: Mapping[str, Any]) -> list[str]:
@@ -65,9 +66,9 @@ def _chat_system_texts(body: Mapping[str, Any]) -> list[str]:
 
 async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping[str, Any]], None],
                  system: Callable[[Mapping[str, Any]], list[str]] = _chat_system_texts) -> Response:
-    state = app_state(request)
     body = openai.parse_body(await request.body())
     check(body)
+    state = app_state(request, _model_of(body))
     key = resolve_session(state.backend.model_id, request.headers, body, system(body), state.settings.session_headers)
 
     stream = bool(body.get("stream"))
@@ -81,6 +82,11 @@ async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping
         return TurnStreamResponse.passthrough(turn, openai.error_event)
     data, record = await state.service.unary(api, key, path, build, side=side)
     return JSONResponse(data, headers=record.headers())
+
+
+def _model_of(body: Mapping[str, Any]) -> str | None:
+    model = body.get("model")
+    return model if isinstance(model, str) else None
 
 
 def _model_entry(state: AppState) -> dict[str, Any]:

@@ -25,9 +25,9 @@ _detached: set[asyncio.Task[Prewarm]] = set()
 
 @router.post("/api/sessions/prewarm")
 async def prewarm(request: Request) -> Response:
-    state = app_state(request)
     body = parse_prewarm_request(openai.parse_body(await request.body()))
-    model = body.model or state.backend.model_id
+    state = app_state(request, body.model)
+    model = state.backend.model_id
     system = system_prompt_of(upstream_chat_body(body, model))
     if system is None:
         raise BadRequest("nothing to pre-warm: give a system prompt (\"system\" or system messages) or tools")

@@ -1,0 +1,111 @@
+"""One backend brought up and down: its store, server (launched, embedded or attached), pool, service, watch,
+supervisor and housekeeping tasks. slotkeeper runs one of these per model."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from slotkeeper.backend import discover
+from slotkeeper.cache.budget import DiskBudget
+from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.store import SnapshotStore, make_private_dir
+from slotkeeper.config import Settings
+from slotkeeper.service import TurnService
+from slotkeeper.upstream.client import UpstreamClient
+from slotkeeper.upstream.launcher import StartedBackend, start_backend
+from slotkeeper.upstream.supervisor import Supervisor
+from slotkeeper.watch import BackendWatch
+from slotkeeper.web.state import AppState
+
+log = logging.getLogger("slotkeeper")
+
+
+class RunningBackend:
+    def __init__(self, state: AppState, started: StartedBackend, tasks: list[asyncio.Task[None]]) -> None:
+        self.state = state
+        self._started = started
+        self._tasks = tasks
+
+    @classmethod
+    async def start(cls, settings: Settings) -> RunningBackend:
+        make_private_dir(settings.cache_dir)
+        slot_dir = settings.effective_slot_dir()
+        store = SnapshotStore(slot_dir, settings.index_path)
+        await asyncio.to_thread(store.reconcile)
+        try:
+            started = await start_backend(settings, slot_dir)
+        except BaseException:
+            store.close()
+            raise
+        client = UpstreamClient(started.url, read_timeout=settings.upstream_read_timeout,
+                                slot_op_timeout=settings.slot_op_timeout)
+        try:
+            backend = await discover(client, store, slot_dir, settings.model_alias or started.model_alias)
+        except BaseException:
+            await client.aclose()
+            await started.stop(settings.shutdown_budget.stopping)
+            store.close()
+            raise
+        pool = SlotPool(backend.n_slots, client, store, backend.fingerprint, backend.n_ctx_slot,
+                        settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue,
+                        settings.system_snapshots, DiskBudget(settings.disk_budget, settings.max_snapshot_age,
+                                                              settings.max_system_snapshots))
+        await pool.enforce_budget()
+        service = TurnService(client, pool)
+
+        def backend_changed(up: bool) -> None:
+            service.backend_down = not up
+
+        watch = BackendWatch(client, pool, backend_changed)
+        supervisor = _supervisor(started, watch, pool, settings)
+        state = AppState(settings, backend, client, store, pool, service, time.time(), started.server, supervisor)
+        log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
+                 backend.model_id, started.url, backend.n_slots, backend.n_ctx_slot, backend.fingerprint, slot_dir)
+        tasks = [asyncio.create_task(watch.run()), asyncio.create_task(_keep_budget(pool))]
+        if supervisor is not None:
+            tasks.append(asyncio.create_task(supervisor.run()))
+        return cls(state, started, tasks)
+
+    async def stop(self) -> None:
+        """Save every changed slot (within half the shutdown bound), then stop what was started."""
+        state, budget = self.state, self.state.settings.shutdown_budget
+        # The supervisor goes first, so that stopping the server below is not taken for a crash.
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            saved = await asyncio.wait_for(state.pool.flush(), budget.saving)
+            log.info("shutdown: saved %d changed slot(s)", saved)
+        except TimeoutError:
+            log.warning("shutdown: saving the changed slots took more than %.0f s (half of shutdown_timeout); "
+                        "the slots not saved by then lose their latest turns", budget.saving)
+        await state.pool.aclose()
+        await state.client.aclose()
+        await self._started.stop(budget.stopping)
+        state.store.close()
+
+
+async def _keep_budget(pool: SlotPool, interval: float = 60.0) -> None:
+    """Saves enforce the disk budget as they happen; this catches snapshots that age out while nothing is saved."""
+    while True:
+        await asyncio.sleep(interval)
+        await pool.enforce_budget()
+
+
+def _supervisor(started: StartedBackend, watch: BackendWatch, pool: SlotPool, settings: Settings) -> Supervisor | None:
+    """A supervisor for the server slotkeeper started (none in attach mode): a crash marks the backend down and
+    forgets what every slot held; the restarted server marks it up again."""
+    server = started.server
+    if server is None:
+        return None
+
+    def down(reason: str) -> None:
+        watch.mark_down()
+        pool.reset_slots(pool.generations(), reason)
+
+    def up() -> None:
+        watch.mark_up(pool.generations(), f"{server.name} was restarted")
+
+    return Supervisor(server, ready_timeout=settings.start_timeout, on_down=down, on_up=up)
