@@ -79,6 +79,11 @@ def _body_id(body: Mapping[str, object], field: str) -> str | None:
     return value
 
 
+def checked_session_id(value: str, where: str) -> str:
+    """A session id as given (from an operator's import, say), or BadRequest saying why it cannot be one."""
+    return _checked(value.strip(), where)
+
+
 def _checked(value: str, where: str) -> str:
     if len(value) > MAX_ID_LENGTH:
         raise BadRequest(f"session id from {where} is {len(value)} characters long; the limit is {MAX_ID_LENGTH}")

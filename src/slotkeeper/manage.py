@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import httpx
 
@@ -54,6 +54,35 @@ class AdminClient:
                         yield json.loads(line)
         except httpx.TransportError as exc:
             raise self._unreachable(exc) from exc
+
+    def download(self, path: str, params: dict[str, str], out: BinaryIO) -> int:
+        """GET `path` into `out`; returns the bytes written."""
+        written = 0
+        try:
+            with httpx.stream("GET", self.url + path, params=params, headers=self._headers(),
+                              timeout=httpx.Timeout(self.timeout, read=None)) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    self._checked("GET", path, response)
+                for chunk in response.iter_bytes():
+                    out.write(chunk)
+                    written += len(chunk)
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from exc
+        return written
+
+    def upload(self, path: str, params: dict[str, str], source: BinaryIO) -> Any:
+        """POST the contents of `source` in chunks (a bundle can be gigabytes)."""
+        def chunks() -> Iterator[bytes]:
+            while chunk := source.read(1024 * 1024):
+                yield chunk
+
+        try:
+            response = httpx.post(self.url + path, params=params, content=chunks(), headers=self._headers(),
+                                  timeout=httpx.Timeout(self.timeout, read=None, write=None))
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from exc
+        return self._checked("POST", path, response)
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
@@ -106,6 +135,21 @@ def add_commands(sub: Any) -> None:
         action.add_argument("--system", action="store_true", help="the ids are system-prompt snapshot keys")
         action.add_argument("--model", help="the model namespace (default: the served model)")
     actions.add_parser("disk", parents=[common], help="disk used by snapshots, the budget, and evictions")
+    export = actions.add_parser("export", parents=[common], help="write a session's snapshot to a bundle file",
+                                description="Write one snapshot (slot file, index row, message chain) to a tar "
+                                "bundle that `slotkeeper sessions import` reads on a machine running the same model "
+                                "file, slot layout and llama.cpp build.")
+    export.add_argument("session")
+    export.add_argument("-o", "--output", metavar="FILE", help="default: SESSION.slotkeeper.tar here; '-' for stdout")
+    export.add_argument("--system", action="store_true", help="the id is a system-prompt snapshot key")
+    export.add_argument("--model", help="the model namespace (default: the served model)")
+    imp = actions.add_parser("import", parents=[common], help="add a snapshot from a bundle file",
+                             description="Add the snapshot of a bundle written by `slotkeeper sessions export`. "
+                             "Refused when the bundle was made by another model file, slot layout or build.")
+    imp.add_argument("file", metavar="FILE")
+    imp.add_argument("--as", dest="as_id", metavar="ID", help="import under another session id")
+    imp.add_argument("--replace", action="store_true", help="overwrite an existing snapshot of that id")
+    imp.add_argument("--model", help="the model namespace (default: the served model)")
 
     prewarm = sub.add_parser(
         "prewarm", parents=[common], help="warm a system prompt up once and keep it as a system snapshot",
@@ -321,8 +365,44 @@ def _disk(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _export(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
+    params = {**(_model_param(args) or {}), **({"kind": "system"} if args.system else {})}
+    target = args.output or f"{args.session}.slotkeeper.tar".replace("/", "_")
+    path = f"/api/sessions/{_quote(args.session)}/export"
+    if target == "-":
+        client.download(path, params, sys.stdout.buffer)
+        return 0
+    partial = Path(target + ".part")
+    try:
+        with partial.open("wb") as fh:
+            written = client.download(path, params, fh)
+        partial.replace(target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    print(f"exported {args.session} to {target} ({human_bytes(written)})", file=out)
+    return 0
+
+
+def _import(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
+    params = {**(_model_param(args) or {}), **({"as": args.as_id} if args.as_id else {}),
+              **({"replace": "true"} if args.replace else {})}
+    try:
+        source = sys.stdin.buffer if args.file == "-" else Path(args.file).open("rb")  # noqa: SIM115
+    except OSError as exc:
+        raise CommandError(f"cannot read {args.file}: {exc.strerror or exc}") from exc
+    with source:
+        result = client.upload("/api/sessions/import", params, source)
+    if args.json:
+        _print_json(result, out)
+        return 0
+    print(f"imported {result['kind']} snapshot {result['imported']} ({result['model']}, {result['tokens']} tokens, "
+          f"{human_bytes(result['bytes'])})", file=out)
+    return 0
+
+
 _SESSION_ACTIONS = {"ls": _ls, "show": _show, "rm": _rm, "clear": _clear, "pin": _pin, "unpin": _pin,
-                    "disk": _disk}
+                    "disk": _disk, "export": _export, "import": _import}
 
 
 # -- output helpers -----------------------------------------------------------------------------------------------

@@ -209,6 +209,14 @@ class SnapshotStore:
             return PrefixMatch(snapshot, position + 1, int(snapshot.n_tokens * min(share, 1.0)))
         return None
 
+    def chain_of(self, snapshot: Snapshot) -> list[Link]:
+        """The message chain recorded with a snapshot (empty when none was)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT digest, chars FROM chains WHERE filename=? ORDER BY position", (snapshot.filename,)
+            ).fetchall()
+        return [Link(str(digest), int(chars)) for digest, chars in rows]
+
     def shared_prefix(self, snapshot: Snapshot, chain: Sequence[Link]) -> tuple[int, int] | None:
         """How many leading messages of `chain` the snapshot covers, and about how many of its tokens that is;
         None when no chain was recorded for it. All of them when the request extends the snapshot's messages."""

@@ -22,6 +22,7 @@ from slotkeeper.web import (
     ollama_routes,
     openai_routes,
     prewarm_routes,
+    transfer_routes,
 )
 from slotkeeper.web.errors import error_response
 from slotkeeper.web.runtime import RunningBackend
@@ -75,6 +76,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(prewarm_routes.router)  # before the session routes' /api/sessions/{id}
+    app.include_router(transfer_routes.router)
     app.include_router(admin.router)
     # Before the Ollama routes, whose /api/{rest} catch-all would answer /api/requests and /api/backend.
     for router in (metrics.router, activity.router, dashboard.router):

@@ -18,6 +18,7 @@ from slotkeeper.web.errors import error_response
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 # Routes that stay open: a load balancer's health check, and Ollama's "is it running" probe.
 _PUBLIC_PATHS = frozenset({"/health", "/", "/api/version"})
+BUNDLE_IMPORT_PATH = "/api/sessions/import"
 
 
 def is_admin_path(path: str) -> bool:
@@ -65,7 +66,8 @@ class Guard:
         if error is not None:
             await error_response(path, error)(scope, receive, send)
             return
-        if self.max_body_bytes:
+        # A snapshot bundle is as big as a slot file (gigabytes); it is streamed to disk, never held in memory.
+        if self.max_body_bytes and path != BUNDLE_IMPORT_PATH:
             declared = headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
                 await error_response(path, self._too_large())(scope, receive, send)

@@ -1,0 +1,79 @@
+"""Moving snapshots between slotkeepers: GET /api/sessions/{id}/export answers a bundle (a tar stream, see
+cache/bundle.py), POST /api/sessions/import takes one. Only a backend with the same fingerprint (model file, slot
+layout, build) accepts a bundle: a snapshot is never restored into a backend that did not make it."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.parse
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import iterate_in_threadpool
+
+from slotkeeper.cache.bundle import BundleReader, meta_of, write_bundle
+from slotkeeper.cache.store import file_checksum
+from slotkeeper.errors import BadRequest, NotFound
+from slotkeeper.identity import checked_session_id
+from slotkeeper.types import SessionKey, SnapshotKind
+from slotkeeper.web.security import BUNDLE_IMPORT_PATH
+from slotkeeper.web.state import app_state
+
+router = APIRouter()
+
+
+@router.get("/api/sessions/{session_id:path}/export")
+async def export(session_id: str, request: Request) -> Response:
+    state = app_state(request, request.query_params.get("model"))
+    kind = _kind(request)
+    key = SessionKey(state.backend.model_id, session_id)
+    snapshot = await asyncio.to_thread(state.store.checked_snapshot, key, state.backend.fingerprint, kind)
+    if snapshot is None:
+        raise NotFound(f"no {kind} snapshot '{session_id}' to export")
+    chain = await asyncio.to_thread(state.store.chain_of, snapshot)
+    slot_file = (state.store.slot_dir / snapshot.filename).open("rb")
+    name = urllib.parse.quote(f"{session_id}.slotkeeper.tar", safe="")
+    return StreamingResponse(iterate_in_threadpool(write_bundle(meta_of(snapshot, chain), slot_file)),
+                             media_type="application/x-tar",
+                             headers={"Content-Disposition": f"attachment; filename*=UTF-8''{name}"})
+
+
+@router.post(BUNDLE_IMPORT_PATH)
+async def import_bundle(request: Request) -> dict[str, Any]:
+    """`?as=ID` renames the session, `?replace=true` overwrites an existing snapshot of that id."""
+    state = app_state(request, request.query_params.get("model"))
+    reader = BundleReader(request.stream())
+    meta = await reader.meta()
+    fingerprint = state.backend.fingerprint
+    if meta.fingerprint != fingerprint:
+        raise BadRequest(f"the bundle's snapshot was made by another model, slot layout or build (fingerprint "
+                         f"{meta.fingerprint}; this backend's is {fingerprint}), so it cannot be restored here")
+    session = checked_session_id(request.query_params.get("as") or meta.session_id, "the import")
+    key = SessionKey(state.backend.model_id, session)
+    replace = request.query_params.get("replace", "").lower() in ("1", "true", "yes")
+    if not replace and await asyncio.to_thread(state.store.get, key, meta.kind) is not None:
+        raise BadRequest(f"a {meta.kind} snapshot '{session}' exists already; import with replace=true (the CLI's "
+                         "--replace) to overwrite it, or as=ID (--as) to give it another id")
+    temp = state.store.temp_name(key, fingerprint, meta.kind)
+    path = state.store.slot_dir / temp
+    try:
+        await reader.copy_file_to(path, meta.n_bytes)
+        if await asyncio.to_thread(file_checksum, path) != meta.checksum:
+            raise BadRequest("the bundle's snapshot.bin does not match its checksum (damaged on the way?)")
+        snapshot = await asyncio.to_thread(state.store.commit, key, temp, fingerprint, meta.n_tokens, meta.chain,
+                                           meta.n_bytes, meta.kind)
+    except BaseException:
+        await asyncio.to_thread(state.store.discard_temp, temp)
+        raise
+    state.pool.forget(key)  # a slot holding an older state of the session must not overwrite the import
+    return {"imported": session, "model": snapshot.model, "kind": str(snapshot.kind), "tokens": snapshot.n_tokens,
+            "bytes": snapshot.n_bytes, "file": snapshot.filename}
+
+
+def _kind(request: Request) -> SnapshotKind:
+    value = request.query_params.get("kind", "session")
+    try:
+        return SnapshotKind(value)
+    except ValueError:
+        raise BadRequest(f"kind must be session or system, not {value!r}") from None
