@@ -5,6 +5,7 @@
     ├── Unauthorized                401  authentication_error   missing or wrong API/admin key
     ├── Forbidden                   403  permission_error       a Host header that is not allowed
     ├── NotFound                    404  not_found_error
+    ├── MethodNotAllowed            405  invalid_request_error  a route that exists, asked with another method
     ├── PayloadTooLarge             413  request_too_large
     ├── NotSupported                501  not_supported_error    a route slotkeeper answers but cannot serve
     ├── UpstreamError               (the backend's status)   a non-2xx answer from the backend, body kept
@@ -51,6 +52,11 @@ class Forbidden(SlotkeeperError):
 class NotFound(SlotkeeperError):
     status_code = 404
     error_type = "not_found_error"
+
+
+class MethodNotAllowed(SlotkeeperError):
+    status_code = 405
+    error_type = "invalid_request_error"
 
 
 class PayloadTooLarge(SlotkeeperError):

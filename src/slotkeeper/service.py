@@ -45,7 +45,7 @@ class TurnRecord:
     journal: RequestJournal | None = None
 
     def headers(self) -> dict[str, str]:
-        headers = {"X-Slotkeeper-Session": _header_safe(self.key.session_id), "X-Slotkeeper-Cache": self.lease.outcome,
+        headers = {"X-Slotkeeper-Session": header_safe(self.key.session_id), "X-Slotkeeper-Cache": self.lease.outcome,
                    "X-Slotkeeper-Slot": str(self.lease.slot_id)}
         if self.lease.side:
             headers["X-Slotkeeper-Request"] = "side"
@@ -380,6 +380,6 @@ def _float(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) else None
 
 
-def _header_safe(value: str) -> str:
+def header_safe(value: str) -> str:
     """Header values must be latin-1; percent-encode anything else."""
     return value if value.isascii() and value.isprintable() else urllib.parse.quote(value, safe="")

@@ -33,7 +33,9 @@ PASSTHROUGH_FIELDS: frozenset[str] = frozenset({
 
 def error_body(error: SlotkeeperError) -> dict[str, Any]:
     """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(error.status_code, "api_error"),
+    # Anthropic uses invalid_request_error "for other 4XX status codes not listed" as well.
+    fallback = "invalid_request_error" if 400 <= error.status_code < 500 else "api_error"
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(error.status_code, fallback),
                                        "message": error.message}}
 
 

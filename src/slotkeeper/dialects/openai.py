@@ -6,6 +6,8 @@ Pure functions: they read a parsed request body and return new values; they neve
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,19 +18,59 @@ from slotkeeper.identity import OWN_BODY_FIELDS
 _CONTROLLED_FIELDS = frozenset({"id_slot", "cache_prompt"})
 
 
+# JSON schemas in `tools` and `format` nest a few dozen levels; much deeper is a mistake or an attack, and keeping
+# bodies well below Python's recursion limit is what lets every later json.dumps of them succeed.
+MAX_NESTING = 256
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """A request body as a JSON object, or a 400 that says what is wrong with it."""
+    """A request body as a JSON object that can be sent on as JSON, or a 400 that says what is wrong with it."""
     if not raw.strip():
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
-        body = json.loads(raw)
+        # Decoded strictly here: json.loads(bytes) would let UTF-8-encoded surrogates through.
+        text = raw.decode(json.detect_encoding(raw))
+        body = json.loads(text)
     except ValueError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:
         raise BadRequest("the request body is nested too deeply to be a request") from exc
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, not {type(body).__name__}")
+    _check_sendable(body, strings=_SURROGATE_ESCAPE.search(text) is not None)
     return body
+
+
+def _check_sendable(body: dict[str, Any], strings: bool) -> None:
+    """Refuse what Python's json.loads accepts but cannot be encoded again for the backend: NaN, Infinity and
+    numbers beyond a double's range, nesting deeper than MAX_NESTING, and (when `strings`: the text has a surrogate
+    escape) a lone UTF-16 surrogate such as "\\ud800", which is not a character and has no UTF-8 form."""
+    stack: list[tuple[dict[str, Any] | list[Any], int]] = [(body, 1)]
+    while stack:
+        container, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise BadRequest(f"the request body is nested too deeply to be a request (over {MAX_NESTING} levels)")
+        items = container.values() if isinstance(container, dict) else container
+        if strings and isinstance(container, dict):
+            for key in container:
+                _check_text(key)
+        for item in items:
+            if isinstance(item, dict | list):
+                stack.append((item, depth + 1))
+            elif isinstance(item, float) and not math.isfinite(item):
+                raise BadRequest("the request body holds NaN, Infinity or a number too large for a 64-bit float; "
+                                 "JSON numbers must be finite")
+            elif strings and isinstance(item, str):
+                _check_text(item)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"the request body holds a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x}), which is "
+                         "not a character; send text as UTF-8") from exc
 
 
 def system_texts(messages: object) -> list[str]:

@@ -16,13 +16,15 @@ from slotkeeper.dialects import anthropic, openai
 from slotkeeper.errors import NotFound, SlotkeeperError, UpstreamError
 from slotkeeper.identity import is_side_task, resolve_session
 from slotkeeper.service import StreamTurn
+from slotkeeper.web.openapi import JSON, answers, json_body
 from slotkeeper.web.state import app_state
 from slotkeeper.web.streaming import TurnStreamResponse
 
 router = APIRouter()
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", openapi_extra=json_body(anthropic.MessagesRequest),
+             responses=answers(JSON, "text/event-stream"))
 async def create_message(request: Request) -> Response:
     raw = openai.parse_body(await request.body())
     message = anthropic.parse_messages_request(raw)
@@ -49,7 +51,7 @@ async def create_message(request: Request) -> Response:
     return JSONResponse(body, headers=record.headers())
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", openapi_extra=json_body(anthropic.CountTokensRequest))
 async def count_tokens(request: Request) -> dict[str, int]:
     """Counted by the backend's own template and tokenizer; takes no slot, so it never waits for a turn."""
     counted = anthropic.parse_count_tokens_request(openai.parse_body(await request.body()))

@@ -9,10 +9,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from slotkeeper import __version__
 from slotkeeper.config import Settings
-from slotkeeper.errors import SlotkeeperError
+from slotkeeper.errors import MethodNotAllowed, NotFound, SlotkeeperError
 from slotkeeper.web import (
     activity,
     admin,
@@ -25,6 +27,7 @@ from slotkeeper.web import (
     transfer_routes,
 )
 from slotkeeper.web.errors import error_response
+from slotkeeper.web.openapi import SlotkeeperAPI
 from slotkeeper.web.runtime import RunningBackend
 from slotkeeper.web.security import Guard
 from slotkeeper.web.state import Backends, backends
@@ -46,11 +49,21 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             await asyncio.gather(*(r.stop() for r in running))
 
-    app = FastAPI(title="slotkeeper", version=__version__, lifespan=lifespan)
+    app = SlotkeeperAPI(title="slotkeeper", version=__version__, lifespan=lifespan)
 
     @app.exception_handler(SlotkeeperError)
     async def slotkeeper_error(request: Request, exc: SlotkeeperError) -> JSONResponse:
         return error_response(request.url.path, exc)
+
+    @app.exception_handler(HTTPException)
+    async def routing_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # The router's own refusals (no route matches the path; a route does, for other methods) in the path's
+        # dialect instead of FastAPI's {"detail": ...}, the 405 with an Allow header.
+        response = error_response(request.url.path, _routing_error(request, exc))
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            response.headers["Allow"] = ", ".join(_allowed_methods(request))
+        return response
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
@@ -77,9 +90,30 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(anthropic_routes.router)
     app.include_router(prewarm_routes.router)  # before the session routes' /api/sessions/{id}
     app.include_router(transfer_routes.router)
-    app.include_router(admin.router)
-    # Before the Ollama routes, whose /api/{rest} catch-all would answer /api/requests and /api/backend.
-    for router in (metrics.router, activity.router, dashboard.router):
+    # An unknown path or a wrong method anywhere (under /api too) is the router's 404 or 405, rendered by
+    # routing_error above in the path's dialect.
+    for router in (admin.router, metrics.router, activity.router, dashboard.router, ollama_routes.router):
         app.include_router(router)
-    app.include_router(ollama_routes.router)
     return app
+
+
+def _routing_error(request: Request, exc: HTTPException) -> SlotkeeperError:
+    if exc.status_code == 404:
+        return NotFound(f"no such route: {request.url.path}")
+    if exc.status_code == 405:
+        return MethodNotAllowed(f"method {request.method} not allowed for {request.url.path}")
+    error = SlotkeeperError(str(exc.detail))
+    error.status_code = exc.status_code
+    return error
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route takes at this path: Starlette's own Allow names only the first route that matched,
+    and /api/sessions/{id} is two routes (GET and DELETE)."""
+    allowed = []
+    for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"):
+        scope = {**request.scope, "method": method}
+        if any(route.matches(scope)[0] is Match.FULL for route in request.app.router.routes):
+            allowed.append(method)
+    return allowed
+

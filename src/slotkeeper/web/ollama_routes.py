@@ -21,8 +21,10 @@ from slotkeeper.dialects import ollama, openai
 from slotkeeper.dialects.ollama import AnswerShape, ChatRequest, GenerateRequest, ModelRequest, Sampling
 from slotkeeper.errors import BadRequest, NotSupported, SlotkeeperError
 from slotkeeper.identity import is_side_task, resolve_session
-from slotkeeper.service import StreamTurn, TurnRecord
+from slotkeeper.service import StreamTurn, TurnRecord, header_safe
 from slotkeeper.types import SessionKey
+from slotkeeper.web.openapi import JSON as JSON_TYPE
+from slotkeeper.web.openapi import answers, json_body
 from slotkeeper.web.state import AppState, backends
 from slotkeeper.web.streaming import TurnStreamResponse
 
@@ -34,14 +36,10 @@ router = APIRouter()
 OLLAMA_API_VERSION = "0.32.0"
 NDJSON = "application/x-ndjson"
 JSON = "application/json; charset=utf-8"
-_KNOWN_PATHS = frozenset({
-    "/api/version", "/api/tags", "/api/show", "/api/ps", "/api/chat", "/api/generate", "/api/embed",
-    "/api/embeddings", "/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete",
-})
 _reported_options: set[str] = set()
 
 
-@router.api_route("/", methods=["GET", "HEAD"])
+@router.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse)
 async def root() -> Response:
     return PlainTextResponse("Ollama is running")
 
@@ -63,14 +61,14 @@ async def ps(request: Request) -> dict[str, Any]:
     return {"models": [ollama.ps_entry(await _facts(state), expires) for state in backends(request).all]}
 
 
-@router.post("/api/show")
+@router.post("/api/show", openapi_extra=json_body(ModelRequest))
 async def show(request: Request) -> dict[str, Any]:
     req = ollama.parse(ModelRequest, await _body(request))
     state = _served_by(request, req.model_name)
     return ollama.show_answer(await _facts(state))
 
 
-@router.post("/api/chat")
+@router.post("/api/chat", openapi_extra=json_body(ChatRequest), responses=answers(JSON_TYPE, NDJSON))
 async def chat(request: Request) -> Response:
     started = time.perf_counter_ns()
     body = await _body(request)
@@ -88,7 +86,7 @@ async def chat(request: Request) -> Response:
                       started)
 
 
-@router.post("/api/generate")
+@router.post("/api/generate", openapi_extra=json_body(GenerateRequest), responses=answers(JSON_TYPE, NDJSON))
 async def generate(request: Request) -> Response:
     started = time.perf_counter_ns()
     body = await _body(request)
@@ -107,7 +105,7 @@ async def generate(request: Request) -> Response:
     return await _run(state, "ollama.generate", key, path, upstream, shape, req.stream, side, opts, started)
 
 
-@router.post("/api/embed")
+@router.post("/api/embed", openapi_extra=json_body(ollama.EmbedRequest))
 async def embed(request: Request) -> dict[str, Any]:
     started = time.perf_counter_ns()
     req = ollama.parse(ollama.EmbedRequest, await _body(request))
@@ -118,7 +116,7 @@ async def embed(request: Request) -> dict[str, Any]:
     return ollama.embed_answer(req.model, data, time.perf_counter_ns() - started)
 
 
-@router.post("/api/embeddings")
+@router.post("/api/embeddings", openapi_extra=json_body(ollama.EmbeddingsRequest))
 async def embeddings(request: Request) -> dict[str, Any]:
     req = ollama.parse(ollama.EmbeddingsRequest, await _body(request))
     state = _served_by(request, req.model)
@@ -126,7 +124,7 @@ async def embeddings(request: Request) -> dict[str, Any]:
     return ollama.embeddings_answer(data)
 
 
-@router.post("/api/pull")
+@router.post("/api/pull", openapi_extra=json_body(ModelRequest), responses=answers(JSON_TYPE, NDJSON))
 async def pull(request: Request) -> Response:
     req = ollama.parse(ModelRequest, await _body(request))
     served = [ollama.advertised_name(s.backend.model_id) for s in backends(request).all]
@@ -142,7 +140,8 @@ async def pull(request: Request) -> Response:
 @router.post("/api/create")
 @router.post("/api/copy")
 @router.delete("/api/delete")
-@router.post("/api/blobs/{digest}")
+@router.post("/api/blobs/{digest}", openapi_extra={"parameters": [
+    {"name": "digest", "in": "path", "required": True, "schema": {"type": "string"}}]})
 async def model_store(request: Request) -> Response:
     raise NotSupported(
         f"{request.url.path} is not supported: slotkeeper serves the one model its llama-server was started with "
@@ -150,18 +149,9 @@ async def model_store(request: Request) -> Response:
     )
 
 
-@router.head("/api/blobs/{digest}")
+@router.head("/api/blobs/{digest}", responses={404: {"description": "always: slotkeeper keeps no blobs"}})
 async def blob_exists(digest: str) -> Response:
     return Response(status_code=404)
-
-
-@router.api_route("/api/{rest:path}", methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
-async def unknown_path(rest: str, request: Request) -> Response:
-    """Anything else under /api: a wrong method on a known route is 405, an unknown path 404, both Ollama-shaped."""
-    path = f"/api/{rest}"
-    if path in _KNOWN_PATHS or rest.startswith(("sessions", "blobs/")):
-        return JSONResponse({"error": f"method {request.method} not allowed for {path}"}, status_code=405)
-    return JSONResponse({"error": f"no such Ollama API route: {path}"}, status_code=404)
 
 
 # -- running a turn ---------------------------------------------------------------------------------------------------
@@ -172,15 +162,15 @@ async def _run(state: AppState, api: str, key: SessionKey, path: str, upstream: 
     def build(slot_id: int) -> dict[str, Any]:
         return openai.upstream_body(upstream, slot_id)
 
-    noted = {"X-Slotkeeper-Ignored-Options": ",".join(opts.ignored)} if opts.ignored else {}
+    # Option names are the client's own strings: percent-encoded unless plain printable ASCII (a header is latin-1,
+    # and a CR or LF in one would split it).
+    noted = {"X-Slotkeeper-Ignored-Options": ",".join(map(header_safe, opts.ignored))} if opts.ignored else {}
     if not stream:
         data, record = await state.service.unary(api, key, path, build, side=side)
         answer = ollama.unary_answer(shape, data, _now(), time.perf_counter_ns() - started, _load_ns(record))
         return JSONResponse(answer, headers={**record.headers(), **noted}, media_type=JSON)
     turn = await state.service.open_stream(api, key, path, build, side=side)
-    response = TurnStreamResponse(turn, _ndjson(turn, shape, started), media_type=NDJSON)
-    response.headers.update(noted)
-    return response
+    return TurnStreamResponse(turn, _ndjson(turn, shape, started), media_type=NDJSON, headers=noted)
 
 
 async def _ndjson(turn: StreamTurn, shape: AnswerShape, started: int) -> AsyncIterator[bytes]:

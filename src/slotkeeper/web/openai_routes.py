@@ -13,29 +13,41 @@ from fastapi.responses import JSONResponse, Response
 from slotkeeper.dialects import openai
 from slotkeeper.errors import NotFound
 from slotkeeper.identity import is_side_task, resolve_session
+from slotkeeper.web.openapi import JSON, answers, json_body
 from slotkeeper.web.state import AppState, app_state, backends
 from slotkeeper.web.streaming import TurnStreamResponse
 
 router = APIRouter()
 
+# Bodies go to the backend as they are (less our own fields), and the backend validates them: the schemas say only
+# what slotkeeper itself checks, so that a request they call invalid is one slotkeeper itself refuses.
+_PASSED_ON = "Passed to the backend as it is, minus slotkeeper's own fields; the backend checks everything else."
+_CHAT = {"type": "object", "required": ["messages"],
+         "properties": {"messages": {"type": "array", "minItems": 1}, "stream": {}}}
+_COMPLETION = {"type": "object", "required": ["prompt"], "properties": {"prompt": {}, "stream": {}}}
+_RESPONSES = {"type": "object", "required": ["input"], "properties": {"input": {"anyOf": [
+    {"type": "string", "minLength": 1}, {"type": "array", "minItems": 1}]}, "stream": {}}}
+_EMBEDDINGS = {"type": "object", "required": ["input"], "properties": {"input": {}}}
+_STREAMED = answers(JSON, "text/event-stream")
 
-@router.post("/v1/chat/completions")
+
+@router.post("/v1/chat/completions", openapi_extra=json_body(_CHAT, _PASSED_ON), responses=_STREAMED)
 async def chat_completions(request: Request) -> Response:
     return await _proxy(request, "/v1/chat/completions", "openai.chat", openai.check_chat_request)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=json_body(_COMPLETION, _PASSED_ON), responses=_STREAMED)
 async def completions(request: Request) -> Response:
     return await _proxy(request, "/v1/completions", "openai.completions", openai.check_completion_request)
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", openapi_extra=json_body(_RESPONSES, _PASSED_ON), responses=_STREAMED)
 async def responses(request: Request) -> Response:
     return await _proxy(request, "/v1/responses", "openai.responses", openai.check_responses_request,
                         openai.responses_system_texts)
 
 
-@router.post("/v1/embeddings")
+@router.post("/v1/embeddings", openapi_extra=json_body(_EMBEDDINGS, _PASSED_ON))
 async def embeddings(request: Request) -> Response:
     """Passed through without a slot lease: embeddings do not touch a conversation's KV state. A backend started
     without --embeddings answers 501 itself, and that answer is passed on."""

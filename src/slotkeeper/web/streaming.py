@@ -4,7 +4,7 @@ closes the backend stream and releases the slot, however the response ends."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -17,11 +17,15 @@ from slotkeeper.service import StreamTurn
 class TurnStreamResponse(StreamingResponse):
     """Streams `body` (the backend's bytes, or a dialect's re-framing of them) for one leased turn."""
 
-    def __init__(self, turn: StreamTurn, body: AsyncIterator[bytes], media_type: str | None = None) -> None:
+    def __init__(self, turn: StreamTurn, body: AsyncIterator[bytes], media_type: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        # Nothing may fail between opening the turn and returning this response: only running it closes the turn,
+        # and a turn never closed holds its slot for good. So extra headers come in here, already header-safe.
         super().__init__(
             body,
             status_code=turn.status_code,
-            headers={**turn.record.headers(), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={**turn.record.headers(), **(headers or {}), "Cache-Control": "no-cache",
+                     "X-Accel-Buffering": "no"},
             media_type=media_type or turn.media_type,
         )
         self.turn = turn
