@@ -16,9 +16,11 @@ import threading
 
 
 def _die_with_parent() -> None:
+    # SIGKILL, as slotkeeper's own spawn sets it: a SIGTERM handler may never get to run in a busy process, and
+    # there is nothing to save once slotkeeper is gone.
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
