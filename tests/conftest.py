@@ -83,3 +83,23 @@ def client_for() -> Iterator[Callable[[Slotkeeper], httpx.Client]]:
     yield make
     for client in clients:
         client.close()
+
+
+@pytest.fixture
+def two_backends(tmp_path: Path, tiny_model: Path, foreign_model: Path) -> Iterator[Slotkeeper]:
+    """slotkeeper over two attached llama-servers (the binary) of the same shape, models "alpha" and "beta"."""
+    servers = [Backend("binary", model, tmp_path / f"{name}-slots", tmp_path / f"{name}.log")
+               for name, model in (("alpha", tiny_model), ("beta", foreign_model))]
+    config = tmp_path / "slotkeeper.toml"
+    config.write_text("".join(f'[[backends]]\nname = "{name}"\nupstream = "{server.url}"\n'
+                              f'slot_dir = "{server.slot_dir}"\n\n'
+                              for name, server in zip(("alpha", "beta"), servers, strict=True)))
+    keeper = Slotkeeper(tmp_path / "cache", tmp_path / "slotkeeper.log", extra_args=("--config", str(config)))
+    try:
+        for server in servers:
+            server.start()
+        yield keeper.start(timeout=120)
+    finally:
+        keeper.stop()
+        for server in servers:
+            server.stop()

@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "`slotkeeper serve -- llama-server -m model.gguf -np 2`", file=sys.stderr)
             return 2
         return _serve(args, tuple(launch or ()))
-    if args.command in ("sessions", "doctor", "prewarm"):
+    if args.command in ("sessions", "doctor", "prewarm", "export", "import"):
         from slotkeeper.manage import run
 
         return run(args)

@@ -1,4 +1,5 @@
-"""The management commands (`slotkeeper sessions ...`, `slotkeeper doctor`): talk to a running slotkeeper over HTTP.
+"""The management commands (`slotkeeper sessions ...`, `doctor`, `prewarm`, `export`, `import`): talk to a running
+slotkeeper over HTTP.
 
 Human-readable tables on stdout by default, the API's JSON with --json; problems go to stderr with exit status 1.
 """
@@ -106,7 +107,7 @@ class AdminClient:
 
 
 def add_commands(sub: Any) -> None:
-    """Register `sessions` and `doctor` on the top-level subparsers."""
+    """Register `sessions`, `prewarm`, `doctor`, `export` and `import` on the top-level subparsers."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=None, metavar="URL",
                         help=f"the running slotkeeper (default $SLOTKEEPER_URL or {DEFAULT_URL})")
@@ -126,8 +127,12 @@ def add_commands(sub: Any) -> None:
     show.add_argument("--model", help="the model namespace (default: the served model)")
     rm = actions.add_parser("rm", parents=[common], help="delete sessions' snapshots (files and index rows)")
     rm.add_argument("session", nargs="+")
+    rm.add_argument("--system", action="store_true", help="the ids are system-prompt snapshot keys")
     rm.add_argument("--model", help="the model namespace (default: the served model)")
-    actions.add_parser("clear", parents=[common], help="save changed slots, then erase every slot")
+    clear = actions.add_parser("clear", parents=[common], help="save changed slots, then erase every slot (or one)")
+    clear.add_argument("--slot", type=int, metavar="N",
+                       help="only slot N (numbered from 0); the other slots keep their state")
+    clear.add_argument("--model", help="the backend's model (default: the first backend)")
     for verb, what in (("pin", "keep snapshots from the disk budget (never evicted)"),
                        ("unpin", "let the disk budget evict snapshots again")):
         action = actions.add_parser(verb, parents=[common], help=what)
@@ -135,21 +140,7 @@ def add_commands(sub: Any) -> None:
         action.add_argument("--system", action="store_true", help="the ids are system-prompt snapshot keys")
         action.add_argument("--model", help="the model namespace (default: the served model)")
     actions.add_parser("disk", parents=[common], help="disk used by snapshots, the budget, and evictions")
-    export = actions.add_parser("export", parents=[common], help="write a session's snapshot to a bundle file",
-                                description="Write one snapshot (slot file, index row, message chain) to a tar "
-                                "bundle that `slotkeeper sessions import` reads on a machine running the same model "
-                                "file, slot layout and llama.cpp build.")
-    export.add_argument("session")
-    export.add_argument("-o", "--output", metavar="FILE", help="default: SESSION.slotkeeper.tar here; '-' for stdout")
-    export.add_argument("--system", action="store_true", help="the id is a system-prompt snapshot key")
-    export.add_argument("--model", help="the model namespace (default: the served model)")
-    imp = actions.add_parser("import", parents=[common], help="add a snapshot from a bundle file",
-                             description="Add the snapshot of a bundle written by `slotkeeper sessions export`. "
-                             "Refused when the bundle was made by another model file, slot layout or build.")
-    imp.add_argument("file", metavar="FILE")
-    imp.add_argument("--as", dest="as_id", metavar="ID", help="import under another session id")
-    imp.add_argument("--replace", action="store_true", help="overwrite an existing snapshot of that id")
-    imp.add_argument("--model", help="the model namespace (default: the served model)")
+    _add_transfer_commands(actions, common, file_positional=False)
 
     prewarm = sub.add_parser(
         "prewarm", parents=[common], help="warm a system prompt up once and keep it as a system snapshot",
@@ -168,6 +159,32 @@ def add_commands(sub: Any) -> None:
     sub.add_parser("doctor", parents=[common], help="check the backend's settings, slot dir, fingerprints and "
                    "restores, and say what to change",
                    description="Check a running slotkeeper and its backend; exit status 1 if a check fails.")
+    # `slotkeeper export SESSION FILE` and `slotkeeper import FILE`: the same as `sessions export/import`.
+    _add_transfer_commands(sub, common, file_positional=True)
+
+
+def _add_transfer_commands(sub: Any, common: argparse.ArgumentParser, file_positional: bool) -> None:
+    """`export` and `import`, under `sessions` (the file of an export given with -o) or at the top level (the
+    file given as the second word, `slotkeeper export SESSION FILE`)."""
+    export = sub.add_parser("export", parents=[common], help="write a session's snapshot to a bundle file",
+                            description="Write one snapshot (slot file, index row, message chain) to a tar bundle "
+                            "that `slotkeeper import` reads on a machine running the same model file, slot layout "
+                            "and llama.cpp build.")
+    export.add_argument("session", help="the session id (with --system, the system snapshot's key)")
+    output_help = "default: SESSION.slotkeeper.tar here; '-' for stdout"
+    if file_positional:
+        export.add_argument("output", nargs="?", metavar="FILE", help=output_help)
+    else:
+        export.add_argument("-o", "--output", metavar="FILE", help=output_help)
+    export.add_argument("--system", action="store_true", help="the id is a system-prompt snapshot key")
+    export.add_argument("--model", help="the model namespace (default: the served model)")
+    imp = sub.add_parser("import", parents=[common], help="add a snapshot from a bundle file",
+                         description="Add the snapshot of a bundle written by `slotkeeper export`. Refused when the "
+                         "bundle was made by another model file, slot layout or build.")
+    imp.add_argument("file", metavar="FILE", help="the bundle; '-' reads standard input")
+    imp.add_argument("--as", dest="as_id", metavar="ID", help="import under another session id")
+    imp.add_argument("--replace", action="store_true", help="overwrite an existing snapshot of that id")
+    imp.add_argument("--model", help="the model namespace (default: the served model)")
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
@@ -180,7 +197,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
             return run_doctor(client, args.json, out)
         if args.command == "prewarm":
             return _prewarm(client, args, out, err)
-        return _SESSION_ACTIONS[args.action](client, args, out)
+        action = args.command if args.command in ("export", "import") else args.action
+        return _SESSION_ACTIONS[action](client, args, out)
     except CommandError as exc:
         print(f"slotkeeper: {exc}", file=err)
         return 1
@@ -231,19 +249,27 @@ def _show(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _rm(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
-    results = [client.call("DELETE", "/api/sessions/" + _quote(s), _model_param(args)) for s in args.session]
+    params = {**(_model_param(args) or {}), **({"kind": "system"} if args.system else {})}
+    results = [client.call("DELETE", "/api/sessions/" + _quote(s), params or None) for s in args.session]
     if args.json:
         _print_json({"deleted": results}, out)
         return 0
     for r in results:
-        print(f"deleted {r['deleted']} ({r['model']}): {r['file']}, {human_bytes(r['bytes'])}", file=out)
+        what = "system snapshot " if r.get("kind") == "system" else ""
+        print(f"deleted {what}{r['deleted']} ({r['model']}): {r['file']}, {human_bytes(r['bytes'])}", file=out)
     return 0
 
 
 def _clear(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
-    data = client.call("POST", "/api/sessions/clear")
+    params = {**(_model_param(args) or {}), **({"slot": str(args.slot)} if args.slot is not None else {})}
+    data = client.call("POST", "/api/sessions/clear", params or None)
     if args.json:
         _print_json(data, out)
+        return 0
+    if args.slot is not None:
+        held = data.get("held")
+        print(f"erased slot {args.slot}, " + (f"which held {held} (saved first if it had changed)" if held
+                                              else "which held no session"), file=out)
         return 0
     erased = ", ".join(str(i) for i in data["erased_slots"]) or "none"
     print(f"saved changed slots, then erased slot(s): {erased}", file=out)

@@ -8,12 +8,15 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
+from pathlib import Path
 
+import httpx
 import pytest
 
 from slotkeeper.upstream.launcher import free_port
 from tests.conftest import Stack
-from tests.support import Conversation, Slotkeeper
+from tests.support import Conversation, Slotkeeper, words
 
 pytestmark = pytest.mark.backend
 
@@ -93,9 +96,103 @@ def test_sessions_ls_when_empty_and_url_from_environment(stack: Stack, client_fo
     assert result.stdout.startswith("no saved sessions in ")
 
 
+def test_clear_one_slot(stack: Stack, client_for) -> None:
+    keeper = stack.slotkeeper(stack.backend(parallel=2, cache_ram=0))
+    client = client_for(keeper)
+    Conversation(client, "slot-a", size=300, seed=1).turn()
+    Conversation(client, "slot-b", size=300, seed=2).turn()
+    held = {s["session"]: s["id"] for s in client.get("/api/sessions/current").json()["slots"]}
+    slot_a, slot_b = held["slot-a"], held["slot-b"]
+
+    cleared = cli("sessions", "clear", "--slot", str(slot_b), "--url", keeper.url)
+    assert (cleared.returncode, cleared.stderr) == (0, "")
+    assert cleared.stdout == f"erased slot {slot_b}, which held slot-b (saved first if it had changed)\n"
+    slots = {s["id"]: s for s in client.get("/api/sessions/current").json()["slots"]}
+    assert slots[slot_b]["session"] is None and slots[slot_b]["n_tokens"] == 0
+    assert slots[slot_a]["session"] == "slot-a" and slots[slot_a]["dirty"]  # untouched, still unsaved
+    assert keeper.row("slot-b") is not None and keeper.row("slot-a") is None
+
+    again = cli("sessions", "clear", "--slot", str(slot_b), "--json", "--url", keeper.url)
+    assert (again.returncode, again.stderr) == (0, "")
+    assert json.loads(again.stdout) == {"erased_slots": [slot_b], "session": "default", "held": None}
+    empty = cli("sessions", "clear", "--slot", str(slot_b), "--url", keeper.url)
+    assert empty.stdout == f"erased slot {slot_b}, which held no session\n"
+
+    missing = cli("sessions", "clear", "--slot", "5", "--url", keeper.url)
+    assert (missing.returncode, missing.stdout) == (1, "")
+    assert missing.stderr == "slotkeeper: no slot 5: the backend has 2 slot(s), numbered from 0\n"
+    not_a_number = cli("sessions", "clear", "--slot", "two", "--url", keeper.url)
+    assert not_a_number.returncode == 2 and "invalid int value: 'two'" in not_a_number.stderr
+
+    # The route answers in slotkeeper's own error shape; without ?slot it still clears every slot.
+    response = client.post("/api/sessions/clear", params={"slot": "5"})
+    assert response.status_code == 404
+    assert response.json()["error"]["message"] == "no slot 5: the backend has 2 slot(s), numbered from 0"
+    bad = client.post("/api/sessions/clear", params={"slot": "x"})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["message"] == "slot must be a slot number (0, 1, ...), not 'x'"
+    assert client.post("/api/sessions/clear").json() == {"erased_slots": [0, 1], "session": "default"}
+    assert keeper.row("slot-a") is not None
+
+
+def test_top_level_export_and_import(stack: Stack, client_for, tmp_path: Path) -> None:
+    keeper = two_saved_sessions(stack, client_for)
+    row = keeper.row("cli-a")
+    assert row is not None
+    bundle = tmp_path / "cli-a.tar"
+    exported = cli("export", "cli-a", str(bundle), "--url", keeper.url)
+    assert (exported.returncode, exported.stderr) == (0, "")
+    assert re.fullmatch(rf"exported cli-a to {re.escape(str(bundle))} \([0-9.]+ (KiB|MiB)\)\n", exported.stdout)
+    with tarfile.open(bundle) as tar:
+        assert tar.getmember("snapshot.bin").size == row["n_bytes"]
+
+    imported = cli("import", str(bundle), "--as", "cli-a-copy", "--url", keeper.url)
+    assert (imported.returncode, imported.stderr) == (0, "")
+    assert imported.stdout.startswith(f"imported session snapshot cli-a-copy (tiny, {row['n_tokens']} tokens, ")
+    copy = keeper.row("cli-a-copy")
+    assert copy is not None and (copy["n_bytes"], copy["checksum"]) == (row["n_bytes"], row["checksum"])
+
+    clash = cli("import", str(bundle), "--url", keeper.url)
+    assert (clash.returncode, clash.stdout) == (1, "")
+    assert clash.stderr.startswith("slotkeeper: a session snapshot 'cli-a' exists already; import with replace=true")
+    replaced = cli("import", str(bundle), "--replace", "--json", "--url", keeper.url)
+    assert (replaced.returncode, replaced.stderr) == (0, "")
+    assert json.loads(replaced.stdout)["imported"] == "cli-a"
+
+    # The same as `sessions export -o FILE`: a system snapshot too, and the errors of the sessions commands.
+    key = httpx.post(keeper.url + "/api/sessions/prewarm", json={"system": words(400, 5)}, timeout=60).json()["system"]
+    system_bundle = tmp_path / "system.tar"
+    assert cli("export", key, str(system_bundle), "--system", "--url", keeper.url).returncode == 0
+    removed = cli("sessions", "rm", key, "--system", "--url", keeper.url)
+    assert (removed.returncode, removed.stderr) == (0, "")
+    assert removed.stdout.startswith(f"deleted system snapshot {key} (tiny): ")
+    back = cli("import", str(system_bundle), "--url", keeper.url)
+    assert back.stdout.startswith(f"imported system snapshot {key} (tiny, ") and back.stderr == ""
+    shown = httpx.get(f"{keeper.url}/api/sessions/{key}", params={"kind": "system"}).json()
+    assert (shown["kind"], shown["session"]) == ("system", key)
+    for method in ("GET", "DELETE"):
+        response = httpx.request(method, f"{keeper.url}/api/sessions/nope", params={"kind": "system"})
+        assert (response.status_code, response.json()["error"]["message"]) == (404, "no system snapshot 'nope'")
+        response = httpx.request(method, f"{keeper.url}/api/sessions/cli-b", params={"kind": "all"})
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == "kind must be session or system, not 'all'"
+    assert keeper.row("cli-b") is not None
+    missing = cli("export", "no-such-session", str(tmp_path / "x.tar"), "--url", keeper.url)
+    assert (missing.returncode, missing.stdout) == (1, "")
+    assert missing.stderr == "slotkeeper: no session snapshot 'no-such-session' to export\n"
+    assert not (tmp_path / "x.tar").exists() and not (tmp_path / "x.tar.part").exists()
+    unreadable = cli("import", str(tmp_path / "none.tar"), "--url", keeper.url)
+    assert (unreadable.returncode, unreadable.stdout) == (1, "")
+    assert unreadable.stderr == f"slotkeeper: cannot read {tmp_path / 'none.tar'}: No such file or directory\n"
+    usage = cli("export")
+    assert usage.returncode == 2 and usage.stdout == ""
+    assert "usage: slotkeeper export" in usage.stderr and "session" in usage.stderr
+
+
 def test_commands_report_an_unreachable_slotkeeper() -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    for args in (["sessions", "ls"], ["sessions", "clear"], ["doctor"], ["doctor", "--json"]):
+    for args in (["sessions", "ls"], ["sessions", "clear"], ["sessions", "clear", "--slot", "0"], ["doctor"],
+                 ["doctor", "--json"], ["export", "some-session", "-"], ["import", "/dev/null"]):
         result = cli(*args, "--url", url)
         assert result.returncode == 1, args
         assert result.stdout == ""

@@ -5,12 +5,16 @@ Values are compared with what the responses' timings, the index rows and the fil
 
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+from typing import Any
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Stack
-from tests.support import Conversation, chat, timings
+from tests.support import Conversation, Slotkeeper, chat, timings, words
 
 pytestmark = pytest.mark.backend
 
@@ -144,3 +148,123 @@ def test_recent_requests_record_each_cache_path(stack: Stack, client_for) -> Non
     assert totals["recent-b"]["requests"] == 1 and totals["recent-b"]["hits"] == 0
     assert totals["recent-a"]["seconds_saved"] > 0
     assert len(client.get("/api/requests/recent", params={"limit": 2}).json()["requests"]) == 2
+
+
+def prewarm(client: httpx.Client, system: str, **extra: Any) -> httpx.Response:
+    return client.post("/api/sessions/prewarm", json={"system": system, **extra})
+
+
+def system_rows(keeper: Slotkeeper) -> dict[str, dict[str, Any]]:
+    return {r["session_id"]: r for r in keeper.index_rows() if r["kind"] == "system"}
+
+
+@pytest.mark.parametrize("backend_kind", ["binary"])  # the metrics read slotkeeper's own state: one kind will do
+def test_disk_budget_and_system_snapshot_metrics(stack: Stack, client_for) -> None:
+    keeper = stack.slotkeeper(stack.backend(parallel=1, cache_ram=0, ctx_per_slot=4096), "--disk-budget", "1G",
+                              "--max-system-snapshots", "1")
+    client = client_for(keeper)
+    start = scrape(client)
+    assert value(start, "slotkeeper_disk_budget_bytes") == 2**30
+    for name in ("slotkeeper_evictions_total", "slotkeeper_warm_ups_total", "slotkeeper_failed_warm_ups_total",
+                 "slotkeeper_pinned_snapshots", "slotkeeper_system_snapshots", "slotkeeper_system_snapshot_bytes"):
+        assert (name, frozenset()) in start, name
+        assert value(start, name) == 0, name
+
+    # A pre-warm is a warm-up and makes a system snapshot; the session gauges do not move.
+    first = prewarm(client, "You are the first assistant. " + words(400, 1)).json()
+    assert first["status"] == "saved"
+    s1 = scrape(client)
+    assert delta(s1, start, "slotkeeper_warm_ups_total") == 1
+    assert value(s1, "slotkeeper_system_snapshots") == 1
+    assert value(s1, "slotkeeper_system_snapshot_bytes") == system_rows(keeper)[first["system"]]["n_bytes"]
+    assert value(s1, "slotkeeper_snapshots") == 0 and value(s1, "slotkeeper_snapshot_bytes") == 0
+    assert delta(s1, start, "slotkeeper_saves_total") == 1
+
+    # Pinned, it survives a second system snapshot (max 1 per model): nothing is evicted.
+    assert client.post(f"/api/sessions/{first['system']}/pin", params={"kind": "system"}).status_code == 200
+    assert value(scrape(client), "slotkeeper_pinned_snapshots") == 1
+    second = prewarm(client, "You are the second assistant. " + words(400, 2)).json()
+    s2 = scrape(client)
+    assert delta(s2, s1, "slotkeeper_warm_ups_total") == 1
+    assert value(s2, "slotkeeper_system_snapshots") == 2
+    assert value(s2, "slotkeeper_evictions_total") == 0
+
+    # Unpinned, the next save evicts both older ones; a pre-warm of a prompt already kept runs no warm-up.
+    assert client.post(f"/api/sessions/{first['system']}/unpin", params={"kind": "system"}).status_code == 200
+    assert value(scrape(client), "slotkeeper_pinned_snapshots") == 0
+    third = prewarm(client, "You are the third assistant. " + words(400, 3)).json()
+    assert prewarm(client, "You are the third assistant. " + words(400, 3)).json()["status"] == "exists"
+    s3 = scrape(client)
+    assert set(system_rows(keeper)) == {third["system"]} and second["system"] != third["system"]
+    assert delta(s3, s2, "slotkeeper_warm_ups_total") == 1
+    assert delta(s3, s2, "slotkeeper_evictions_total") == 2
+    assert value(s3, "slotkeeper_system_snapshots") == 1
+    assert value(s3, "slotkeeper_system_snapshot_bytes") == third["bytes"]
+
+    # A warm-up the backend refuses (longer than a slot) is counted as failed, and saves nothing.
+    refused = prewarm(client, words(6000, 4))
+    assert refused.status_code == 400, refused.text
+    s4 = scrape(client)
+    assert delta(s4, s3, "slotkeeper_failed_warm_ups_total") == 1
+    assert delta(s4, s3, "slotkeeper_warm_ups_total") == 0
+    assert delta(s4, s3, "slotkeeper_saves_total") == 0
+    assert value(s4, "slotkeeper_system_snapshots") == 1
+
+
+def index_rows(cache: Path, name: str) -> list[dict[str, Any]]:
+    [path] = (cache / "backends").glob(f"{name}-*/index.sqlite3")
+    db = sqlite3.connect(path)
+    db.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in db.execute("SELECT * FROM snapshots")]
+    finally:
+        db.close()
+
+
+def ask(client: httpx.Client, model: str, session: str, seed: int) -> None:
+    messages = [{"role": "user", "content": words(400, seed)}]
+    response = client.post("/v1/chat/completions", headers={"X-Session-Id": session},
+                           json={"model": model, "messages": messages, "max_tokens": 2, "temperature": 0})
+    assert response.status_code == 200, response.text
+
+
+def test_several_backends_are_told_apart_by_a_model_label(two_backends: Slotkeeper, client_for) -> None:
+    keeper = two_backends
+    client = client_for(keeper)
+    ask(client, "alpha", "a1", 1)
+    ask(client, "beta", "b1", 2)
+    ask(client, "alpha", "a2", 3)  # alpha's only slot goes to a2: a1 is saved, on alpha only
+    samples = scrape(client)
+    alpha, beta = {"model": "alpha"}, {"model": "beta"}
+    assert value(samples, "slotkeeper_requests_total", api="openai.chat", cache="cold", **alpha) == 2
+    assert value(samples, "slotkeeper_requests_total", api="openai.chat", cache="cold", **beta) == 1
+    assert value(samples, "slotkeeper_saves_total", **alpha) == 1
+    assert value(samples, "slotkeeper_saves_total", **beta) == 0
+    assert value(samples, "slotkeeper_save_bytes_count", **alpha) == 1
+    [a1] = index_rows(keeper.cache_dir, "alpha")
+    assert a1["session_id"] == "a1"
+    assert value(samples, "slotkeeper_snapshot_bytes", **alpha) == a1["n_bytes"]
+    assert value(samples, "slotkeeper_snapshots", **beta) == 0
+    assert value(samples, "slotkeeper_tokens_prefilled_total", **beta) > 0
+    for model in (alpha, beta):
+        assert value(samples, "slotkeeper_backend_up", **model) == 1
+        assert value(samples, "slotkeeper_slots", **model) == 1
+        assert value(samples, "slotkeeper_slots_occupied", **model) == 1
+        assert value(samples, "slotkeeper_slot_tokens", slot="0", **model) > 0
+    # No series of a per-backend metric lacks the label (it would read as a third backend).
+    unlabelled = {name for name, labels in samples if name.startswith("slotkeeper_") and "model" not in dict(labels)}
+    assert unlabelled == set()
+    assert sorted(dict(k[1])["model"] for k in samples if k[0] == "slotkeeper_info") == ["alpha", "beta"]
+
+    # The activity routes cover every backend, or the one `?model=` names.
+    recent = client.get("/api/requests/recent").json()
+    assert [(r["model"], r["session"]) for r in recent["requests"]] == [("alpha", "a2"), ("beta", "b1"),
+                                                                        ("alpha", "a1")]
+    assert {t["session"] for t in recent["session_totals"]} == {"a1", "a2", "b1"}
+    only_beta = client.get("/api/requests/recent", params={"model": "beta"}).json()
+    assert [r["session"] for r in only_beta["requests"]] == ["b1"]
+    backend = client.get("/api/backend", params={"model": "beta"}).json()
+    assert (backend["model"], backend["models"]) == ("beta", ["alpha", "beta"])
+    assert client.get("/api/backend").json()["model"] == "alpha"
+    current = client.get("/api/sessions/current", params={"model": "beta"}).json()
+    assert [s["session"] for s in current["slots"]] == ["b1"]

@@ -32,8 +32,12 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]
                                "--start-timeout", "SLOTKEEPER_LAUNCH_COMMAND", "llama-server.log"]),
         (["serve", "-h"], ["usage: slotkeeper serve", "--upstream", "--slot-dir", "--model"]),
         (["tiny-model", "--help"], ["usage: slotkeeper tiny-model", "OUT.gguf", "--seed"]),
+        (["export", "--help"], ["usage: slotkeeper export", "session [FILE]", "--system", "--model", "--url"]),
+        (["import", "--help"], ["usage: slotkeeper import", "FILE", "--as", "--replace", "--model", "--url"]),
+        (["sessions", "clear", "--help"], ["usage: slotkeeper sessions clear", "--slot N", "--model"]),
     ],
-    ids=["help", "h", "serve-help", "serve-help-launch", "serve-h", "tiny-model-help"],
+    ids=["help", "h", "serve-help", "serve-help-launch", "serve-h", "tiny-model-help", "export-help", "import-help",
+         "sessions-clear-help"],
 )
 def test_help(args: list[str], fragments: list[str]) -> None:
     result = run(*args)
@@ -76,11 +80,15 @@ def test_no_command_prints_help_and_exits_2() -> None:
         (["serve", "--", "-m", "model.gguf"], ["llama-server program"]),
         (["serve", "--shutdown-timeout", "0", "--", "llama-server"], ["--shutdown-timeout"]),
         (["tiny-model", "/tmp/x.gguf", "--", "llama-server"], ["only `slotkeeper serve`"]),
+        (["export"], ["usage: slotkeeper export", "the following arguments are required: session"]),
+        (["import"], ["usage: slotkeeper import", "the following arguments are required: FILE"]),
+        (["export", "a", "b.tar", "c"], ["unrecognized arguments: c"]),
     ],
     ids=["upstream-without-slot-dir", "upstream-and-model", "port-zero", "port-too-big", "parallel-zero",
          "port-not-int", "bad-log-level", "unknown-flag", "unknown-command", "tiny-model-without-out",
          "launch-empty", "launch-and-upstream", "launch-and-model", "launch-port-without-value",
-         "launch-without-program", "shutdown-timeout-zero", "launch-on-another-command"],
+         "launch-without-program", "shutdown-timeout-zero", "launch-on-another-command", "export-without-session",
+         "import-without-file", "export-extra-word"],
 )
 def test_argument_errors_exit_2(args: list[str], fragments: list[str]) -> None:
     result = run(*args)

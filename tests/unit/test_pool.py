@@ -11,7 +11,7 @@ import pytest
 
 from slotkeeper.cache.pool import SlotPool, TurnEnd
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore
-from slotkeeper.errors import UpstreamError, UpstreamUnavailable
+from slotkeeper.errors import NotFound, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import CacheOutcome, IdSource, SessionKey
 from slotkeeper.upstream.client import SlotActionResult
 
@@ -388,6 +388,66 @@ async def test_clear_saves_then_erases(client: FakeClient, store: SnapshotStore)
     lease = await pool.acquire(A)
     assert lease.outcome is CacheOutcome.RESTORED
     lease.release(TurnEnd.COMPLETED)
+
+
+async def test_clear_slot_saves_and_erases_only_that_slot(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, n_slots=3)
+    for k in (A, B, C):
+        await turn(pool, k)
+    assert [s.occupant for s in pool.slots] == [A, B, C]
+    assert await pool.clear_slot(1) == B
+    assert [(c[0], c[1]) for c in client.calls] == [(1, "save"), (1, "erase")]
+    assert store.get(B) is not None and store.get(A) is None and store.get(C) is None
+    assert [s.occupant for s in pool.slots] == [A, None, C]
+    assert pool.slots[0].dirty and pool.slots[2].dirty  # the other slots keep their unsaved state
+    assert not pool.slots[1].dirty and pool.slots[1].n_tokens == 0 and pool.slots[1].chain == []
+    assert not any(s.busy for s in pool.slots)
+    # An empty or saved slot is erased without a save; the next turn of B restores its snapshot.
+    client.calls.clear()
+    assert await pool.clear_slot(1) is None
+    assert client.calls == [(1, "erase", None)]
+    lease = await pool.acquire(B)
+    assert (lease.slot_id, lease.outcome) == (1, CacheOutcome.RESTORED)
+    lease.release(TurnEnd.COMPLETED)
+
+
+async def test_clear_slot_waits_for_the_running_turn(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, n_slots=2)
+    running = await pool.acquire(A)
+    clearing = asyncio.create_task(pool.clear_slot(running.slot_id))
+    await asyncio.sleep(0.05)
+    assert not clearing.done() and client.calls == []
+    # The other slot stays usable meanwhile.
+    other = await asyncio.wait_for(pool.acquire(B), 1)
+    assert other.slot_id == 1
+    other.release(TurnEnd.COMPLETED)
+    running.release(TurnEnd.COMPLETED, 30)
+    assert await asyncio.wait_for(clearing, 1) == A
+    assert [(c[0], c[1]) for c in client.calls] == [(0, "save"), (0, "erase")]
+    assert pool.slots[0].occupant is None and pool.slots[1].occupant == B
+
+
+async def test_a_session_deleted_while_its_slot_is_cleared_does_not_haunt_the_slot(client: FakeClient,
+                                                                                  store: SnapshotStore) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    client.save_delay = 0.1
+    clearing = asyncio.create_task(pool.clear_slot(0))
+    await asyncio.sleep(0.03)  # the clear is saving A
+    pool.forget(A)
+    assert await asyncio.wait_for(clearing, 1) == A
+    client.save_delay = 0.0
+    # The erase ended the slot's story: the next session in it is attributed and saved as usual.
+    await turn(pool, B)
+    assert pool.slots[0].occupant == B and pool.slots[0].dirty
+
+
+async def test_clear_slot_refuses_a_slot_that_does_not_exist(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, n_slots=2)
+    for slot_id in (2, -1):
+        with pytest.raises(NotFound, match=f"no slot {slot_id}: the backend has 2 slot"):
+            await pool.clear_slot(slot_id)
+    assert client.calls == [] and len(pool._waiters) == 0
 
 
 async def test_forget_stops_later_save(client: FakeClient, store: SnapshotStore) -> None:

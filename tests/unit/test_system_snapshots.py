@@ -79,6 +79,7 @@ async def test_a_new_system_prompt_is_warmed_up_and_saved_once(client: ChatClien
     assert client.actions("restore")[-1][2] == rows[0].filename
     assert len(client.warm_ups()) == 1  # never warmed again
     assert len(system_rows(store)) == 1
+    assert (turns.pool.warm_ups, turns.pool.failed_warm_ups) == (1, 0)
 
 
 async def test_a_failed_warm_up_saves_nothing_and_the_turn_still_runs(client: ChatClient,
@@ -90,6 +91,7 @@ async def test_a_failed_warm_up_saves_nothing_and_the_turn_still_runs(client: Ch
     assert system_rows(store) == []
     assert client.actions("save") == []
     assert [p.name for p in store.slot_dir.iterdir()] == []
+    assert (turns.pool.warm_ups, turns.pool.failed_warm_ups) == (0, 1)
 
 
 async def test_a_prompt_too_short_for_a_snapshot_is_not_saved_nor_warmed_again(client: ChatClient,
@@ -118,6 +120,7 @@ async def test_prewarm_saves_once_then_finds_the_snapshot(client: ChatClient, st
     assert (first.status, first.n_tokens) == ("saved", 900)
     assert second.status == "exists"
     assert len(client.warm_ups()) == 1 and len(system_rows(store)) == 1
+    assert turns.pool.warm_ups == 1  # finding the snapshot is not a warm-up
     # The slot still holds the warmed-up prompt: the next conversation on it needs no restore.
     _, record = await turns.unary("t", key("new"), "/v1/chat/completions", builder("hello"))
     assert record.lease.outcome is CacheOutcome.COLD and client.actions("restore") == []

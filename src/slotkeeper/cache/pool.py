@@ -20,7 +20,7 @@ from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.cache.systemprompt import SystemPrompt
-from slotkeeper.errors import Overloaded, SnapshotError, UpstreamError, UpstreamUnavailable
+from slotkeeper.errors import NotFound, Overloaded, SnapshotError, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import UpstreamClient
 
@@ -137,6 +137,9 @@ class SlotPool:
         self.saves = 0
         self.restores = 0
         self.failed_saves = 0
+        # System prompts evaluated into a slot (a new one met by a turn, or an operator's pre-warm), and failures.
+        self.warm_ups = 0
+        self.failed_warm_ups = 0
         self.restore_stats = RestoreStats()
         self.events = CacheEvents()
 
@@ -296,6 +299,7 @@ class SlotPool:
         the system snapshot, unless it is too short to be worth one. Only called after a warm-up that succeeded."""
         system = lease.system
         assert system is not None
+        self.warm_ups += 1
         slot = self.slots[lease.slot_id]
         slot.chain = system.chain()
         slot.n_tokens = n_tokens
@@ -310,6 +314,7 @@ class SlotPool:
 
     def warm_up_failed(self, lease: SlotLease) -> None:
         """The warm-up request failed: nothing is saved, and the slot's content is not known any more."""
+        self.failed_warm_ups += 1
         self.slots[lease.slot_id].chain = []
 
     async def warm_lease(self, model: str, system: SystemPrompt) -> SlotLease:
@@ -473,20 +478,29 @@ class SlotPool:
         return saved
 
     async def clear(self) -> list[int]:
-        """Save changed slots, then erase every slot; returns the slot ids erased."""
-        erased = []
+        """Save changed slots, then erase every slot, one after the other; returns the slot ids erased."""
         for slot in self.slots:
-            await self._take(lambda s=slot: None if s.busy else s)  # type: ignore[misc]
-            try:
-                if slot.dirty and slot.occupant is not None:
-                    await self._save(slot.slot_id, slot.occupant, slot.chain)
-                await self._client.slot_action(slot.slot_id, "erase")
-                erased.append(slot.slot_id)
-                slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
-            finally:
-                slot.busy = False
-                self._dispatch()
-        return erased
+            await self.clear_slot(slot.slot_id)
+        return [slot.slot_id for slot in self.slots]
+
+    async def clear_slot(self, slot_id: int) -> SessionKey | None:
+        """Wait for the slot to be free, save its occupant if changed, then erase it; no other slot is touched.
+        Returns the session the slot held (None when it held none)."""
+        if not 0 <= slot_id < len(self.slots):
+            raise NotFound(f"no slot {slot_id}: the backend has {len(self.slots)} slot(s), numbered from 0")
+        slot = self.slots[slot_id]
+        await self._take(lambda: None if slot.busy else slot)
+        try:
+            held = slot.occupant  # read after taking the slot: nothing else can change it now
+            if slot.dirty and held is not None:
+                await self._save(slot.slot_id, held, slot.chain)
+            await self._client.slot_action(slot.slot_id, "erase")
+            slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
+            slot.forget_on_release = False
+        finally:
+            slot.busy = False
+            self._dispatch()
+        return held
 
     def generations(self) -> dict[int, int]:
         """Each slot's lease generation, to tell later whether a slot was used in between."""

@@ -1,4 +1,4 @@
-"""Operator views: the recent requests with their cache path, and the backend's settings as slotkeeper read them.
+"""Operator views: the recent requests with their cache path, and a backend's settings as slotkeeper read them.
 
 The dashboard polls these; `slotkeeper doctor` reads `/api/backend` to check the backend's settings. In launch and
 embedded modes `/api/backend` also names the server process slotkeeper runs (pid, restarts, log file).
@@ -15,34 +15,39 @@ from fastapi import APIRouter, Request
 
 from slotkeeper import __version__
 from slotkeeper.journal import RECENT_REQUESTS
-from slotkeeper.web.state import AppState, app_state
+from slotkeeper.web.state import AppState, app_state, backends
 
 router = APIRouter(prefix="/api")
 
 
 @router.get("/requests/recent")
 async def recent_requests(request: Request) -> dict[str, Any]:
-    state = app_state(request)
+    """The recent requests of one backend (`?model=NAME`) or, without it, of every backend, newest first."""
+    model = request.query_params.get("model")
+    states = [app_state(request, model)] if model else backends(request).all
     try:
         limit = max(0, min(RECENT_REQUESTS, int(request.query_params.get("limit", RECENT_REQUESTS))))
     except ValueError:
         limit = RECENT_REQUESTS
-    journal = state.service.journal
+    journals = [state.service.journal for state in states]
+    entries = sorted((e for j in journals for e in j.recent(limit)), key=lambda e: e.time, reverse=True)[:limit]
+    totals = [item for j in journals for item in j.totals().items()]
     return {
-        "requests": [entry.to_json() for entry in journal.recent(limit)],
+        "requests": [entry.to_json() for entry in entries],
         "session_totals": [
-            {"model": model, "session": session, "requests": t.requests, "hits": t.hits,
+            {"model": name, "session": session, "requests": t.requests, "hits": t.hits,
              "tokens_reused": t.tokens_reused, "tokens_prefilled": t.tokens_prefilled,
              "seconds_saved": round(t.seconds_saved, 3), "last_request": t.last_request}
-            for (model, session), t in journal.totals().items()
+            for (name, session), t in totals
         ],
-        "ms_per_token": journal.ms_per_token,
+        "ms_per_token": journals[0].ms_per_token,
     }
 
 
 @router.get("/backend")
 async def backend_info(request: Request) -> dict[str, Any]:
-    state = app_state(request)
+    """One backend (`?model=NAME`, default the first) and, in `models`, the names of all of them."""
+    state = app_state(request, request.query_params.get("model"))
     backend, settings = state.backend, state.settings
     props = backend.props
     generation = props.get("default_generation_settings")
@@ -53,6 +58,7 @@ async def backend_info(request: Request) -> dict[str, Any]:
         "mode": settings.mode,
         "server": _server_info(state),
         "model": backend.model_id,
+        "models": [s.backend.model_id for s in backends(request).all],
         "model_path": backend.model_path,
         "slots": backend.n_slots,
         "ctx_per_slot": backend.n_ctx_slot,

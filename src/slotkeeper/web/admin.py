@@ -57,6 +57,9 @@ async def current_session(request: Request) -> dict[str, Any]:
         "saves": pool.saves,
         "failed_saves": pool.failed_saves,
         "restores": pool.restores,
+        "warm_ups": pool.warm_ups,
+        "failed_warm_ups": pool.failed_warm_ups,
+        "evictions": pool.evictions,
         "restore_effective": not stats.disabled,
         "restores_effective": stats.effective,
         "restores_ineffective": stats.ineffective,
@@ -95,7 +98,7 @@ async def _set_pinned(session_id: str, request: Request, pinned: bool) -> dict[s
     """Pin (never evicted by the disk budget) or unpin a snapshot; `?kind=system` for a system prompt's."""
     state = app_state(request, request.query_params.get("model"))
     key = _key(state, session_id, request)
-    kind = _kind_filter(request) or SnapshotKind.SESSION
+    kind = one_kind(request)
     snapshot = await asyncio.to_thread(state.store.set_pinned, key, pinned, kind)
     if snapshot is None:
         raise NotFound(f"no {kind} snapshot '{session_id}'")
@@ -104,16 +107,27 @@ async def _set_pinned(session_id: str, request: Request, pinned: bool) -> dict[s
 
 @router.post("/clear")
 async def clear_slots(request: Request) -> dict[str, Any]:
+    """Save changed slots, then erase them: every slot, or with `?slot=N` that one only."""
     state = app_state(request, request.query_params.get("model"))
-    erased = await state.pool.clear()
-    return {"erased_slots": erased, "session": "default"}
+    slot = request.query_params.get("slot")
+    if slot is None:
+        erased = await state.pool.clear()
+        return {"erased_slots": erased, "session": "default"}
+    slot_id = _slot_number(slot)
+    held = await state.pool.clear_slot(slot_id)
+    return {"erased_slots": [slot_id], "session": "default", "held": held.session_id if held is not None else None}
 
 
 @router.get("/{session_id:path}")
 async def get_session(session_id: str, request: Request) -> dict[str, Any]:
     state = app_state(request, request.query_params.get("model"))
     key = _key(state, session_id, request)
-    snapshot = await asyncio.to_thread(state.store.get, key)
+    kind = one_kind(request)
+    snapshot = await asyncio.to_thread(state.store.get, key, kind)
+    if kind is SnapshotKind.SYSTEM:
+        if snapshot is None:
+            raise NotFound(f"no {kind} snapshot '{session_id}'")
+        return _snapshot_json(snapshot, None)
     hot = _hot_slot(state, key.model, key.session_id)
     if snapshot is None and hot is None:
         raise NotFound(f"session '{session_id}' not found")
@@ -124,13 +138,18 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
 
 @router.delete("/{session_id:path}")
 async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
+    """Delete a session's snapshot (and stop saving it from a slot); `?kind=system` a system prompt's."""
     state = app_state(request, request.query_params.get("model"))
     key = _key(state, session_id, request)
-    state.pool.forget(key)
-    removed = await asyncio.to_thread(state.store.delete, key)
+    kind = one_kind(request)
+    if kind is SnapshotKind.SESSION:
+        state.pool.forget(key)
+    removed = await asyncio.to_thread(state.store.delete, key, kind)
     if removed is None:
-        raise NotFound(f"session '{session_id}' not found")
-    return {"deleted": key.session_id, "model": key.model, "file": removed.filename, "bytes": removed.n_bytes}
+        raise NotFound(f"session '{session_id}' not found" if kind is SnapshotKind.SESSION
+                       else f"no {kind} snapshot '{session_id}'")
+    return {"deleted": key.session_id, "model": key.model, "kind": str(kind), "file": removed.filename,
+            "bytes": removed.n_bytes}
 
 
 def _key(state: AppState, session_id: str, request: Request) -> SessionKey:
@@ -146,6 +165,22 @@ def _kind_filter(request: Request) -> SnapshotKind | None:
         return SnapshotKind(value)
     except ValueError:
         raise BadRequest(f"kind must be session, system or all, not {value!r}") from None
+
+
+def one_kind(request: Request) -> SnapshotKind:
+    """The snapshot kind a route acts on: `?kind=session` (the default) or `?kind=system`."""
+    value = request.query_params.get("kind", "session")
+    try:
+        return SnapshotKind(value)
+    except ValueError:
+        raise BadRequest(f"kind must be session or system, not {value!r}") from None
+
+
+def _slot_number(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise BadRequest(f"slot must be a slot number (0, 1, ...), not {value!r}") from None
 
 
 def _hot_slot(state: AppState, model: str, session_id: str) -> int | None:

@@ -44,7 +44,7 @@ def create_app(settings: Settings) -> FastAPI:
                 running.append(await RunningBackend.start(backend_settings))
             app.state.backends = Backends([r.state for r in running])
             app.state.slotkeeper = running[0].state
-            app.state.metrics = metrics.Metrics(running[0].state)
+            app.state.metrics = metrics.Metrics(app.state.backends)
             yield
         finally:
             await asyncio.gather(*(r.stop() for r in running))

@@ -1,24 +1,30 @@
 """Prometheus metrics at `/metrics`: request outcomes and token counts as they happen, cache state read at scrape.
 
 Each app has its own registry. Counters of the pool and the store are read from them when scraped, never copied.
+With several backends every per-backend series carries a `model` label (the backend's model name); with one, the
+series have no such label, as before there could be several.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from slotkeeper import __version__
 from slotkeeper.cache.store import QUARANTINE_DIR
-from slotkeeper.journal import RequestEntry
-from slotkeeper.web.state import AppState, app_state
+from slotkeeper.journal import RequestEntry, RequestJournal
+from slotkeeper.types import SnapshotKind
+from slotkeeper.web.state import AppState, Backends
 
 router = APIRouter()
 
@@ -26,122 +32,206 @@ _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 _REQUEST_SECONDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _BYTES = tuple(float(2**n) for n in range(20, 36, 2))  # 1 MiB .. 16 GiB
 
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+def _child(metric: M, *labels: str) -> M:
+    """The series of `metric` for these label values; a metric without labels is its own (only) series."""
+    return metric.labels(*labels) if labels else metric
+
 
 class Metrics:
-    """The registry of one running slotkeeper; subscribes to its request journal and cache events."""
+    """The registry of one running slotkeeper; subscribes to each backend's request journal and cache events."""
 
-    def __init__(self, state: AppState) -> None:
+    def __init__(self, served: Backends) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        several = len(served.all) > 1
+        by_model = ["model"] if several else []
         self.requests = Counter("slotkeeper_requests", "Requests by API and how their slot got its state "
-                                "(hot, restored, prefix, cold).", ["api", "cache"], registry=r)
+                                "(hot, restored, prefix, cold).", ["api", "cache", *by_model], registry=r)
         self.request_errors = Counter("slotkeeper_request_errors", "Requests answered with an HTTP error status "
-                                      "(499: the client hung up).", ["api", "status"], registry=r)
+                                      "(499: the client hung up).", ["api", "status", *by_model], registry=r)
         self.tokens_reused = Counter("slotkeeper_tokens_reused", "Prompt tokens the backend took from the slot's "
-                                     "state instead of prefilling (timings.cache_n).", registry=r)
+                                     "state instead of prefilling (timings.cache_n).", by_model, registry=r)
         self.tokens_prefilled = Counter("slotkeeper_tokens_prefilled", "Prompt tokens the backend prefilled "
-                                        "(timings.prompt_n).", registry=r)
+                                        "(timings.prompt_n).", by_model, registry=r)
         self.tokens_generated = Counter("slotkeeper_tokens_generated", "Tokens generated (timings.predicted_n).",
-                                        registry=r)
+                                        by_model, registry=r)
         self.seconds_saved = Counter("slotkeeper_prefill_seconds_saved", "Estimated prefill time avoided: reused "
-                                     "tokens at the measured prefill rate, by cache path.", ["cache"], registry=r)
+                                     "tokens at the measured prefill rate, by cache path.", ["cache", *by_model],
+                                     registry=r)
         self.request_seconds = Histogram("slotkeeper_request_duration_seconds", "Time from slot lease to the end "
-                                         "of the response.", ["api"], buckets=_REQUEST_SECONDS, registry=r)
+                                         "of the response.", ["api", *by_model], buckets=_REQUEST_SECONDS, registry=r)
         self.save_seconds = Histogram("slotkeeper_save_duration_seconds", "Time to save a slot and index the "
-                                      "snapshot.", buckets=_SECONDS, registry=r)
+                                      "snapshot.", by_model, buckets=_SECONDS, registry=r)
         self.restore_seconds = Histogram("slotkeeper_restore_duration_seconds", "Time to restore a snapshot into a "
-                                         "slot.", buckets=_SECONDS, registry=r)
-        self.save_bytes = Histogram("slotkeeper_save_bytes", "Size of each saved snapshot.", buckets=_BYTES,
+                                         "slot.", by_model, buckets=_SECONDS, registry=r)
+        self.save_bytes = Histogram("slotkeeper_save_bytes", "Size of each saved snapshot.", by_model, buckets=_BYTES,
                                     registry=r)
-        self.restore_bytes = Histogram("slotkeeper_restore_bytes", "Size of each restored snapshot.", buckets=_BYTES,
-                                       registry=r)
+        self.restore_bytes = Histogram("slotkeeper_restore_bytes", "Size of each restored snapshot.", by_model,
+                                       buckets=_BYTES, registry=r)
         self.backend_up = Gauge("slotkeeper_backend_up", "1 when the backend answered /health at the last scrape.",
-                                registry=r)
-        r.register(_StateCollector(state))
-        self._journal = state.service.journal
-        self._journal.subscribe(self.observe_request)
-        state.pool.events.subscribe(self)
+                                by_model, registry=r)
+        r.register(_StateCollector(served.all, several))
+        for state in served.all:
+            labels = _model_labels(state, several)
+            journal = state.service.journal
+            journal.subscribe(_RequestObserver(self, journal, labels))
+            state.pool.events.subscribe(_CacheObserver(self, labels))
+        self._served = served
+        self._several = several
 
-    def observe_request(self, entry: RequestEntry) -> None:
-        self.requests.labels(entry.api, entry.cache).inc()
+    def observe_request(self, entry: RequestEntry, journal: RequestJournal, model: Sequence[str] = ()) -> None:
+        self.requests.labels(entry.api, entry.cache, *model).inc()
         if entry.status >= 400:
-            self.request_errors.labels(entry.api, str(entry.status)).inc()
-        self.tokens_reused.inc(entry.cache_n or 0)
-        self.tokens_prefilled.inc(entry.prompt_n or 0)
-        self.tokens_generated.inc(entry.predicted_n or 0)
-        self.request_seconds.labels(entry.api).observe(entry.ms / 1000)
-        self.seconds_saved.labels(entry.cache).inc(entry.prefill_seconds_saved(self._journal.ms_per_token))
+            self.request_errors.labels(entry.api, str(entry.status), *model).inc()
+        _child(self.tokens_reused, *model).inc(entry.cache_n or 0)
+        _child(self.tokens_prefilled, *model).inc(entry.prompt_n or 0)
+        _child(self.tokens_generated, *model).inc(entry.predicted_n or 0)
+        self.request_seconds.labels(entry.api, *model).observe(entry.ms / 1000)
+        self.seconds_saved.labels(entry.cache, *model).inc(entry.prefill_seconds_saved(journal.ms_per_token))
 
-    # CacheObserver
-    def saved(self, ms: float, n_bytes: int, n_tokens: int) -> None:
-        self.save_seconds.observe(ms / 1000)
-        self.save_bytes.observe(n_bytes)
-
-    def restored(self, ms: float, n_bytes: int, n_tokens: int) -> None:
-        self.restore_seconds.observe(ms / 1000)
-        self.restore_bytes.observe(n_bytes)
-
-    async def render(self, state: AppState) -> bytes:
-        self.backend_up.set(1 if await state.client.healthy() else 0)
+    async def render(self) -> bytes:
+        states = self._served.all
+        ups = await asyncio.gather(*(state.client.healthy() for state in states))
+        for state, up in zip(states, ups, strict=True):
+            _child(self.backend_up, *_model_labels(state, self._several)).set(1 if up else 0)
         return await asyncio.to_thread(generate_latest, self.registry)
 
 
-class _StateCollector(Collector):
-    """Reads the pool's counters, the slots and the snapshot index when scraped."""
+@dataclass(frozen=True)
+class _RequestObserver:
+    """Counts one backend's finished requests (a RequestListener)."""
 
-    def __init__(self, state: AppState) -> None:
-        self._state = state
+    metrics: Metrics
+    journal: RequestJournal
+    model: tuple[str, ...]
+
+    def __call__(self, entry: RequestEntry) -> None:
+        self.metrics.observe_request(entry, self.journal, self.model)
+
+
+@dataclass(frozen=True)
+class _CacheObserver:
+    """Times one backend's saves and restores (a CacheObserver)."""
+
+    metrics: Metrics
+    model: tuple[str, ...]
+
+    def saved(self, ms: float, n_bytes: int, n_tokens: int) -> None:
+        _child(self.metrics.save_seconds, *self.model).observe(ms / 1000)
+        _child(self.metrics.save_bytes, *self.model).observe(n_bytes)
+
+    def restored(self, ms: float, n_bytes: int, n_tokens: int) -> None:
+        _child(self.metrics.restore_seconds, *self.model).observe(ms / 1000)
+        _child(self.metrics.restore_bytes, *self.model).observe(n_bytes)
+
+
+def _model_labels(state: AppState, several: bool) -> tuple[str, ...]:
+    return (state.backend.model_id,) if several else ()
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """One backend as read at a scrape: its state, and the index's usage per kind (one query)."""
+
+    state: AppState
+    usage: dict[str, dict[str, int]]
+
+    def of(self, kind: SnapshotKind, field: str) -> int:
+        return self.usage.get(str(kind), {}).get(field, 0)
+
+
+# The series read at scrape time, one per backend: (name, help, value).
+_COUNTERS: list[tuple[str, str, Callable[[_Reading], float]]] = [
+    ("slotkeeper_saves", "Slot states saved to disk.", lambda r: r.state.pool.saves),
+    ("slotkeeper_failed_saves", "Saves that failed (the previous snapshot was kept).",
+     lambda r: r.state.pool.failed_saves),
+    ("slotkeeper_restores", "Snapshots restored into a slot.", lambda r: r.state.pool.restores),
+    ("slotkeeper_restores_effective", "Restores the next response reused (timings.cache_n).",
+     lambda r: r.state.pool.restore_stats.effective),
+    ("slotkeeper_restores_ineffective", "Restores the next response did not reuse: the model may not support "
+     "restoring (see docs/troubleshooting.md).", lambda r: r.state.pool.restore_stats.ineffective),
+    ("slotkeeper_evictions", "Snapshots the disk budget evicted since slotkeeper started.",
+     lambda r: r.state.pool.evictions),
+    ("slotkeeper_warm_ups", "System prompts evaluated into a slot to make a system snapshot (a new prompt met by a "
+     "turn, or a pre-warm).", lambda r: r.state.pool.warm_ups),
+    ("slotkeeper_failed_warm_ups", "Warm-ups the backend refused or broke off (nothing was saved).",
+     lambda r: r.state.pool.failed_warm_ups),
+]
+_GAUGES: list[tuple[str, str, Callable[[_Reading], float]]] = [
+    ("slotkeeper_restore_effective", "0 once restoring was switched off for this backend.",
+     lambda r: 0 if r.state.pool.restore_stats.disabled else 1),
+    ("slotkeeper_queue_length", "Requests waiting for a slot.", lambda r: r.state.pool.queue_length),
+    ("slotkeeper_slots", "Slots of the backend.", lambda r: len(r.state.pool.slots)),
+    ("slotkeeper_slots_occupied", "Slots holding a session's state.",
+     lambda r: sum(s.occupant is not None for s in r.state.pool.slots)),
+    ("slotkeeper_slots_busy", "Slots leased to a running request or being saved.",
+     lambda r: sum(s.busy for s in r.state.pool.slots)),
+    ("slotkeeper_slots_dirty", "Slots whose state changed since their last save.",
+     lambda r: sum(s.dirty for s in r.state.pool.slots)),
+    ("slotkeeper_snapshots", "Session snapshots (conversations) in the index.",
+     lambda r: r.of(SnapshotKind.SESSION, "count")),
+    ("slotkeeper_snapshot_bytes", "Bytes of the indexed session snapshot files.",
+     lambda r: r.of(SnapshotKind.SESSION, "bytes")),
+    ("slotkeeper_system_snapshots", "System-prompt snapshots in the index.",
+     lambda r: r.of(SnapshotKind.SYSTEM, "count")),
+    ("slotkeeper_system_snapshot_bytes", "Bytes of the indexed system-prompt snapshot files.",
+     lambda r: r.of(SnapshotKind.SYSTEM, "bytes")),
+    ("slotkeeper_pinned_snapshots", "Snapshots of either kind pinned (never evicted by the disk budget).",
+     lambda r: sum(u.get("pinned", 0) for u in r.usage.values())),
+    ("slotkeeper_disk_budget_bytes", "The disk budget's total size limit (0: none).",
+     lambda r: r.state.pool.budget.max_bytes),
+    ("slotkeeper_quarantined_files", "Snapshot files moved aside after failing a check.",
+     lambda r: _count_files(r.state.store.slot_dir / QUARANTINE_DIR)),
+]
+
+
+class _StateCollector(Collector):
+    """Reads each backend's pool counters, slots and snapshot index when scraped."""
+
+    def __init__(self, states: Sequence[AppState], several: bool) -> None:
+        self._states = list(states)
+        self._by_model = ["model"] if several else []
+        self._several = several
 
     def describe(self) -> list[Metric]:
         return []  # values are read at scrape time; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
-        state = self._state
-        pool, stats = state.pool, state.pool.restore_stats
-        yield _counter("slotkeeper_saves", "Slot states saved to disk.", pool.saves)
-        yield _counter("slotkeeper_failed_saves", "Saves that failed (the previous snapshot was kept).",
-                       pool.failed_saves)
-        yield _counter("slotkeeper_restores", "Snapshots restored into a slot.", pool.restores)
-        yield _counter("slotkeeper_restores_effective", "Restores the next response reused (timings.cache_n).",
-                       stats.effective)
-        yield _counter("slotkeeper_restores_ineffective", "Restores the next response did not reuse: the model may "
-                       "not support restoring (see docs/troubleshooting.md).", stats.ineffective)
-        yield _gauge("slotkeeper_restore_effective", "0 once restoring was switched off for this backend.",
-                     0 if stats.disabled else 1)
-        yield _gauge("slotkeeper_queue_length", "Requests waiting for a slot.", pool.queue_length)
-        slots = pool.slots
-        yield _gauge("slotkeeper_slots", "Slots of the backend.", len(slots))
-        yield _gauge("slotkeeper_slots_occupied", "Slots holding a session's state.",
-                     sum(s.occupant is not None for s in slots))
-        yield _gauge("slotkeeper_slots_busy", "Slots leased to a running request or being saved.",
-                     sum(s.busy for s in slots))
-        yield _gauge("slotkeeper_slots_dirty", "Slots whose state changed since their last save.",
-                     sum(s.dirty for s in slots))
-        tokens = GaugeMetricFamily("slotkeeper_slot_tokens", "Tokens in each slot's state.", labels=["slot"])
-        for slot in slots:
-            tokens.add_metric([str(slot.slot_id)], slot.n_tokens)
+        readings = [_Reading(state, state.store.usage()) for state in self._states]
+        labels = [list(_model_labels(r.state, self._several)) for r in readings]
+        for name, documentation, read in _COUNTERS:
+            counter = CounterMetricFamily(name, documentation, labels=self._by_model)
+            for reading, values in zip(readings, labels, strict=True):
+                counter.add_metric(values, read(reading))
+            yield counter
+        for name, documentation, read in _GAUGES:
+            gauge = GaugeMetricFamily(name, documentation, labels=self._by_model)
+            for reading, values in zip(readings, labels, strict=True):
+                gauge.add_metric(values, read(reading))
+            yield gauge
+        tokens = GaugeMetricFamily("slotkeeper_slot_tokens", "Tokens in each slot's state.",
+                                   labels=["slot", *self._by_model])
+        for reading, values in zip(readings, labels, strict=True):
+            for slot in reading.state.pool.slots:
+                tokens.add_metric([str(slot.slot_id), *values], slot.n_tokens)
         yield tokens
-        snapshots = state.store.list()
-        yield _gauge("slotkeeper_snapshots", "Session snapshots in the index.", len(snapshots))
-        yield _gauge("slotkeeper_snapshot_bytes", "Bytes of the indexed snapshot files.",
-                     sum(s.n_bytes for s in snapshots))
-        yield _gauge("slotkeeper_quarantined_files", "Snapshot files moved aside after failing a check.",
-                     _count_files(state.store.slot_dir / QUARANTINE_DIR))
-        if state.supervisor is not None:
-            yield _counter("slotkeeper_backend_restarts", "Times slotkeeper restarted the server it runs (launch and "
-                           "embedded modes) after it exited on its own.", state.supervisor.restarts)
-        info = GaugeMetricFamily("slotkeeper_info", "This slotkeeper and its backend.",
+        supervised = [(r.state.supervisor, values) for r, values in zip(readings, labels, strict=True)
+                      if r.state.supervisor is not None]
+        if supervised:
+            restarts = CounterMetricFamily("slotkeeper_backend_restarts", "Times slotkeeper restarted the server it "
+                                           "runs (launch and embedded modes) after it exited on its own.",
+                                           labels=self._by_model)
+            for supervisor, values in supervised:
+                restarts.add_metric(values, supervisor.restarts)
+            yield restarts
+        info = GaugeMetricFamily("slotkeeper_info", "This slotkeeper and its backends.",
                                  labels=["version", "model", "fingerprint"])
-        info.add_metric([__version__, state.backend.model_id, state.backend.fingerprint], 1)
+        for reading in readings:
+            info.add_metric([__version__, reading.state.backend.model_id, reading.state.backend.fingerprint], 1)
         yield info
-
-
-def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, documentation, value=value)
-
-
-def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, documentation, value=value)
 
 
 def _count_files(path: os.PathLike[str]) -> int:
@@ -158,5 +248,5 @@ def metrics_of(request: Request) -> Metrics:
 
 @router.get("/metrics", include_in_schema=False)
 async def scrape(request: Request) -> Response:
-    body = await metrics_of(request).render(app_state(request))
+    body = await metrics_of(request).render()
     return Response(body, media_type=CONTENT_TYPE_LATEST)

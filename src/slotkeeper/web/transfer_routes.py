@@ -16,7 +16,8 @@ from slotkeeper.cache.bundle import BundleReader, meta_of, write_bundle
 from slotkeeper.cache.store import file_checksum
 from slotkeeper.errors import BadRequest, NotFound
 from slotkeeper.identity import checked_session_id
-from slotkeeper.types import SessionKey, SnapshotKind
+from slotkeeper.types import SessionKey
+from slotkeeper.web.admin import one_kind
 from slotkeeper.web.security import BUNDLE_IMPORT_PATH
 from slotkeeper.web.state import app_state
 
@@ -26,7 +27,7 @@ router = APIRouter()
 @router.get("/api/sessions/{session_id:path}/export")
 async def export(session_id: str, request: Request) -> Response:
     state = app_state(request, request.query_params.get("model"))
-    kind = _kind(request)
+    kind = one_kind(request)
     key = SessionKey(state.backend.model_id, session_id)
     snapshot = await asyncio.to_thread(state.store.checked_snapshot, key, state.backend.fingerprint, kind)
     if snapshot is None:
@@ -69,11 +70,3 @@ async def import_bundle(request: Request) -> dict[str, Any]:
     state.pool.forget(key)  # a slot holding an older state of the session must not overwrite the import
     return {"imported": session, "model": snapshot.model, "kind": str(snapshot.kind), "tokens": snapshot.n_tokens,
             "bytes": snapshot.n_bytes, "file": snapshot.filename}
-
-
-def _kind(request: Request) -> SnapshotKind:
-    value = request.query_params.get("kind", "session")
-    try:
-        return SnapshotKind(value)
-    except ValueError:
-        raise BadRequest(f"kind must be session or system, not {value!r}") from None

@@ -1,6 +1,7 @@
 """The dashboard at `/dashboard`: static HTML, JavaScript and CSS shipped in this package, no build step.
 
-The page polls the JSON endpoints (/api/sessions..., /api/requests/recent) and calls the session actions.
+The page polls the JSON endpoints (/api/sessions..., /api/requests/recent, /api/backend) and calls the session
+actions (clear, pin, delete, pre-warm).
 """
 
 from __future__ import annotations

@@ -1,27 +1,48 @@
-// slotkeeper dashboard: polls the JSON API every few seconds and renders slots, sessions and recent requests.
+// slotkeeper dashboard: polls the JSON API every few seconds and renders slots, snapshots and recent requests, and
+// calls the operator actions (clear, pin, delete, pre-warm).
 // Every value from the server is written with textContent, never as HTML (session ids are client strings).
 "use strict";
 
 const POLL_MS = 2000;
 const KEY_STORAGE = "slotkeeper.adminKey";
 const keyInput = document.getElementById("admin-key");
+const modelSelect = document.getElementById("model");
 keyInput.value = localStorage.getItem(KEY_STORAGE) || "";
 keyInput.addEventListener("change", () => localStorage.setItem(KEY_STORAGE, keyInput.value.trim()));
+modelSelect.addEventListener("change", () => refresh());
 
-function headers() {
+function headers(json) {
   const key = keyInput.value.trim();
-  return key ? { Authorization: "Bearer " + key } : {};
+  const h = key ? { Authorization: "Bearer " + key } : {};
+  if (json) h["Content-Type"] = "application/json";
+  return h;
 }
 
-async function api(method, path) {
-  const response = await fetch(path, { method, headers: headers(), cache: "no-store" });
-  let body = null;
-  try { body = await response.json(); } catch (e) { body = null; }
+async function api(method, path, body) {
+  const init = { method, headers: headers(body !== undefined), cache: "no-store" };
+  if (body !== undefined) init.body = JSON.stringify(body);
+  const response = await fetch(path, init);
+  let data = null;
+  try { data = await response.json(); } catch (e) { data = null; }
   if (!response.ok) {
-    const message = body && body.error && (body.error.message || body.error) || response.statusText;
-    throw new Error(method + " " + path + ": " + response.status + " " + message);
+    const message = data && data.error && (data.error.message || data.error) || response.statusText;
+    throw new Error(method + " " + path.split("?")[0] + ": " + response.status + " " + message);
   }
-  return body;
+  return data;
+}
+
+// The backend the per-backend views and actions are about: the chosen model, or the first (only) one.
+function chosenModel() {
+  return modelSelect.value || null;
+}
+
+function withParams(path, params) {
+  const query = new URLSearchParams();
+  for (const [name, value] of Object.entries(params)) {
+    if (value !== null && value !== undefined) query.set(name, String(value));
+  }
+  const text = query.toString();
+  return text ? path + "?" + text : path;
 }
 
 function setStatus(text, isError) {
@@ -37,10 +58,36 @@ function setAction(text, isError) {
   el.className = "action" + (isError ? " error" : "");
 }
 
+async function act(run) {
+  try {
+    setAction(await run(), false);
+  } catch (error) {
+    setAction(String(error.message || error), true);
+  }
+  await refresh();
+}
+
 function cell(text, className) {
   const td = document.createElement("td");
   td.textContent = text === null || text === undefined ? "" : String(text);
   if (className) td.className = className;
+  return td;
+}
+
+function button(text, className, title, onClick) {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.className = className;
+  b.textContent = text;
+  if (title) b.title = title;
+  b.addEventListener("click", onClick);
+  return b;
+}
+
+function actions(...buttons) {
+  const td = document.createElement("td");
+  td.className = "actions";
+  td.append(...buttons);
   return td;
 }
 
@@ -65,8 +112,23 @@ function ago(iso) {
   return (seconds / 86400).toFixed(1) + " d ago";
 }
 
-function renderSummary(current, sessions, backend) {
-  const total = sessions.sessions.reduce((sum, s) => sum + s.bytes, 0);
+function renderModels(backend) {
+  if (!backend || !backend.models) return;
+  const models = backend.models;
+  document.getElementById("model-choice").hidden = models.length < 2;
+  const shown = Array.from(modelSelect.options).map((o) => o.value);
+  if (shown.join("\u0000") === models.join("\u0000")) return;
+  const chosen = modelSelect.value;
+  modelSelect.replaceChildren(...models.map((m) => {
+    const option = document.createElement("option");
+    option.value = m;
+    option.textContent = m;
+    return option;
+  }));
+  modelSelect.value = models.includes(chosen) ? chosen : models[0];
+}
+
+function renderSummary(current, sessions, systems, backend) {
   const items = [
     ["model", current.model],
     ["slots", current.slots.length],
@@ -76,8 +138,9 @@ function renderSummary(current, sessions, backend) {
     ["restores", current.restores],
     ["restores reused", current.restores_effective + " / " + (current.restores_effective + current.restores_ineffective)],
     ["restoring", current.restore_effective ? "on" : "off (restores did not help)"],
-    ["snapshots", sessions.sessions.length],
-    ["on disk", bytes(total)],
+    ["warm-ups", current.warm_ups + (current.failed_warm_ups ? " (" + current.failed_warm_ups + " failed)" : "")],
+    ["snapshots", sessions.length],
+    ["system snapshots", systems.length],
   ];
   const dl = document.getElementById("summary");
   dl.replaceChildren(...items.map(([name, value]) => {
@@ -90,93 +153,192 @@ function renderSummary(current, sessions, backend) {
     div.append(dt, dd);
     return div;
   }));
-  const free = backend && backend.slot_dir_free_bytes;
-  document.getElementById("disk").textContent = bytes(total) + " in " + sessions.slot_dir +
-    (free !== null && free !== undefined ? " (" + bytes(free) + " free; no budget configured)" : "");
   if (backend) {
     document.getElementById("backend").textContent = backend.model + " at " + backend.url + " (" +
       (backend.up ? "up" : "DOWN") + ", " + backend.slots + " slot(s) of " + backend.ctx_per_slot + " tokens)";
   }
 }
 
+// "X used of budget Y (N evicted)", with a bar for the share of the budget in use.
+function renderDisk(disk) {
+  const budget = disk.budget.max_bytes;
+  let text = bytes(disk.bytes) + " used " + (budget ? "of budget " + bytes(budget) : "(no size budget)") +
+    " (" + disk.evictions + " evicted)";
+  const limits = [];
+  if (disk.budget.max_age_seconds) limits.push("max age " + (disk.budget.max_age_seconds / 86400).toFixed(1) + " d");
+  if (disk.budget.max_system_snapshots) limits.push(disk.budget.max_system_snapshots + " system snapshot(s) per model");
+  if (limits.length) text += "; " + limits.join(", ");
+  text += "; " + bytes(disk.disk_free_bytes) + " free in " + disk.slot_dir;
+  document.getElementById("disk-text").textContent = text;
+  const share = budget ? Math.min(1, disk.bytes / budget) : 0;
+  const bar = document.getElementById("disk-bar");
+  bar.style.width = (share * 100).toFixed(1) + "%";
+  bar.className = share >= 0.9 ? "full" : "";
+  bar.parentElement.hidden = !budget;
+}
+
 function renderSlots(current) {
+  const model = chosenModel();
   fillBody("slots", current.slots.map((slot) => {
     const tr = document.createElement("tr");
     tr.dataset.slot = String(slot.id);
     const state = [slot.busy ? "busy" : "idle", slot.dirty ? "unsaved changes" : "saved"].join(", ");
+    const clear = button("clear", "danger clear", "Save this slot's session if it changed, then erase the slot",
+      () => clearSlot(slot.id, model));
     tr.append(cell(slot.id, "num"), cell(slot.session || "(empty)", "session"), cell(slot.model),
-      cell(slot.n_tokens, "num"), cell(state));
+      cell(slot.n_tokens, "num"), cell(state), actions(clear));
     return tr;
   }));
 }
 
+function pinButton(s) {
+  const verb = s.pinned ? "unpin" : "pin";
+  const title = s.pinned ? "Let the disk budget evict this snapshot again" : "Keep this snapshot from the disk budget";
+  return button(verb, "pin", title, () => setPinned(s, verb));
+}
+
 function renderSessions(sessions, totals) {
   const saved = new Map(totals.map((t) => [t.model + "\u0000" + t.session, t]));
-  fillBody("sessions", sessions.sessions.map((s) => {
+  fillBody("sessions", sessions.map((s) => {
     const tr = document.createElement("tr");
     tr.dataset.session = s.session;
     const t = saved.get(s.model + "\u0000" + s.session);
-    const button = document.createElement("button");
-    button.type = "button";
-    button.className = "danger delete";
-    button.textContent = "delete";
-    button.addEventListener("click", () => deleteSession(s.session, s.model));
-    const action = document.createElement("td");
-    action.append(button);
+    const remove = button("delete", "danger delete", "", () => deleteSnapshot(s));
     tr.append(cell(s.session, "session"), cell(s.model), cell(s.tokens, "num"), cell(bytes(s.bytes), "num"),
       cell(ago(s.last_used)), cell(s.hits, "num"), cell(t ? t.seconds_saved.toFixed(1) + " s" : "", "num"),
-      cell(s.hot_in_slot === null ? "" : s.hot_in_slot), action);
+      cell(s.hot_in_slot === null ? "" : s.hot_in_slot), cell(s.pinned ? "yes" : "no", "pinned"),
+      actions(pinButton(s), remove));
     return tr;
   }));
-  document.getElementById("no-sessions").hidden = sessions.sessions.length > 0;
+  document.getElementById("no-sessions").hidden = sessions.length > 0;
+}
+
+function renderSystems(systems) {
+  fillBody("systems", systems.map((s) => {
+    const tr = document.createElement("tr");
+    tr.dataset.system = s.session;
+    const key = cell(s.session.slice(0, 12), "key");
+    key.title = s.session;
+    const remove = button("delete", "danger delete", "", () => deleteSnapshot(s));
+    tr.append(key, cell(s.model), cell(s.tokens, "num"), cell(bytes(s.bytes), "num"), cell(ago(s.last_used)),
+      cell(s.hits, "num"), cell(s.pinned ? "yes" : "no", "pinned"), actions(pinButton(s), remove));
+    return tr;
+  }));
+  document.getElementById("no-systems").hidden = systems.length > 0;
 }
 
 function renderRequests(recent) {
   fillBody("requests", recent.requests.map((r) => {
     const tr = document.createElement("tr");
     tr.append(cell(new Date(r.time * 1000).toLocaleTimeString()), cell(r.api + (r.side ? " (side)" : "")),
-      cell(r.session, "session"), cell(r.slot, "num"), cell(r.cache, "cache-" + r.cache), cell(r.cache_n, "num"),
-      cell(r.prompt_n, "num"), cell(r.restore_ms.toFixed(1), "num"), cell(r.save_ms.toFixed(1), "num"),
-      cell(r.status, "num"), cell(Math.round(r.ms), "num"));
+      cell(r.model), cell(r.session, "session"), cell(r.slot, "num"), cell(r.cache, "cache-" + r.cache),
+      cell(r.cache_n, "num"), cell(r.prompt_n, "num"), cell(r.restore_ms.toFixed(1), "num"),
+      cell(r.save_ms.toFixed(1), "num"), cell(r.status, "num"), cell(Math.round(r.ms), "num"));
     return tr;
   }));
 }
 
+// Only the newest refresh renders: an older poll that answers late must not overwrite what an action just showed.
+let refreshes = 0;
+
 async function refresh() {
+  const seq = ++refreshes;
   try {
-    const [current, sessions, recent, backend] = await Promise.all([
-      api("GET", "/api/sessions/current"), api("GET", "/api/sessions"), api("GET", "/api/requests/recent"),
-      api("GET", "/api/backend").catch(() => null),
+    const model = { model: chosenModel() };
+    const [current, listed, recent, disk, backend] = await Promise.all([
+      api("GET", withParams("/api/sessions/current", model)), api("GET", "/api/sessions?kind=all"),
+      api("GET", "/api/requests/recent"), api("GET", withParams("/api/sessions/disk", model)),
+      api("GET", withParams("/api/backend", model)).catch(() => null),
     ]);
-    renderSummary(current, sessions, backend);
+    if (seq !== refreshes) return;
+    const sessions = listed.sessions.filter((s) => s.kind !== "system");
+    const systems = listed.sessions.filter((s) => s.kind === "system");
+    renderModels(backend);
+    renderSummary(current, sessions, systems, backend);
+    renderDisk(disk);
     renderSlots(current);
     renderSessions(sessions, recent.session_totals);
+    renderSystems(systems);
     renderRequests(recent);
     setStatus("updated " + new Date().toLocaleTimeString(), false);
   } catch (error) {
-    setStatus(String(error.message || error), true);
+    if (seq === refreshes) setStatus(String(error.message || error), true);
   }
 }
 
-async function deleteSession(session, model) {
-  if (!confirm("Delete the snapshot of session '" + session + "'?")) return;
-  try {
-    const result = await api("DELETE", "/api/sessions/" + encodeURIComponent(session) + "?model=" +
-      encodeURIComponent(model));
-    setAction("deleted " + result.deleted + " (" + bytes(result.bytes) + ")", false);
-  } catch (error) {
-    setAction(String(error.message || error), true);
-  }
-  await refresh();
+function snapshotPath(s, action) {
+  const path = "/api/sessions/" + encodeURIComponent(s.session) + (action ? "/" + action : "");
+  return withParams(path, { model: s.model, kind: s.kind === "system" ? "system" : null });
+}
+
+function describe(s) {
+  return s.kind === "system" ? "system prompt " + s.session.slice(0, 12) : s.session;
+}
+
+async function deleteSnapshot(s) {
+  if (!confirm("Delete the snapshot of " + (s.kind === "system" ? "" : "session ") + "'" + describe(s) + "'?")) return;
+  await act(async () => {
+    const result = await api("DELETE", snapshotPath(s, ""));
+    return "deleted " + describe({ ...s, session: result.deleted }) + " (" + bytes(result.bytes) + ")";
+  });
+}
+
+async function setPinned(s, verb) {
+  await act(async () => {
+    const result = await api("POST", snapshotPath(s, verb));
+    return (result.pinned ? "pinned " : "unpinned ") + describe(s);
+  });
+}
+
+async function clearSlot(slot, model) {
+  if (!confirm("Save slot " + slot + " if it changed, then erase it?")) return;
+  await act(async () => {
+    const result = await api("POST", withParams("/api/sessions/clear", { slot, model }));
+    return "erased slot " + slot + (result.held ? " (held " + result.held + ", saved first if it had changed)" : "");
+  });
 }
 
 document.getElementById("clear-slots").addEventListener("click", async () => {
   if (!confirm("Save changed slots, then erase every slot?")) return;
+  await act(async () => {
+    const result = await api("POST", withParams("/api/sessions/clear", { model: chosenModel() }));
+    return "erased slot(s) " + result.erased_slots.join(", ");
+  });
+});
+
+const PREWARM_STATUS = {
+  saved: "saved as a system snapshot",
+  exists: "already had a system snapshot",
+  "too-short": "is too short to be worth a snapshot (fewer tokens than --min-restore-tokens)",
+};
+
+document.getElementById("prewarm-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const text = document.getElementById("prewarm-system").value;
+  const result = document.getElementById("prewarm-result");
+  const submit = document.getElementById("prewarm-button");
+  if (!text.trim()) {
+    result.textContent = "give a system prompt first";
+    result.className = "error";
+    return;
+  }
+  submit.disabled = true;
+  result.textContent = "warming up…";
+  result.className = "muted";
   try {
-    const result = await api("POST", "/api/sessions/clear");
-    setAction("erased slot(s) " + result.erased_slots.join(", "), false);
+    const body = { system: text };
+    if (chosenModel()) body.model = chosenModel();
+    const r = await api("POST", "/api/sessions/prewarm", body);
+    result.textContent = "system prompt " + r.system.slice(0, 12) + " (" + r.model + ", " + r.tokens + " tokens) " +
+      PREWARM_STATUS[r.status] + (r.status === "saved" ? ", " + bytes(r.bytes) : "") + " in " +
+      (r.ms / 1000).toFixed(1) + " s";
+    result.className = "ok";
+    result.dataset.system = r.system;
   } catch (error) {
-    setAction(String(error.message || error), true);
+    result.textContent = String(error.message || error);
+    result.className = "error";
+  } finally {
+    submit.disabled = false;
   }
   await refresh();
 });
