@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench import sections
+
 
 def _fmt(value: float, digits: int = 1) -> str:
     return f"{value:,.{digits}f}"
@@ -14,8 +16,12 @@ def _fmt(value: float, digits: int = 1) -> str:
 def _header(results: dict[str, dict[str, Any]]) -> list[str]:
     first = next(iter(results.values()))
     m, c = first["machine"], first["config"]
-    notes = sorted({r["config"].get("note", "") for r in results.values()} - {""})
-    loads = ", ".join(f"{name}: {r['machine']['loadavg_at_start']}" for name, r in results.items())
+    # The newer scenarios state their own model, load and note in their sections.
+    own = {name for name in results if name in OWN_HEADER}
+    notes = sorted({r["config"].get("note", "") for name, r in results.items() if name not in own} - {""})
+    loads = ", ".join(f"{name}: {r['machine']['loadavg_at_start']}" for name, r in results.items()
+                      if name not in own)
+    sizes = sorted({r["config"]["model_size"] for r in results.values()})
     return [
         "# slotkeeper benchmark results",
         "",
@@ -24,12 +30,17 @@ def _header(results: dict[str, dict[str, Any]]) -> list[str]:
         "read; absolute times depend on the machine.",
         "",
         f"Machine: {m['cpus']} CPUs ({m['platform']}, Python {m['python']}), shared and possibly loaded by other "
-        f"work while this ran (1/5/15-minute load averages at the start of each scenario: {loads}). "
-        f"Model: generated random-weight `{c['model_size']}` model; llama-server with `-t {c['threads']}`, "
-        f"`--parallel 1`.{' CI size (`--small`).' if c['small'] else ''}",
+        "work while this ran"
+        + (f" (1/5/15-minute load averages at the start of each scenario: {loads}). " if loads else ". ") +
+        f"Model: generated random-weight {' and '.join(f'`{size}`' for size in sizes)} model; llama-server with "
+        f"`-t {c['threads']}`, `--parallel 1` (unless a section says otherwise)."
+        f"{' CI size (`--small`).' if c['small'] else ''}",
         "",
         *(f"Note: {note}\n" for note in notes),
     ]
+
+
+OWN_HEADER = ("system", "agent", "scale")
 
 
 def _switch(r: dict[str, Any]) -> list[str]:
@@ -113,7 +124,8 @@ def _restart(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-SECTIONS = {"switch": _switch, "overhead": _overhead, "restart": _restart}
+SECTIONS = {"switch": _switch, "overhead": _overhead, "restart": _restart, "system": sections.system,
+            "agent": sections.agent, "scale": sections.scale}
 
 
 def write_report(out: Path) -> Path:
