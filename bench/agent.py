@@ -19,7 +19,17 @@ from typing import Any
 
 import httpx
 
-from bench.common import BenchConfig, describe, keeper_record, machine, make_model, processes, ratio, stream_chat
+from bench.common import (
+    BenchConfig,
+    describe,
+    keeper_record,
+    machine,
+    make_model,
+    prime,
+    processes,
+    ratio,
+    stream_chat,
+)
 from bench.messages import PrefillCounters, SystemPart, messages_body, prefill_counters, stream_messages, system_part
 from bench.openwebui import CHAT_HEADER, Chat, side_task
 from tests.support import words
@@ -104,6 +114,8 @@ def run_workload(config: BenchConfig, root: Path, slots: int) -> tuple[list[dict
                     TARGETS[1]: procs.backend("agent-default", 8192, ctx, parallel=slots, extra_args=metrics),
                     TARGETS[2]: behind}
         urls = {TARGETS[0]: backends[TARGETS[0]].url, TARGETS[1]: backends[TARGETS[1]].url, TARGETS[2]: keeper.url}
+        for backend in backends.values():
+            prime(client, backend.url)
         before = {t: prefill_counters(client, b.url) for t, b in backends.items()}
 
         def record(step: int, kind: str, target: str, session: str, since: float, **fields: Any) -> None:

@@ -125,6 +125,14 @@ def _stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]],
     )
 
 
+def prime(client: httpx.Client, backend_url: str) -> None:
+    """One tiny request straight to a freshly started llama-server, so that costs paid once per process (faulting
+    the model's pages in, first graph allocations) do not land on the first measured request."""
+    response = client.post(f"{backend_url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "temperature": 0})
+    response.raise_for_status()
+
+
 def make_model(root: Path, size: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"{size}.gguf"

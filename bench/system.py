@@ -22,7 +22,17 @@ from typing import Any
 
 import httpx
 
-from bench.common import BenchConfig, describe, keeper_record, machine, make_model, processes, ratio, stream_chat
+from bench.common import (
+    BenchConfig,
+    describe,
+    keeper_record,
+    machine,
+    make_model,
+    prime,
+    processes,
+    ratio,
+    stream_chat,
+)
 from bench.messages import SystemPart, messages_body, stream_messages, system_part
 from tests.support import REPO, Slotkeeper, words
 
@@ -40,10 +50,13 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
                                    {"role": "user", "content": words(100 if config.small else 300, 55)}]
     samples: list[dict[str, Any]] = []
     with processes(root, model) as procs, httpx.Client(timeout=600) as client:
-        keeper = procs.slotkeeper("system-slotkeeper", procs.backend("system-behind", cache_ram=0, ctx_per_slot=ctx))
+        behind = procs.backend("system-behind", cache_ram=0, ctx_per_slot=ctx)
+        keeper = procs.slotkeeper("system-slotkeeper", behind)
         urls = {TARGETS[0]: procs.backend("system-cram0", cache_ram=0, ctx_per_slot=ctx).url,
                 TARGETS[1]: procs.backend("system-default", cache_ram=8192, ctx_per_slot=ctx).url,
                 TARGETS[2]: keeper.url}
+        for url in (urls[TARGETS[0]], urls[TARGETS[1]], behind.url):
+            prime(client, url)
 
         def first_turn(part: SystemPart, k: int, phase: str) -> None:
             session = f"{phase}-{k}"
