@@ -6,6 +6,7 @@ against llama-server alone side by side, and writes `<out>/<scenario>.json` and 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             result = SCENARIOS[name](config, root / name)
             result["wall_seconds"] = time.monotonic() - started
+            result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
             path = write_result(args.out, name, result)
             print(f"{name}: {path} ({result['wall_seconds']:.0f} s)", file=sys.stderr)
     chart = write_chart(args.out)

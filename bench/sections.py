@@ -10,9 +10,11 @@ def _fmt(value: float, digits: int = 1) -> str:
 
 
 def _model(r: dict[str, Any]) -> str:
-    c, load = r["config"], r["machine"]["loadavg_at_start"]
+    c, m = r["config"], r["machine"]
     note = f" Note: {c['note']}" if c.get("note") else ""
-    return (f"Model: generated `{c['model_size']}`; load averages at the start: {load}."
+    end = f", at the end {m['loadavg_at_end']}" if "loadavg_at_end" in m else ""
+    return (f"Model: generated `{c['model_size']}`; 1/5/15-minute load averages at the start {m['loadavg_at_start']}"
+            f"{end}, {r['wall_seconds']:.0f} s in all."
             f"{' CI size (`--small`).' if c['small'] else ''}{note}")
 
 
