@@ -76,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         for name in names:
-            started = time.monotonic()
+            started, load = time.monotonic(), os.getloadavg()
             result = SCENARIOS[name](config, root / name)
             result["wall_seconds"] = time.monotonic() - started
+            # Scenarios describe the machine when they return; the load before they started is taken here.
+            result["machine"]["loadavg_at_start"] = [round(x, 2) for x in load]
             result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
             path = write_result(args.out, name, result)
             print(f"{name}: {path} ({result['wall_seconds']:.0f} s)", file=sys.stderr)
