@@ -21,6 +21,7 @@ import httpx
 
 from bench.common import (
     BenchConfig,
+    StreamResult,
     describe,
     keeper_record,
     machine,
@@ -30,7 +31,15 @@ from bench.common import (
     ratio,
     stream_chat,
 )
-from bench.messages import PrefillCounters, SystemPart, messages_body, prefill_counters, stream_messages, system_part
+from bench.messages import (
+    MessagesResult,
+    PrefillCounters,
+    SystemPart,
+    messages_body,
+    prefill_counters,
+    stream_messages,
+    system_part,
+)
 from bench.openwebui import CHAT_HEADER, Chat, side_task
 from tests.support import words
 
@@ -116,44 +125,59 @@ def run_workload(config: BenchConfig, root: Path, slots: int) -> tuple[list[dict
         urls = {TARGETS[0]: backends[TARGETS[0]].url, TARGETS[1]: backends[TARGETS[1]].url, TARGETS[2]: keeper.url}
         for backend in backends.values():
             prime(client, backend.url)
-        before = {t: prefill_counters(client, b.url) for t, b in backends.items()}
+        first = {t: prefill_counters(client, b.url) for t, b in backends.items()}
 
-        def record(step: int, kind: str, target: str, session: str, since: float, **fields: Any) -> None:
-            sample = {"slots": slots, "step": step, "kind": kind, "target": target, **fields}
+        def start(target: str) -> tuple[str, float, PrefillCounters]:
+            return target, time.time(), prefill_counters(client, backends[target].url)
+
+        def finish(mark: tuple[str, float, PrefillCounters], session: str, sample: dict[str, Any]) -> None:
+            """Record one request with what its backend's counters say it cost (slotkeeper's warm-ups included)."""
+            target, since, before = mark
+            cost = prefill_counters(client, backends[target].url) - before
+            sample.update(target=target, slots=slots, backend_prefilled=cost.prefilled,
+                          backend_prompt_ms=cost.seconds * 1000)
             if target == "slotkeeper":
                 row = keeper_record(client, keeper.url, session, since)
-                sample.update({"cache": row["cache"], "side": row["side"], "restore_ms": row["restore_ms"],
-                               "save_ms": row["save_ms"]})
+                sample.update(cache=row["cache"], side=row["side"], restore_ms=row["restore_ms"],
+                              save_ms=row["save_ms"])
             samples.append(sample)
 
+        previous = None
         for step, kind in enumerate(schedule(config.agent_turns, config.chat_turns)):
             order = [TARGETS[(step + i) % len(TARGETS)] for i in range(len(TARGETS))]
+            # Whether the slot was last used by the other conversation (its tasks included) or by this one.
+            position = "first" if previous is None else "consecutive" if previous == kind else "switched"
+            previous = kind
+            fields = {"step": step, "kind": kind, "position": position}
             if kind == "agent":
                 body = agent.request(config.answer_tokens)
                 for target in order:
-                    since = time.time()
-                    r = stream_messages(client, urls[target], body)
-                    record(step, kind, target, agent.user_id, since, ttft_ms=r.ttft_ms, total_ms=r.total_ms,
-                           prompt_n=r.prefilled, cache_n=r.reused)
+                    mark = start(target)
+                    finish(mark, agent.user_id, {**fields, **_streamed(stream_messages(client, urls[target], body))})
                 agent.answered()
                 continue
             messages = chat.next_turn()
             for target in order:
-                since = time.time()
-                c = stream_chat(client, urls[target], messages, chat.chat_id, config.answer_tokens, CHAT_HEADER)
-                record(step, kind, target, chat.chat_id, since, ttft_ms=c.ttft_ms, total_ms=c.total_ms,
-                       prompt_n=c.prompt_n, cache_n=c.cache_n)
+                mark = start(target)
+                r = stream_chat(client, urls[target], messages, chat.chat_id, config.answer_tokens, CHAT_HEADER)
+                finish(mark, chat.chat_id, {**fields, **_streamed(r)})
             chat.answered()
             for task in chat.tasks_after_reply():
                 task_messages = chat.task_messages(task)
                 for target in order:
-                    since = time.time()
+                    mark = start(target)
                     u = side_task(client, urls[target], task_messages, chat.chat_id, config.answer_tokens)
-                    record(step, f"task:{task}", target, chat.chat_id, since, total_ms=u.total_ms,
-                           prompt_n=u.prompt_n, cache_n=u.cache_n)
-        counters: dict[str, PrefillCounters] = {t: prefill_counters(client, b.url) - before[t]
+                    finish(mark, chat.chat_id, {"step": step, "kind": f"task:{task}", "position": "task",
+                                                "total_ms": u.total_ms, "prompt_n": u.prompt_n, "cache_n": u.cache_n})
+        counters: dict[str, PrefillCounters] = {t: prefill_counters(client, b.url) - first[t]
                                                 for t, b in backends.items()}
     return samples, counters
+
+
+def _streamed(r: StreamResult | MessagesResult) -> dict[str, Any]:
+    if isinstance(r, MessagesResult):
+        return {"ttft_ms": r.ttft_ms, "total_ms": r.total_ms, "prompt_n": r.prefilled, "cache_n": r.reused}
+    return {"ttft_ms": r.ttft_ms, "total_ms": r.total_ms, "prompt_n": r.prompt_n, "cache_n": r.cache_n}
 
 
 def summarize(samples: list[dict[str, Any]], totals: dict[str, Any]) -> dict[str, Any]:
@@ -161,8 +185,13 @@ def summarize(samples: list[dict[str, Any]], totals: dict[str, Any]) -> dict[str
     for target in TARGETS:
         mine = [s for s in samples if s["target"] == target]
         main = [s for s in mine if s["kind"] in MAIN_KINDS]
+        switched = [s for s in main if s["position"] == "switched"]
         per_target[target] = {
-            "ttft_ms": {kind: describe([s["ttft_ms"] for s in main if s["kind"] == kind]) for kind in MAIN_KINDS},
+            "ttft_ms": {f"{kind} {position}": describe([s["ttft_ms"] for s in rows])
+                        for kind in MAIN_KINDS for position in ("first", "consecutive", "switched")
+                        if (rows := [s for s in main if s["kind"] == kind and s["position"] == position])},
+            "switched_ttft_ms": describe([s["ttft_ms"] for s in switched]),
+            "switched_backend_prompt_ms": describe([s["backend_prompt_ms"] for s in switched]),
             "main_ttft_ms": describe([s["ttft_ms"] for s in main]),
             "requests": len(mine),
             "main_prompt_n": sum(s["prompt_n"] for s in main),
@@ -177,16 +206,18 @@ def summarize(samples: list[dict[str, Any]], totals: dict[str, Any]) -> dict[str
     per_target["slotkeeper"]["side_requests"] = sum(1 for s in keeper if s["side"])
     by_step: dict[int, dict[str, float]] = {}
     for s in samples:
-        if s["kind"] in MAIN_KINDS:
+        if s["kind"] in MAIN_KINDS and s["position"] == "switched":
             by_step.setdefault(s["step"], {})[s["target"]] = s["ttft_ms"]
     keeper_stats = per_target["slotkeeper"]
     ratios = {}
     for target, label in ((TARGETS[0], "cram0_over_slotkeeper"), (TARGETS[1], "default_over_slotkeeper")):
         ratios[label] = {
+            "switched_ttft_of_medians": ratio(per_target[target]["switched_ttft_ms"]["median"],
+                                              keeper_stats["switched_ttft_ms"]["median"]),
+            "switched_ttft_median_per_turn": statistics.median(ratio(t[target], t["slotkeeper"])
+                                                               for t in by_step.values()),
             "main_ttft_of_medians": ratio(per_target[target]["main_ttft_ms"]["median"],
                                           keeper_stats["main_ttft_ms"]["median"]),
-            "main_ttft_median_per_turn": statistics.median(ratio(t[target], t["slotkeeper"])
-                                                           for t in by_step.values()),
             "prefilled": ratio(totals[target]["prefilled"], totals["slotkeeper"]["prefilled"]),
             "prompt_seconds": ratio(totals[target]["prompt_seconds"], totals["slotkeeper"]["prompt_seconds"]),
         }

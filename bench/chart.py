@@ -42,8 +42,8 @@ def write_chart(out: Path) -> Path | None:
         agent: dict[str, Any] = json.loads(agent_path.read_text())
         for slots, summary in agent["summary"].items():
             targets = list(summary["targets"])
-            panels.append((f"agent + chat, main turns, {slots} slot(s)", targets,
-                           [summary["targets"][t]["main_ttft_ms"]["median"] for t in targets]))
+            panels.append((f"agent + chat, switched turns, {slots} slot(s)", targets,
+                           [summary["targets"][t]["switched_ttft_ms"]["median"] for t in targets]))
     if not panels:
         return None
     columns = min(3, len(panels))

@@ -118,8 +118,12 @@ class PrefillCounters:
 
 
 def prefill_counters(client: httpx.Client, backend_url: str) -> PrefillCounters:
+    try:
+        text = client.get(f"{backend_url}/metrics").text
+    except httpx.RemoteProtocolError:  # a pooled keep-alive connection the server had closed: ask again
+        text = client.get(f"{backend_url}/metrics").text
     values: dict[str, float] = {}
-    for line in client.get(f"{backend_url}/metrics").text.splitlines():
+    for line in text.splitlines():
         if line.startswith("llamacpp:"):
             name, _, value = line.partition(" ")
             values[name.removeprefix("llamacpp:")] = float(value)

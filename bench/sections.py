@@ -87,26 +87,34 @@ def agent(r: dict[str, Any]) -> list[str]:
         f"OpenWebUI-like chat ({c['chat_turns']} streamed turns, the first pasting a document, each followed by "
         "OpenWebUI's non-streamed `### Task:` requests under the same chat id: title and tags after the first "
         "reply, follow-ups after each) alternate: two agent turns, then a chat turn and its tasks. Targets as in "
-        "`switch`. TTFT is over the main turns (agent and chat); prefilled totals are the backends' own "
+        "`switch`. A *switched* turn is one whose slot the other conversation (or its tasks) used last: agent turns "
+        "right after the chat, and every chat turn but the first. Prefilled totals are the backends' own "
         f"`/metrics` counters over every request, slotkeeper's warm-ups included. {_model(r)}",
         "",
-        "| slots | target | agent TTFT median ms | chat TTFT median ms | main TTFT p99 ms | prefilled total "
-        "| reused total | prompt seconds |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| slots | target | agent after the chat: TTFT median ms | chat after the agent: TTFT median ms "
+        "| agent, consecutive turn: TTFT median ms | switched turns: TTFT p99 ms | prefilled total | reused total "
+        "| prompt seconds |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def median(t: dict[str, Any], key: str) -> str:
+        return _fmt(t["ttft_ms"][key]["median"]) if key in t["ttft_ms"] else ""
+
     for slots, s in r["summary"].items():
         for target, t in s["targets"].items():
             backend = t["backend"]
-            lines.append(f"| {slots} | {target} | {_fmt(t['ttft_ms']['agent']['median'])} "
-                         f"| {_fmt(t['ttft_ms']['chat']['median'])} | {_fmt(t['main_ttft_ms']['p99'])} "
+            lines.append(f"| {slots} | {target} | {median(t, 'agent switched')} | {median(t, 'chat switched')} "
+                         f"| {median(t, 'agent consecutive')} | {_fmt(t['switched_ttft_ms']['p99'])} "
                          f"| {backend['prefilled']:,} | {backend['reused']:,} | {_fmt(backend['prompt_seconds'], 2)} |")
-    lines += ["", "| slots | cram0 / slotkeeper: main TTFT (of medians, per-turn median), prefilled "
-              "| default / slotkeeper: main TTFT (of medians, per-turn median), prefilled |", "|---:|---|---|"]
+    lines += ["", "| slots | versus slotkeeper | switched turns: TTFT (of medians, per-turn median) "
+              "| all main turns: TTFT (of medians) | prefilled | prompt seconds |", "|---:|---|---|---:|---:|---:|"]
     for slots, s in r["summary"].items():
-        a, b = s["ratios"]["cram0_over_slotkeeper"], s["ratios"]["default_over_slotkeeper"]
-        lines.append(f"| {slots} | {a['main_ttft_of_medians']:.2f}x, {a['main_ttft_median_per_turn']:.2f}x, "
-                     f"{a['prefilled']:.2f}x | {b['main_ttft_of_medians']:.2f}x, "
-                     f"{b['main_ttft_median_per_turn']:.2f}x, {b['prefilled']:.2f}x |")
+        for label, key in (("cram0 / slotkeeper", "cram0_over_slotkeeper"),
+                           ("default / slotkeeper", "default_over_slotkeeper")):
+            x = s["ratios"][key]
+            lines.append(f"| {slots} | {label} | {x['switched_ttft_of_medians']:.2f}x, "
+                         f"{x['switched_ttft_median_per_turn']:.2f}x | {x['main_ttft_of_medians']:.2f}x "
+                         f"| {x['prefilled']:.2f}x | {x['prompt_seconds']:.2f}x |")
     lines.append("")
     for slots, s in r["summary"].items():
         states = "; ".join(f"{kind}: " + ", ".join(f"{k} {v}" for k, v in counts.items())

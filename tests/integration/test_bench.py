@@ -146,8 +146,10 @@ def test_agent(results: Path) -> None:
     assert len(data["samples"]) == per_slots * len(config["agent_slots"])
     for sample in data["samples"]:
         assert positive(sample["total_ms"]) and sample["prompt_n"] >= 1
+        assert sample["backend_prefilled"] >= 1 and sample["backend_prompt_ms"] >= 0
         if sample["kind"] in ("agent", "chat"):
             assert positive(sample["ttft_ms"])
+            assert sample["position"] in ("first", "consecutive", "switched")
         if sample["target"] == "slotkeeper":
             assert sample["side"] is sample["kind"].startswith("task:")
     for slots in config["agent_slots"]:
@@ -157,12 +159,15 @@ def test_agent(results: Path) -> None:
         assert targets["slotkeeper"]["side_requests"] == tasks
         for target in TARGETS:
             assert positive(targets[target]["main_ttft_ms"]["median"])
+            assert positive(targets[target]["switched_ttft_ms"]["median"])
+            assert {"agent first", "agent switched", "chat switched"} <= targets[target]["ttft_ms"].keys()
             assert targets[target]["backend"]["prefilled"] >= targets[target]["main_prompt_n"] > 0
         # The agent's and the chat's states survive each other and the side tasks: less is prefilled than cold.
         assert targets["slotkeeper"]["backend"]["prefilled"] < targets["llama-server cram0"]["backend"]["prefilled"]
         assert "restored" in targets["slotkeeper"]["cache_states"]["agent"]
         for name in ("cram0_over_slotkeeper", "default_over_slotkeeper"):
-            for key in ("main_ttft_of_medians", "main_ttft_median_per_turn", "prefilled", "prompt_seconds"):
+            for key in ("switched_ttft_of_medians", "switched_ttft_median_per_turn", "main_ttft_of_medians",
+                        "prefilled", "prompt_seconds"):
                 assert positive(summary["ratios"][name][key])
 
 
