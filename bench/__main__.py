@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             # Scenarios describe the machine when they return; the load before they started is taken here.
             result["machine"]["loadavg_at_start"] = [round(x, 2) for x in load]
             result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-            path = write_result(args.out, name, result)
+            # The generated tiny model's results are the main ones; other sizes are kept beside them.
+            path = write_result(args.out, name if config.model_size == "tiny" else f"{name}-{config.model_size}",
+                                result)
             print(f"{name}: {path} ({result['wall_seconds']:.0f} s)", file=sys.stderr)
     chart = write_chart(args.out)
     print(f"chart: {chart}" if chart else "chart: skipped (no matplotlib, or nothing to draw)", file=sys.stderr)

@@ -17,7 +17,7 @@ def _header(results: dict[str, dict[str, Any]]) -> list[str]:
     first = next(iter(results.values()))
     m, c = first["machine"], first["config"]
     # The newer scenarios state their own model, load and note in their sections.
-    own = {name for name in results if name in OWN_HEADER}
+    own = {stem for stem, r in results.items() if r["scenario"] in OWN_HEADER}
     notes = sorted({r["config"].get("note", "") for name, r in results.items() if name not in own} - {""})
     loads = ", ".join(f"{name}: {r['machine']['loadavg_at_start']}" for name, r in results.items()
                       if name not in own)
@@ -129,11 +129,19 @@ SECTIONS = {"switch": _switch, "overhead": _overhead, "restart": _restart, "syst
 
 
 def write_report(out: Path) -> Path:
-    results = {name: json.loads((out / f"{name}.json").read_text()) for name in SECTIONS
-               if (out / f"{name}.json").exists()}
+    """README.md from the result files in `out`: `<scenario>.json`, and `<scenario>-<model size>.json` of runs with
+    another model than the tiny one, each section after the tiny one's."""
+    results: dict[str, dict[str, Any]] = {}
+    for name in SECTIONS:
+        for path in [out / f"{name}.json", *sorted(out.glob(f"{name}-*.json"))]:
+            if path.exists():
+                results[path.stem] = json.loads(path.read_text())
     lines = _header(results) if results else ["# slotkeeper benchmark results", ""]
-    for name, result in results.items():
-        lines += SECTIONS[name](result)
+    for stem, result in results.items():
+        section = SECTIONS[result["scenario"]](result)
+        if stem != result["scenario"]:
+            section[0] += f" ({result['config']['model_size']} model)"
+        lines += section
     if results and (out / "results.png").exists():
         lines += ["![median time to first token per target](results.png)", ""]
     path = out / "README.md"
