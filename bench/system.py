@@ -33,7 +33,7 @@ from bench.common import (
     ratio,
     stream_chat,
 )
-from bench.messages import SystemPart, messages_body, stream_messages, system_part
+from bench.messages import SystemPart, messages_body, prefill_counters, stream_messages, system_part
 from tests.support import REPO, Slotkeeper, words
 
 TARGETS = ("llama-server cram0", "llama-server default", "slotkeeper")
@@ -50,23 +50,30 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
                                    {"role": "user", "content": words(100 if config.small else 300, 55)}]
     samples: list[dict[str, Any]] = []
     with processes(root, model) as procs, httpx.Client(timeout=600) as client:
-        behind = procs.backend("system-behind", cache_ram=0, ctx_per_slot=ctx)
+        metrics = ("--metrics",)
+        behind = procs.backend("system-behind", cache_ram=0, ctx_per_slot=ctx, extra_args=metrics)
         keeper = procs.slotkeeper("system-slotkeeper", behind)
-        urls = {TARGETS[0]: procs.backend("system-cram0", cache_ram=0, ctx_per_slot=ctx).url,
-                TARGETS[1]: procs.backend("system-default", cache_ram=8192, ctx_per_slot=ctx).url,
-                TARGETS[2]: keeper.url}
-        for url in (urls[TARGETS[0]], urls[TARGETS[1]], behind.url):
+        backends = {TARGETS[0]: procs.backend("system-cram0", cache_ram=0, ctx_per_slot=ctx, extra_args=metrics).url,
+                    TARGETS[1]: procs.backend("system-default", cache_ram=8192, ctx_per_slot=ctx,
+                                              extra_args=metrics).url,
+                    TARGETS[2]: behind.url}
+        urls = {**backends, TARGETS[2]: keeper.url}
+        for url in backends.values():
             prime(client, url)
 
         def first_turn(part: SystemPart, k: int, phase: str) -> None:
             session = f"{phase}-{k}"
             body = messages_body(part, [part.first_user(words(own_tokens, 1000 + k))], config.answer_tokens)
             for target in rotated(k):
-                since = time.time()
+                since, before = time.time(), prefill_counters(client, backends[target])
                 r = stream_messages(client, urls[target], body, session)
+                # What the backend spent on prompts for this request (slotkeeper's warm-up included), against the
+                # TTFT: the rest is everything else (restore, save, proxies, waiting for a core).
+                cost = prefill_counters(client, backends[target]) - before
                 sample: dict[str, Any] = {"phase": phase, "conversation": k, "target": target, "ttft_ms": r.ttft_ms,
                                           "total_ms": r.total_ms, "deltas": r.deltas, "prompt_n": r.prefilled,
-                                          "cache_n": r.reused}
+                                          "cache_n": r.reused, "backend_prompt_ms": cost.seconds * 1000,
+                                          "backend_prefilled": cost.prefilled}
                 if target == "slotkeeper":
                     row = keeper_record(client, keeper.url, session, since)
                     sample.update({"cache": row["cache"], "restored": row["restored"],
@@ -119,6 +126,8 @@ def run_prewarm(keeper: Slotkeeper, part: SystemPart, root: Path) -> dict[str, A
 
 def _target_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"ttft_ms": describe([s["ttft_ms"] for s in rows]),
+            "backend_prompt_ms": describe([s["backend_prompt_ms"] for s in rows]),
+            "ttft_beyond_backend_prompt_ms": describe([s["ttft_ms"] - s["backend_prompt_ms"] for s in rows]),
             "prompt_n_median": statistics.median(s["prompt_n"] for s in rows),
             "cache_n_median": statistics.median(s["cache_n"] for s in rows)}
 
@@ -151,7 +160,8 @@ def summarize(samples: list[dict[str, Any]], warm_ups: list[tuple[int, int]], sn
     return {
         "conversations": len({s["conversation"] for s in shared}),
         "first_conversation": {
-            "targets": {t: {"ttft_ms": s["ttft_ms"], "prompt_n": s["prompt_n"], "cache_n": s["cache_n"]}
+            "targets": {t: {"ttft_ms": s["ttft_ms"], "prompt_n": s["prompt_n"], "cache_n": s["cache_n"],
+                            "backend_prompt_ms": s["backend_prompt_ms"], "backend_prefilled": s["backend_prefilled"]}
                         for t, s in first.items()},
             "slotkeeper_cache": keeper_first["cache"],
             "slotkeeper_extra_ms_over_cram0": keeper_first["ttft_ms"] - first[TARGETS[0]]["ttft_ms"],

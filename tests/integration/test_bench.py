@@ -118,7 +118,11 @@ def test_system(results: Path) -> None:
     for sample in data["samples"]:
         assert positive(sample["ttft_ms"]) and sample["total_ms"] >= sample["ttft_ms"]
         assert sample["prompt_n"] >= 1 and sample["cache_n"] >= 0
+        if sample["phase"] != "between":
+            assert sample["backend_prefilled"] >= sample["prompt_n"] and sample["backend_prompt_ms"] > 0
     first = summary["first_conversation"]
+    # slotkeeper's backend evaluated the whole prompt too (warm-up plus the rest), once.
+    assert first["targets"]["slotkeeper"]["backend_prefilled"] >= config["system_tokens"] * 0.8
     assert first["slotkeeper_cache"] == "cold" and first["warm_ups"] == 1
     assert first["warm_up_tokens"] >= config["system_tokens"] * 0.8
     assert first["system_snapshot_bytes"] > 0 and positive(first["warm_up_ms"])
