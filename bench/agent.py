@@ -142,11 +142,13 @@ def run_workload(config: BenchConfig, root: Path, slots: int) -> tuple[list[dict
                               save_ms=row["save_ms"])
             samples.append(sample)
 
-        previous = None
+        previous: str | None = None
         for step, kind in enumerate(schedule(config.agent_turns, config.chat_turns)):
             order = [TARGETS[(step + i) % len(TARGETS)] for i in range(len(TARGETS))]
-            # Whether the slot was last used by the other conversation (its tasks included) or by this one.
-            position = "first" if previous is None else "consecutive" if previous == kind else "switched"
+            # The conversation's first turn, or whether the slot was last used by the other conversation (its tasks
+            # included) or by this one.
+            seen = any(s["kind"] == kind for s in samples)
+            position = "first" if not seen else "consecutive" if previous == kind else "switched"
             previous = kind
             fields = {"step": step, "kind": kind, "position": position}
             if kind == "agent":

@@ -96,7 +96,7 @@ def agent(r: dict[str, Any]) -> list[str]:
         "OpenWebUI's non-streamed `### Task:` requests under the same chat id: title and tags after the first "
         "reply, follow-ups after each) alternate: two agent turns, then a chat turn and its tasks. Targets as in "
         "`switch`. A *switched* turn is one whose slot the other conversation (or its tasks) used last: agent turns "
-        "right after the chat, and every chat turn but the first. Prefilled totals are the backends' own "
+        "right after the chat, and the chat's turns after its first. Prefilled totals are the backends' own "
         f"`/metrics` counters over every request, slotkeeper's warm-ups included. {_model(r)}",
         "",
         "| slots | target | agent after the chat: TTFT median ms | chat after the agent: TTFT median ms "
