@@ -1,4 +1,4 @@
-"""Benchmark runner: `python -m bench [--scenario switch|overhead|restart|all] [--small] [--out DIR]`.
+"""Benchmark runner: `python -m bench [--scenario switch|overhead|restart|system|agent|scale|all] [--small]`.
 
 Starts the llama-server processes (and slotkeepers) each scenario needs on loopback ports, measures slotkeeper
 against llama-server alone side by side, and writes `<out>/<scenario>.json` and `<out>/README.md`."""
@@ -6,6 +6,7 @@ against llama-server alone side by side, and writes `<out>/<scenario>.json` and 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -13,13 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import overhead, restart, switch
+from bench import agent, overhead, restart, scale, switch, system
 from bench.chart import write_chart
 from bench.common import MODEL_SPECS, BenchConfig, write_result
 from bench.report import write_report
 
 SCENARIOS: dict[str, Callable[[BenchConfig, Path], dict[str, Any]]] = {
-    "switch": switch.run, "overhead": overhead.run, "restart": restart.run,
+    "switch": switch.run, "overhead": overhead.run, "restart": restart.run, "system": system.run,
+    "agent": agent.run, "scale": scale.run,
 }
 
 
@@ -32,6 +34,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sessions", type=int, default=None, help="sessions taking turns (default 4)")
     parser.add_argument("--rounds", type=int, default=None, help="resumed turns per session (default 3)")
     parser.add_argument("--requests", type=int, default=None, help="overhead requests, both targets (default 40)")
+    parser.add_argument("--conversations", type=int, default=None,
+                        help="system: new conversations on the shared system prompt (default 6)")
+    parser.add_argument("--system-tokens", type=int, default=None,
+                        help="system, agent: tokens of the shared system prompt with its tools (default 4000)")
+    parser.add_argument("--agent-turns", type=int, default=None, help="agent: coding-agent turns (default 8)")
+    parser.add_argument("--agent-slots", default=None, help="agent: slot counts to run, comma-separated (default 1)")
+    parser.add_argument("--snapshots", type=int, default=None, help="scale: snapshots in the index (default 10000)")
     parser.add_argument("--model-size", choices=list(MODEL_SPECS), default="tiny")
     parser.add_argument("--note", default="", help="a remark on the conditions of the run, kept with the results")
     parser.add_argument("--keep", type=Path, default=None, help="keep models, slots and logs in this directory")
@@ -49,6 +58,12 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         overhead_requests=args.requests or (6 if small else 40),
         overhead_answer_tokens=50 if small else 200,
         small=small,
+        system_conversations=args.conversations or (3 if small else 6),
+        system_tokens=args.system_tokens or (600 if small else 4000),
+        agent_turns=args.agent_turns or (3 if small else 8),
+        chat_turns=2 if small else 4,
+        agent_slots=tuple(int(n) for n in args.agent_slots.split(",")) if args.agent_slots else (1,),
+        scale_snapshots=args.snapshots or (500 if small else 10_000),
         note=args.note,
     )
 
@@ -61,13 +76,18 @@ def main(argv: list[str] | None = None) -> int:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         for name in names:
-            started = time.monotonic()
+            started, load = time.monotonic(), os.getloadavg()
             result = SCENARIOS[name](config, root / name)
             result["wall_seconds"] = time.monotonic() - started
-            path = write_result(args.out, name, result)
+            # Scenarios describe the machine when they return; the load before they started is taken here.
+            result["machine"]["loadavg_at_start"] = [round(x, 2) for x in load]
+            result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+            # The generated tiny model's results are the main ones; other sizes are kept beside them.
+            path = write_result(args.out, name if config.model_size == "tiny" else f"{name}-{config.model_size}",
+                                result)
             print(f"{name}: {path} ({result['wall_seconds']:.0f} s)", file=sys.stderr)
     chart = write_chart(args.out)
-    print(f"chart: {chart}" if chart else "chart: skipped (matplotlib is not installed)", file=sys.stderr)
+    print(f"chart: {chart}" if chart else "chart: skipped (no matplotlib, or nothing to draw)", file=sys.stderr)
     print(f"report: {write_report(args.out)}", file=sys.stderr)
     return 0
 

@@ -37,6 +37,15 @@ class BenchConfig:
     overhead_requests: int = 40
     overhead_answer_tokens: int = 200
     small: bool = False
+    # system: new conversations on one shared system prompt (with tools) of about this many tokens
+    system_conversations: int = 6
+    system_tokens: int = 4000
+    # agent: coding-agent turns and chat turns interleaved, on each of these slot counts
+    agent_turns: int = 8
+    chat_turns: int = 4
+    agent_slots: tuple[int, ...] = (1,)
+    # scale: snapshots in the index
+    scale_snapshots: int = 10_000
     threads: int = 2
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -44,6 +53,7 @@ class BenchConfig:
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["tokens"] = list(self.tokens)
+        data["agent_slots"] = list(self.agent_slots)
         return data
 
 
@@ -72,17 +82,17 @@ class StreamResult:
 
 
 def stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]], session: str,
-                max_tokens: int) -> StreamResult:
-    """One timed request; retried once if a pooled keep-alive connection turns out to be closed by the server
-    before it answered (the request was then never processed)."""
+                max_tokens: int, header: str = "X-Session-Id") -> StreamResult:
+    """One timed request, the session id in `header`; retried once if a pooled keep-alive connection turns out to
+    be closed by the server before it answered (the request was then never processed)."""
     try:
-        return _stream_chat(client, url, messages, session, max_tokens)
+        return _stream_chat(client, url, messages, session, max_tokens, header)
     except httpx.RemoteProtocolError:
-        return _stream_chat(client, url, messages, session, max_tokens)
+        return _stream_chat(client, url, messages, session, max_tokens, header)
 
 
 def _stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]], session: str,
-                 max_tokens: int) -> StreamResult:
+                 max_tokens: int, header: str) -> StreamResult:
     """POST a streamed /v1/chat/completions and time the first content chunk and the end of the stream."""
     body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
                             "temperature": 0, "stream_options": {"include_usage": True}, "grammar": GRAMMAR}
@@ -91,7 +101,7 @@ def _stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]],
     ttft: float | None = None
     t0 = time.perf_counter()
     with client.stream("POST", f"{url}/v1/chat/completions", json=body,
-                       headers={"X-Session-Id": session}) as response:
+                       headers={header: session}) as response:
         if response.status_code != 200:
             response.read()
             raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:500]}")
@@ -115,6 +125,14 @@ def _stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]],
     )
 
 
+def prime(client: httpx.Client, backend_url: str) -> None:
+    """One tiny request straight to a freshly started llama-server, so that costs paid once per process (faulting
+    the model's pages in, first graph allocations) do not land on the first measured request."""
+    response = client.post(f"{backend_url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "temperature": 0})
+    response.raise_for_status()
+
+
 def make_model(root: Path, size: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"{size}.gguf"
@@ -131,15 +149,16 @@ class Processes:
         self.model = model
         self.stack = stack
 
-    def backend(self, name: str, cache_ram: int, ctx_per_slot: int) -> Backend:
-        backend = Backend("binary", self.model, self.root / name / "slots", self.root / f"{name}.log", parallel=1,
-                          ctx_per_slot=ctx_per_slot, cache_ram=cache_ram)
+    def backend(self, name: str, cache_ram: int, ctx_per_slot: int, parallel: int = 1,
+                extra_args: tuple[str, ...] = ()) -> Backend:
+        backend = Backend("binary", self.model, self.root / name / "slots", self.root / f"{name}.log",
+                          parallel=parallel, ctx_per_slot=ctx_per_slot, cache_ram=cache_ram, extra_args=extra_args)
         self.stack.callback(backend.stop)
         (self.root / name).mkdir(parents=True, exist_ok=True)
         return backend.start()
 
-    def slotkeeper(self, name: str, backend: Backend) -> Slotkeeper:
-        keeper = Slotkeeper(self.root / name / "cache", self.root / f"{name}.log", backend)
+    def slotkeeper(self, name: str, backend: Backend, *extra_args: str) -> Slotkeeper:
+        keeper = Slotkeeper(self.root / name / "cache", self.root / f"{name}.log", backend, extra_args)
         self.stack.callback(keeper.stop)
         return keeper.start()
 

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench import sections
+
 
 def _fmt(value: float, digits: int = 1) -> str:
     return f"{value:,.{digits}f}"
@@ -14,8 +16,12 @@ def _fmt(value: float, digits: int = 1) -> str:
 def _header(results: dict[str, dict[str, Any]]) -> list[str]:
     first = next(iter(results.values()))
     m, c = first["machine"], first["config"]
-    notes = sorted({r["config"].get("note", "") for r in results.values()} - {""})
-    loads = ", ".join(f"{name}: {r['machine']['loadavg_at_start']}" for name, r in results.items())
+    # The newer scenarios state their own model, load and note in their sections.
+    own = {stem for stem, r in results.items() if r["scenario"] in OWN_HEADER}
+    notes = sorted({r["config"].get("note", "") for name, r in results.items() if name not in own} - {""})
+    loads = ", ".join(f"{name}: {r['machine']['loadavg_at_start']}" for name, r in results.items()
+                      if name not in own)
+    sizes = sorted({r["config"]["model_size"] for r in results.values()})
     return [
         "# slotkeeper benchmark results",
         "",
@@ -24,12 +30,17 @@ def _header(results: dict[str, dict[str, Any]]) -> list[str]:
         "read; absolute times depend on the machine.",
         "",
         f"Machine: {m['cpus']} CPUs ({m['platform']}, Python {m['python']}), shared and possibly loaded by other "
-        f"work while this ran (1/5/15-minute load averages at the start of each scenario: {loads}). "
-        f"Model: generated random-weight `{c['model_size']}` model; llama-server with `-t {c['threads']}`, "
-        f"`--parallel 1`.{' CI size (`--small`).' if c['small'] else ''}",
+        "work while this ran"
+        + (f" (1/5/15-minute load averages at the start of each scenario: {loads}). " if loads else ". ") +
+        f"Model: generated random-weight {' and '.join(f'`{size}`' for size in sizes)} model; llama-server with "
+        f"`-t {c['threads']}`, `--parallel 1` (unless a section says otherwise)."
+        f"{' CI size (`--small`).' if c['small'] else ''}",
         "",
         *(f"Note: {note}\n" for note in notes),
     ]
+
+
+OWN_HEADER = ("system", "agent", "scale")
 
 
 def _switch(r: dict[str, Any]) -> list[str]:
@@ -113,15 +124,24 @@ def _restart(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-SECTIONS = {"switch": _switch, "overhead": _overhead, "restart": _restart}
+SECTIONS = {"switch": _switch, "overhead": _overhead, "restart": _restart, "system": sections.system,
+            "agent": sections.agent, "scale": sections.scale}
 
 
 def write_report(out: Path) -> Path:
-    results = {name: json.loads((out / f"{name}.json").read_text()) for name in SECTIONS
-               if (out / f"{name}.json").exists()}
+    """README.md from the result files in `out`: `<scenario>.json`, and `<scenario>-<model size>.json` of runs with
+    another model than the tiny one, each section after the tiny one's."""
+    results: dict[str, dict[str, Any]] = {}
+    for name in SECTIONS:
+        for path in [out / f"{name}.json", *sorted(out.glob(f"{name}-*.json"))]:
+            if path.exists():
+                results[path.stem] = json.loads(path.read_text())
     lines = _header(results) if results else ["# slotkeeper benchmark results", ""]
-    for name, result in results.items():
-        lines += SECTIONS[name](result)
+    for stem, result in results.items():
+        section = SECTIONS[result["scenario"]](result)
+        if stem != result["scenario"]:
+            section[0] += f" ({result['config']['model_size']} model)"
+        lines += section
     if results and (out / "results.png").exists():
         lines += ["![median time to first token per target](results.png)", ""]
     path = out / "README.md"

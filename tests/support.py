@@ -68,6 +68,7 @@ class Backend:
     cache_ram: int = 0
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    extra_args: tuple[str, ...] = ()  # more llama-server options (binary only)
 
     @property
     def url(self) -> str:
@@ -79,6 +80,7 @@ class Backend:
                 str(llama_server_binary()), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
                 "-c", str(self.ctx_per_slot * self.parallel), "--parallel", str(self.parallel),
                 "--slot-save-path", str(self.slot_dir), "--cache-ram", str(self.cache_ram), "-t", "2",
+                *self.extra_args,
             ]
         return [
             sys.executable, "-m", "slotkeeper.upstream.embedded", "--model", str(self.model), "--port",

@@ -1,6 +1,6 @@
 """`python -m bench --scenario all --small` end to end against real llama-server processes: the result files are
 written and well-formed. No timing is asserted (the numbers depend on the machine); only that they exist, are
-positive and that the ratios were computed."""
+positive and that the ratios were computed, and that the token and cache counts are what the workload implies."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ from tests.support import REPO
 pytestmark = pytest.mark.backend
 
 
+SCENARIOS = ("switch", "overhead", "restart", "system", "agent", "scale")
+TARGETS = ["llama-server cram0", "llama-server default", "slotkeeper"]
+
+
 def positive(value: Any) -> bool:
     return isinstance(value, int | float) and value > 0 and math.isfinite(value)
 
@@ -27,7 +31,7 @@ def positive(value: Any) -> bool:
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench")
     run = subprocess.run([sys.executable, "-m", "bench", "--scenario", "all", "--small", "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=280)
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return out
 
@@ -42,11 +46,12 @@ def load(out: Path, name: str) -> dict[str, Any]:
 
 
 def test_files_and_report(results: Path) -> None:
-    for name in ("switch", "overhead", "restart"):
+    for name in SCENARIOS:
         assert (results / f"{name}.json").is_file()
+        assert positive(load(results, name)["wall_seconds"])
     report = (results / "README.md").read_text()
-    for heading in ("## switch", "## overhead", "## restart"):
-        assert heading in report
+    for name in SCENARIOS:
+        assert f"## {name}" in report
     if importlib.util.find_spec("matplotlib") is not None:
         assert (results / "results.png").read_bytes().startswith(b"\x89PNG")
 
@@ -101,3 +106,89 @@ def test_restart(results: Path) -> None:
     assert positive(summary["targets"]["llama-server cold"]["ttft_ms"]["median"])
     assert positive(summary["ratios"]["cold_over_restored"]["of_medians"])
     assert positive(summary["ratios"]["cold_over_restored"]["median_per_session"])
+
+
+def test_system(results: Path) -> None:
+    data = load(results, "system")
+    config, summary = data["config"], data["summary"]
+    assert data["targets"] == TARGETS
+    n = config["system_conversations"]
+    phases = [s["phase"] for s in data["samples"]]
+    assert (phases.count("shared"), phases.count("between"), phases.count("prewarmed")) == (3 * n, 3 * n, 3)
+    for sample in data["samples"]:
+        assert positive(sample["ttft_ms"]) and sample["total_ms"] >= sample["ttft_ms"]
+        assert sample["prompt_n"] >= 1 and sample["cache_n"] >= 0
+        if sample["phase"] != "between":
+            assert sample["backend_prefilled"] >= sample["prompt_n"] and sample["backend_prompt_ms"] > 0
+    first = summary["first_conversation"]
+    # slotkeeper's backend evaluated the whole prompt too (warm-up plus the rest), once.
+    assert first["targets"]["slotkeeper"]["backend_prefilled"] >= config["system_tokens"] * 0.8
+    assert first["slotkeeper_cache"] == "cold" and first["warm_ups"] == 1
+    assert first["warm_up_tokens"] >= config["system_tokens"] * 0.8
+    assert first["system_snapshot_bytes"] > 0 and positive(first["warm_up_ms"])
+    # The warm-up left the system part in the slot: the first conversation prefilled only its own text.
+    assert first["targets"]["slotkeeper"]["prompt_n"] < first["targets"]["llama-server cram0"]["prompt_n"] / 2
+    later = summary["later_conversations"]
+    assert later["targets"]["slotkeeper"]["cache_states"] == {"restored": n - 1}
+    assert later["targets"]["slotkeeper"]["cache_n_median"] >= first["warm_up_tokens"] - 16
+    assert later["targets"]["llama-server cram0"]["prompt_n_median"] > later["targets"]["slotkeeper"]["prompt_n_median"]
+    for target in TARGETS:
+        assert positive(later["targets"][target]["ttft_ms"]["median"])
+    for name in ("cram0_over_slotkeeper", "default_over_slotkeeper"):
+        assert positive(later["ratios"][name]["of_medians"])
+        assert positive(later["ratios"][name]["median_per_conversation"])
+    assert summary["prewarm"]["first"]["status"] == "saved" and summary["prewarm"]["again"]["status"] == "exists"
+    assert positive(summary["prewarm"]["first"]["wall_ms"])
+    assert summary["after_prewarm"]["slotkeeper"]["cache"] == "restored"
+
+
+def test_agent(results: Path) -> None:
+    data = load(results, "agent")
+    config = data["config"]
+    tasks = 3 + (config["chat_turns"] - 1)  # title, tags and follow-ups after the first reply; follow-ups after others
+    per_slots = 3 * (config["agent_turns"] + config["chat_turns"] + tasks)
+    assert len(data["samples"]) == per_slots * len(config["agent_slots"])
+    for sample in data["samples"]:
+        assert positive(sample["total_ms"]) and sample["prompt_n"] >= 1
+        assert sample["backend_prefilled"] >= 1 and sample["backend_prompt_ms"] >= 0
+        if sample["kind"] in ("agent", "chat"):
+            assert positive(sample["ttft_ms"])
+            assert sample["position"] in ("first", "consecutive", "switched")
+        if sample["target"] == "slotkeeper":
+            assert sample["side"] is sample["kind"].startswith("task:")
+    for slots in config["agent_slots"]:
+        summary = data["summary"][str(slots)]
+        targets = summary["targets"]
+        assert list(targets) == TARGETS
+        assert targets["slotkeeper"]["side_requests"] == tasks
+        for target in TARGETS:
+            assert positive(targets[target]["main_ttft_ms"]["median"])
+            assert positive(targets[target]["switched_ttft_ms"]["median"])
+            assert {"agent first", "agent switched", "chat first", "chat switched"} <= targets[target]["ttft_ms"].keys()
+            assert targets[target]["backend"]["prefilled"] >= targets[target]["main_prompt_n"] > 0
+        # The agent's and the chat's states survive each other and the side tasks: less is prefilled than cold.
+        assert targets["slotkeeper"]["backend"]["prefilled"] < targets["llama-server cram0"]["backend"]["prefilled"]
+        assert "restored" in targets["slotkeeper"]["cache_states"]["agent"]
+        for name in ("cram0_over_slotkeeper", "default_over_slotkeeper"):
+            for key in ("switched_ttft_of_medians", "switched_ttft_median_per_turn", "main_ttft_of_medians",
+                        "prefilled", "prompt_seconds"):
+                assert positive(summary["ratios"][name][key])
+
+
+def test_scale(results: Path) -> None:
+    data = load(results, "scale")
+    summary = data["summary"]
+    n = data["config"]["scale_snapshots"]
+    assert summary["snapshots"] == n and summary["commit_ms"]["n"] == n
+    assert summary["chain_links"] >= 10 * n
+    assert summary["checked_snapshot_ms"]["n"] > 0 and positive(summary["checked_snapshot_ms"]["median"])
+    found = {name: (t["found"], t["n"]) for name, t in summary["best_prefix_ms"].items()}
+    for name, (hits, lookups) in found.items():
+        expected = lookups if name.startswith(("next turn", "fork")) or name.endswith("(min_messages 1)") else 0
+        assert hits == expected, name
+    for key in ("open_ms", "reconcile_ms", "enforce_budget_1pct_ms"):
+        assert positive(summary[key])
+    assert 1 <= summary["enforce_budget_1pct_evicted"] <= n // 20
+    assert summary["index_bytes"] > 0
+    assert len(summary["startup_ms"]) == 3
+    assert all(positive(t["median"]) for t in summary["startup_ms"].values())

@@ -273,8 +273,9 @@ class SlotPool:
         # Another conversation's state is used only where it shares more than the system part: conversations on one
         # system prompt share its system snapshot, never each other's.
         n_system = system.n_messages if system is not None else 0
-        match = await asyncio.to_thread(self._store.best_prefix, key.model, self._fingerprint, lease.chain)
-        if match is not None and match.messages > max(kept, n_system) and match.est_tokens >= self._min_restore_tokens:
+        floor = max(kept, n_system)  # a match must share more messages than this to be worth a restore
+        match = await asyncio.to_thread(self._store.best_prefix, key.model, self._fingerprint, lease.chain, floor + 1)
+        if match is not None and match.messages > floor and match.est_tokens >= self._min_restore_tokens:
             await self._restore(slot, lease, match.snapshot, CacheOutcome.PREFIX, match.est_tokens)
             return
         if system is None or own is not None:

@@ -1,0 +1,173 @@
+"""README sections of the `system`, `agent` and `scale` scenarios (see report.py for the page around them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _fmt(value: float, digits: int = 1) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def _model(r: dict[str, Any]) -> str:
+    c, m = r["config"], r["machine"]
+    note = f" Note: {c['note']}" if c.get("note") else ""
+    end = f", at the end {m['loadavg_at_end']}" if "loadavg_at_end" in m else ""
+    return (f"Model: generated `{c['model_size']}`; 1/5/15-minute load averages at the start {m['loadavg_at_start']}"
+            f"{end}, {r['wall_seconds']:.0f} s in all."
+            f"{' CI size (`--small`).' if c['small'] else ''}{note}")
+
+
+def system(r: dict[str, Any]) -> list[str]:
+    c, s = r["config"], r["summary"]
+    first, later = s["first_conversation"], s["later_conversations"]
+    lines = [
+        "## system: new conversations on one shared system prompt",
+        "",
+        f"{s['conversations']} new conversations, each sending its first turn (Anthropic `/v1/messages`, streamed) "
+        f"on one system prompt of about {c['system_tokens']} tokens with four tools and two `<system-reminder>` "
+        "blocks in front of the user's text; one turn of an unrelated conversation runs between them, so the slot "
+        "no longer holds the prompt. Targets as in `switch`; slotkeeper warms a new prompt up once, saves it as a "
+        "system snapshot, and restores it for later conversations. *Backend prompt ms* is what the llama-server "
+        "behind the target spent evaluating prompts for the request (its `/metrics`; slotkeeper's warm-up "
+        "included); the TTFT beyond it is everything else: restore, save, the proxy, and waiting for a core on this "
+        f"shared machine. {_model(r)}",
+        "",
+        "First conversation (the prompt is new everywhere):",
+        "",
+        "| target | TTFT ms | backend prompt ms | prefilled by the backend | turn's prefilled (prompt_n) "
+        "| turn's reused (cache_n) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for target, t in first["targets"].items():
+        lines.append(f"| {target} | {_fmt(t['ttft_ms'])} | {_fmt(t['backend_prompt_ms'])} "
+                     f"| {t['backend_prefilled']} | {t['prompt_n']} | {t['cache_n']} |")
+    lines += [
+        "",
+        f"slotkeeper's extra cost on it: warm-up of {first['warm_up_tokens']} tokens in {first['warm_up_ms']} ms, "
+        f"system snapshot save {_fmt(first['save_ms'])} ms ({first['system_snapshot_bytes'] / 2**20:.1f} MiB); "
+        f"TTFT {first['slotkeeper_extra_ms_over_cram0']:+,.1f} ms against cram0's cold prefill of the same turn "
+        "(one sample each).",
+        "",
+        f"Later conversations ({s['conversations'] - 1}, each after the unrelated turn):",
+        "",
+        "| target | TTFT median ms | TTFT p99 ms | backend prompt ms (median) | TTFT beyond it (median) "
+        "| prefilled (median) | reused (median) | restore ms | save ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for target, t in later["targets"].items():
+        extra = ["", ""]
+        if "restore_ms" in t:
+            extra = [_fmt(t["restore_ms"]["median"]), _fmt(t["save_ms"]["median"])]
+        beyond = t["ttft_beyond_backend_prompt_ms"]["median"]
+        lines.append(f"| {target} | {_fmt(t['ttft_ms']['median'])} | {_fmt(t['ttft_ms']['p99'])} "
+                     f"| {_fmt(t['backend_prompt_ms']['median'])} | {_fmt(beyond)} "
+                     f"| {t['prompt_n_median']:g} | {t['cache_n_median']:g} | {' | '.join(extra)} |")
+    a, b = later["ratios"]["cram0_over_slotkeeper"], later["ratios"]["default_over_slotkeeper"]
+    states = ", ".join(f"{k} {v}" for k, v in later["targets"]["slotkeeper"]["cache_states"].items())
+    lines += [
+        "",
+        f"Later conversations, cram0 / slotkeeper: {a['of_medians']:.2f}x (of medians), "
+        f"{a['median_per_conversation']:.2f}x (per-conversation median); default / slotkeeper: "
+        f"{b['of_medians']:.2f}x, {b['median_per_conversation']:.2f}x. slotkeeper's cache states: {states}.",
+        "",
+    ]
+    p, after = s["prewarm"], s["after_prewarm"]
+    lines += [
+        f"`slotkeeper prewarm FILE` for a second prompt of the same size: {p['first']['status']}, "
+        f"{p['first']['tokens']} tokens, {_fmt(p['first']['wall_ms'])} ms wall (the command's own start-up "
+        f"included; {_fmt(p['first']['server_ms'])} ms in slotkeeper); run again: {p['again']['status']} in "
+        f"{_fmt(p['again']['wall_ms'])} ms. The first conversation on the pre-warmed prompt then: "
+        + "; ".join(f"{t} {_fmt(v['ttft_ms'])} ms TTFT, {v['prompt_n']} prefilled"
+                    + (f" ({v['cache']})" if "cache" in v else "") for t, v in after.items()) + ".",
+        "",
+    ]
+    return lines
+
+
+def agent(r: dict[str, Any]) -> list[str]:
+    c = r["config"]
+    lines = [
+        "## agent: a coding agent and a chat with side tasks sharing a backend",
+        "",
+        f"A coding agent ({c['agent_turns']} turns, Anthropic `/v1/messages` streamed: a system prompt of about "
+        f"{c['system_tokens']} tokens, tools, a history growing by a tool call and its result each turn) and an "
+        f"OpenWebUI-like chat ({c['chat_turns']} streamed turns, the first pasting a document, each followed by "
+        "OpenWebUI's non-streamed `### Task:` requests under the same chat id: title and tags after the first "
+        "reply, follow-ups after each) alternate: two agent turns, then a chat turn and its tasks. Targets as in "
+        "`switch`. A *switched* turn is one whose slot the other conversation (or its tasks) used last: agent turns "
+        "right after the chat, and the chat's turns after its first. Prefilled totals are the backends' own "
+        f"`/metrics` counters over every request, slotkeeper's warm-ups included. {_model(r)}",
+        "",
+        "| slots | target | agent after the chat: TTFT median ms | chat after the agent: TTFT median ms "
+        "| agent, consecutive turn: TTFT median ms | switched turns: TTFT p99 ms | prefilled total | reused total "
+        "| prompt seconds |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def median(t: dict[str, Any], key: str) -> str:
+        return _fmt(t["ttft_ms"][key]["median"]) if key in t["ttft_ms"] else ""
+
+    for slots, s in r["summary"].items():
+        for target, t in s["targets"].items():
+            backend = t["backend"]
+            lines.append(f"| {slots} | {target} | {median(t, 'agent switched')} | {median(t, 'chat switched')} "
+                         f"| {median(t, 'agent consecutive')} | {_fmt(t['switched_ttft_ms']['p99'])} "
+                         f"| {backend['prefilled']:,} | {backend['reused']:,} | {_fmt(backend['prompt_seconds'], 2)} |")
+    lines += ["", "| slots | versus slotkeeper | switched turns: TTFT (of medians, per-turn median) "
+              "| all main turns: TTFT (of medians) | prefilled | prompt seconds |", "|---:|---|---|---:|---:|---:|"]
+    for slots, s in r["summary"].items():
+        for label, key in (("cram0 / slotkeeper", "cram0_over_slotkeeper"),
+                           ("default / slotkeeper", "default_over_slotkeeper")):
+            x = s["ratios"][key]
+            lines.append(f"| {slots} | {label} | {x['switched_ttft_of_medians']:.2f}x, "
+                         f"{x['switched_ttft_median_per_turn']:.2f}x | {x['main_ttft_of_medians']:.2f}x "
+                         f"| {x['prefilled']:.2f}x | {x['prompt_seconds']:.2f}x |")
+    lines.append("")
+    for slots, s in r["summary"].items():
+        states = "; ".join(f"{kind}: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+                           for kind, counts in s["targets"]["slotkeeper"]["cache_states"].items())
+        lines.append(f"slotkeeper's cache states with {slots} slot(s): {states}.")
+    return [*lines, ""]
+
+
+def scale(r: dict[str, Any]) -> list[str]:
+    s = r["summary"]
+    ms = "ms p50 / p99"
+    rows = [
+        ("commit (fsync, checksum, rename, index rows), during the fill", ms,
+         f"{_fmt(s['commit_ms']['median'], 2)} / {_fmt(s['commit_ms']['p99'], 2)}"),
+        ("`checked_snapshot` (own snapshot: row, size, xxh3 of the file)", ms,
+         f"{_fmt(s['checked_snapshot_ms']['median'], 3)} / {_fmt(s['checked_snapshot_ms']['p99'], 3)}"),
+    ]
+    for name, t in s["best_prefix_ms"].items():
+        label = name if "min_messages" in name else f"{name}, min_messages {t['min_messages']}"
+        rows.append((f"`best_prefix`: {label} ({t['found']}/{t['n']} found)", ms,
+                     f"{_fmt(t['median'], 3)} / {_fmt(t['p99'], 3)}"))
+    rows += [
+        ("open the index (schema check)", "ms", _fmt(s["open_ms"], 2)),
+        ("`reconcile()` (scan the slot dir, drop dangling rows)", "ms", _fmt(s["reconcile_ms"], 1)),
+        ("`list()` all kinds", "ms median", _fmt(s["list_all_ms"]["median"], 1)),
+        ("`usage()`", "ms median", _fmt(s["usage_ms"]["median"], 2)),
+        ("`enforce_budget`, nothing to evict", "ms median", _fmt(s["enforce_budget_nothing_ms"]["median"], 1)),
+        (f"`enforce_budget`, about 1% to evict ({s['enforce_budget_1pct_evicted']} snapshots)", "ms",
+         _fmt(s["enforce_budget_1pct_ms"], 1)),
+        ("index size on disk (SQLite file and its WAL)", "MiB", f"{s['index_bytes'] / 2**20:.1f}"),
+    ]
+    rows += [(f"slotkeeper start-up until /health is 200: {name}", "ms median", _fmt(t["median"], 0))
+             for name, t in s["startup_ms"].items()]
+    return [
+        "## scale: the index and the planner at many snapshots",
+        "",
+        f"{s['snapshots']:,} committed snapshots ({s['system_snapshots']} of them system snapshots, the rest "
+        f"conversations on those prompts with Zipf popularity, 10% forks), {s['chain_links']:,} chain links, files "
+        f"of 2-8 KiB written as the backend writes them and committed through `SnapshotStore.commit` "
+        f"({_fmt(s['fill_seconds'], 1)} s in all). `best_prefix` is asked as the planner asks on a cold slot "
+        "(`min_messages` 2: more than the system message, which the system snapshot covers), and once without "
+        f"that floor. {_model(r)}",
+        "",
+        "| operation | unit | time |",
+        "|---|---|---:|",
+        *(f"| {name} | {unit} | {value} |" for name, unit, value in rows),
+        "",
+    ]
