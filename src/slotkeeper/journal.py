@@ -41,13 +41,16 @@ class RequestEntry:
     status: int
     end: str
     ms: float
+    # The snapshot a restore came from: a session id, or `system:DIGEST` for a system prompt's snapshot.
+    restored_from: str | None = None
     time: float = field(default_factory=time.time)
 
     def log_line(self) -> str:
         """The human-readable request log line (`slotkeeper.turn`)."""
         return (
             f"{self.api}{' side' if self.side else ''} session={self.model}/{self.session} slot={self.slot} "
-            f"cache={self.cache} restored={self.restored} restore_ms={self.restore_ms:.1f} "
+            f"cache={self.cache} restored={self.restored}"
+            f"{f' from={self.restored_from}' if self.restored_from else ''} restore_ms={self.restore_ms:.1f} "
             f"save_ms={self.save_ms:.1f} cache_n={_dash(self.cache_n)} prompt_n={_dash(self.prompt_n)} "
             f"status={self.status} end={self.end} ms={self.ms:.0f}"
         )

@@ -64,7 +64,7 @@ class TurnRecord:
             self.api, self.lease.side, self.key.model, self.key.session_id, self.lease.slot_id, str(self.lease.outcome),
             self.lease.restored_tokens, self.lease.restore_ms, self.lease.save_ms, _int(t.get("cache_n")),
             _int(t.get("prompt_n")), _int(t.get("predicted_n")), _float(t.get("prompt_ms")), self.status, end.value,
-            (time.perf_counter() - self.started) * 1000,
+            (time.perf_counter() - self.started) * 1000, restored_from=self.lease.restored_from,
         )
         log.info("%s", entry.log_line(), extra={"request": entry})
         if self.journal is not None:

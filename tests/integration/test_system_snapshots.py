@@ -84,6 +84,8 @@ def test_a_4k_system_prompt_is_warmed_up_once_and_starts_new_conversations(stack
     cache, reused = b.turn()
     assert cache == "restored"  # from the system snapshot: conv-b has none of its own, conv-a's is not used
     assert reused >= row["n_tokens"] - 16
+    [line] = [x for x in keeper.log_text().splitlines() if "session=tiny/conv-b " in x]
+    assert f"cache=restored restored={row['n_tokens']} from=system:{row['session_id'][:12]} " in line
     Conversation(other, "elsewhere", size=300, seed=9).turn()
     rows = {r["session_id"]: r for r in keeper.index_rows()}
     assert {"conv-a", "conv-b"} <= rows.keys()
