@@ -9,11 +9,12 @@ first form, so the second is passed on split in two.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from slotkeeper.loopback import is_loopback
 
 # Options whose value slotkeeper reads, by every spelling llama-server accepts, mapped to one name.
 VALUE_OPTIONS: dict[str, str] = {
@@ -51,7 +52,6 @@ FLAG_OPTIONS: dict[str, str] = {
 AUTO_SLOTS = 4
 DEFAULT_CACHE_RAM_MIB = 8192
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
-_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +266,7 @@ def launch_warnings(args: LlamaServerArgs) -> list[str]:
             "snapshots for memory and may swap a slot's state for another conversation's cached prompt behind "
             "slotkeeper's back; add --cache-ram 0 to leave caching to slotkeeper"
         )
-    if args.host is not None and not _is_loopback(_first_host(args.host)):
+    if args.host is not None and not is_loopback(_first_host(args.host)):
         warnings.append(
             f"llama-server listens on {args.host}, not on loopback: anyone who reaches it there can read "
             "conversations from its /slots endpoint and write slot files; slotkeeper needs only 127.0.0.1 (leave "
@@ -308,15 +308,6 @@ def _float(values: dict[str, str], spelled: dict[str, str], name: str) -> float 
 
 def _first_host(host: str) -> str:
     return host.split(",", 1)[0].strip()
-
-
-def _is_loopback(host: str) -> bool:
-    if host in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _connect_host(host: str | None) -> str:

@@ -6,16 +6,15 @@ A pure ASGI middleware, so a refused request never reaches a route; refusals are
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Iterable
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from slotkeeper.errors import Forbidden, PayloadTooLarge, SlotkeeperError, Unauthorized
+from slotkeeper.loopback import LOOPBACK_NAMES, is_loopback
 from slotkeeper.web.errors import error_response
 
-_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 # Routes that stay open: a load balancer's health check, and Ollama's "is it running" probe.
 _PUBLIC_PATHS = frozenset({"/health", "/", "/api/version"})
 BUNDLE_IMPORT_PATH = "/api/sessions/import"
@@ -23,15 +22,6 @@ BUNDLE_IMPORT_PATH = "/api/sessions/import"
 
 def is_admin_path(path: str) -> bool:
     return path.startswith(("/api/sessions", "/api/requests", "/api/backend", "/metrics"))
-
-
-def is_loopback(host: str) -> bool:
-    if host in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def host_name(header: str) -> str:
@@ -53,7 +43,7 @@ class Guard:
         # Bound to loopback, only loopback names are valid: a browser page on another origin that resolves its own
         # name to 127.0.0.1 (DNS rebinding) still sends its own name as Host.
         self.allowed_hosts: frozenset[str] | None = (
-            frozenset(allowed | _LOOPBACK_NAMES) if allowed or is_loopback(bind_host) else None
+            frozenset(allowed | LOOPBACK_NAMES) if allowed or is_loopback(bind_host) else None
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
