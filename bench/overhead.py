@@ -1,10 +1,15 @@
 """Scenario `overhead`: what slotkeeper adds to a hot request. A tiny prompt with a long streamed answer is sent N
 times to one `--cache-ram 0` llama-server, alternately directly and through slotkeeper (one session, always hot;
 the order within each pair alternates too). Measured per pair: total time and time to first chunk, slotkeeper minus
-direct, and the rate of streamed chunks."""
+direct, and the rate of streamed chunks.
+
+It runs twice: with llama-server on every core (`-t` = the CPU count), where the proxy's CPU time is taken from the
+model's threads, and with one core left free (`-t` one less), as on a machine whose cores are not all given to the
+model or whose model runs on a GPU: there the ratio is what the proxy itself costs. (On one CPU only the first.)"""
 
 from __future__ import annotations
 
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -18,11 +23,25 @@ MESSAGES = [{"role": "system", "content": "You are a storyteller."},
 SESSION = "overhead"
 
 
+def thread_counts() -> list[int]:
+    cpus = os.cpu_count() or 1
+    return [cpus, cpus - 1] if cpus > 1 else [1]
+
+
 def run(config: BenchConfig, root: Path) -> dict[str, Any]:
     model = make_model(root, config.model_size)
     samples: list[dict[str, Any]] = []
+    for threads in thread_counts():
+        samples += _run_pairs(config, root / f"t{threads}", model, threads)
+    by_threads = {str(t): summarize([s for s in samples if s["threads"] == t]) for t in thread_counts()}
+    return {"scenario": "overhead", "config": config.as_json(), "machine": machine(), "samples": samples,
+            "summary": {"by_threads": by_threads}}
+
+
+def _run_pairs(config: BenchConfig, root: Path, model: Path, threads: int) -> list[dict[str, Any]]:
+    samples: list[dict[str, Any]] = []
     with processes(root, model) as procs, httpx.Client(timeout=600) as client:
-        backend = procs.backend("overhead-backend", cache_ram=0, ctx_per_slot=4096)
+        backend = procs.backend("overhead-backend", cache_ram=0, ctx_per_slot=4096, extra_args=("-t", str(threads)))
         keeper = procs.slotkeeper("overhead-slotkeeper", backend)
         urls = {"direct": backend.url, "slotkeeper": keeper.url}
         for url in urls.values():  # warm-up: the prompt is in the slot, the session is hot
@@ -31,12 +50,11 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
             order = ["direct", "slotkeeper"] if pair % 2 == 0 else ["slotkeeper", "direct"]
             for target in order:
                 r = stream_chat(client, urls[target], MESSAGES, SESSION, config.overhead_answer_tokens)
-                samples.append({"pair": pair, "target": target, "position": order.index(target),
+                samples.append({"threads": threads, "pair": pair, "target": target, "position": order.index(target),
                                 "ttft_ms": r.ttft_ms, "total_ms": r.total_ms, "chunks": r.content_chunks,
                                 "chunks_per_s": r.chunks_per_second, "prompt_n": r.prompt_n, "cache_n": r.cache_n,
                                 "cache": r.cache_header})
-    return {"scenario": "overhead", "config": config.as_json(), "machine": machine(), "samples": samples,
-            "summary": summarize(samples)}
+    return samples
 
 
 def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from slotkeeper.upstream.launchargs import check_command, launch_slot_dir
+from slotkeeper.upstream.wire import Origin
 
 
 def default_cache_dir() -> Path:
@@ -154,6 +155,8 @@ class Settings:
             )
         if self.upstream is not None and self.model is not None:
             raise ValueError("give either --upstream (attach to a running server) or --model (embedded), not both")
+        if self.upstream is not None:
+            Origin.parse(self.upstream)  # a ValueError that names the URL
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} is out of range")
         if self.parallel < 1:

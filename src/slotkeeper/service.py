@@ -15,8 +15,6 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from slotkeeper.cache.chain import message_chain
 from slotkeeper.cache.pool import SlotLease, SlotPool, TurnEnd
 from slotkeeper.cache.systemprompt import SystemPrompt, system_prompt_of
@@ -25,6 +23,7 @@ from slotkeeper.errors import SlotkeeperError, UpstreamError, UpstreamUnavailabl
 from slotkeeper.journal import RequestEntry, RequestJournal
 from slotkeeper.types import SessionKey, Snapshot
 from slotkeeper.upstream.client import UpstreamClient, iter_errors_as_unavailable
+from slotkeeper.upstream.wire import TransportError, WireResponse
 
 log = logging.getLogger("slotkeeper.turn")
 
@@ -220,7 +219,7 @@ class TurnService:
                             await progress(int(report.get("processed", 0)), int(report.get("total", 0)))
                         if isinstance(event.get("timings"), dict):
                             timings = event["timings"]
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             raise iter_errors_as_unavailable(exc, self.client.base_url) from exc
         return _prompt_tokens(timings)
 
@@ -256,8 +255,8 @@ class StreamTurn:
     A turn with `warm_up` opens the backend's stream only after the warm-up, inside `events()`.
     """
 
-    def __init__(self, record: TurnRecord, response: httpx.Response | None,
-                 context: AbstractAsyncContextManager[httpx.Response], base_url: str,
+    def __init__(self, record: TurnRecord, response: WireResponse | None,
+                 context: AbstractAsyncContextManager[WireResponse], base_url: str,
                  warm_up: Callable[[ProgressCallback], Awaitable[Snapshot | None]] | None = None) -> None:
         self.record = record
         self.response = response
@@ -284,7 +283,7 @@ class StreamTurn:
             async for chunk in self.response.aiter_raw():
                 self._scanner.feed(chunk)
                 yield chunk
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             error = iter_errors_as_unavailable(exc, self._base_url)
             self._end, self.record.status = TurnEnd.FAILED, error.status_code
             log.error("stream for %s broke: %s", self.record.key, error.message)
@@ -311,7 +310,7 @@ class StreamTurn:
                             self.record.timings = event["timings"]
                         errored = errored or "error" in event
                     yield event
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             error = iter_errors_as_unavailable(exc, self._base_url)
             self._end, self.record.status = TurnEnd.FAILED, error.status_code
             log.error("stream for %s broke: %s", self.record.key, error.message)
@@ -362,7 +361,7 @@ class StreamTurn:
         try:
             if self.response is not None:
                 await asyncio.shield(self._context.__aexit__(None, None, None))
-        except (httpx.HTTPError, SlotkeeperError):
+        except (TransportError, SlotkeeperError):
             pass
         finally:
             if self.record.timings is None:

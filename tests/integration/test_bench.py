@@ -81,19 +81,22 @@ def test_switch(results: Path) -> None:
 
 def test_overhead(results: Path) -> None:
     data = load(results, "overhead")
-    summary = data["summary"]
-    assert summary["pairs"] == data["config"]["overhead_requests"] // 2
-    assert len(data["samples"]) == 2 * summary["pairs"]
+    by_threads = data["summary"]["by_threads"]
+    cpus = data["machine"]["cpus"]
+    assert list(by_threads) == ([str(cpus), str(cpus - 1)] if cpus > 1 else ["1"])
+    assert len(data["samples"]) == sum(2 * s["pairs"] for s in by_threads.values())
     for sample in data["samples"]:
         assert positive(sample["total_ms"]) and positive(sample["ttft_ms"])
         assert sample["chunks"] >= 1
-    for target in ("direct", "slotkeeper"):
-        assert positive(summary["targets"][target]["total_ms"]["median"])
-        assert positive(summary["targets"][target]["chunks_per_s"]["median"])
-    for key in ("added_total_ms", "added_ttft_ms"):
-        assert all(isinstance(summary[key][q], float) for q in ("p50", "p99", "mean"))
-    assert positive(summary["chunks_per_s_ratio"]["median_per_pair"])
-    assert summary["slotkeeper_cache_states"] == ["hot"]
+    for summary in by_threads.values():
+        assert summary["pairs"] == data["config"]["overhead_requests"] // 2
+        for target in ("direct", "slotkeeper"):
+            assert positive(summary["targets"][target]["total_ms"]["median"])
+            assert positive(summary["targets"][target]["chunks_per_s"]["median"])
+        for key in ("added_total_ms", "added_ttft_ms"):
+            assert all(isinstance(summary[key][q], float) for q in ("p50", "p99", "mean"))
+        assert positive(summary["chunks_per_s_ratio"]["median_per_pair"])
+        assert summary["slotkeeper_cache_states"] == ["hot"]
 
 
 def test_restart(results: Path) -> None:

@@ -305,7 +305,8 @@ def _stream_in_background(keeper: Slotkeeper, session: str, max_tokens: int) -> 
     stream = _Stream()
 
     def read() -> None:
-        body = {"messages": [{"role": "user", "content": words(300, 3)}], "max_tokens": max_tokens, "stream": True}
+        body = {"messages": [{"role": "user", "content": words(300, 3)}], "max_tokens": max_tokens, "stream": True,
+                "ignore_eos": True}  # a random model may draw its end-of-text token at any moment
         try:
             with httpx.stream("POST", f"{keeper.url}/v1/chat/completions", json=body, timeout=60,
                               headers={"X-Session-Id": session}) as response:

@@ -170,6 +170,17 @@ def test_attach_mode_sources(
     assert not settings.embedded
 
 
+@pytest.mark.parametrize("url", ["localhost:8080", "ftp://host:21", "http://", "127.0.0.1"])
+def test_an_upstream_that_is_not_an_http_url_is_refused(url: str) -> None:
+    with pytest.raises(ValueError, match="the backend URL must look like http://HOST:PORT"):
+        Settings.build({"upstream": url, "slot_dir": "/tmp"}, {})
+
+
+def test_an_upstream_with_a_path_is_taken() -> None:
+    settings = Settings.build({"upstream": "http://127.0.0.1:8080/upstream/qwen", "slot_dir": "/tmp"}, {})
+    assert settings.upstream == "http://127.0.0.1:8080/upstream/qwen"
+
+
 def test_defaults_with_nothing_given(_isolated_home: Path) -> None:
     settings = Settings.build({}, {})
     assert settings == Settings(cache_dir=_isolated_home / ".cache" / "slotkeeper")

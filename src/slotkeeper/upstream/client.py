@@ -11,10 +11,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from slotkeeper import __version__
 from slotkeeper.errors import UpstreamError, UpstreamUnavailable
+from slotkeeper.upstream.wire import ConnectFailed, TimedOut, TransportError, WireClient, WireResponse
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,32 +29,26 @@ class UpstreamClient:
     def __init__(self, base_url: str, *, read_timeout: float = 600.0, slot_op_timeout: float = 120.0) -> None:
         self.base_url = base_url.rstrip("/")
         self._slot_op_timeout = slot_op_timeout
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(connect=5.0, read=read_timeout, write=60.0, pool=None),
-            # llama-server drops idle keep-alive connections after 5 s; expiring ours sooner avoids sending a request
-            # on a connection the server is closing at that moment.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32, keepalive_expiry=2.0),
-            headers={"user-agent": f"slotkeeper/{__version__}"},
-        )
+        self._wire = WireClient(self.base_url, connect_timeout=5.0, read_timeout=read_timeout, write_timeout=60.0,
+                                headers={"User-Agent": f"slotkeeper/{__version__}"})
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._wire.aclose()
 
     async def get_json(self, path: str, *, timeout: float | None = 10.0) -> Any:
-        response = await self._request("GET", path, timeout=timeout)
-        return _json_or_raise(response)
+        status, content = await self._request("GET", path, None, timeout)
+        return _json_or_raise(status, content)
 
     async def post_json(self, path: str, body: Mapping[str, Any], *, timeout: float | None = None) -> Any:
-        response = await self._request("POST", path, json=dict(body), timeout=timeout)
-        return _json_or_raise(response)
+        status, content = await self._request("POST", path, body, timeout)
+        return _json_or_raise(status, content)
 
     async def healthy(self) -> bool:
         try:
-            response = await self._http.get("/health", timeout=2.0)
-        except httpx.HTTPError:
+            status, _ = await self._request("GET", "/health", None, 2.0)
+        except UpstreamUnavailable:
             return False
-        return response.status_code == 200
+        return status == 200
 
     async def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> SlotActionResult:
         """POST /slots/{id}?action=save|restore|erase. Raises UpstreamError on a non-2xx answer."""
@@ -69,66 +62,63 @@ class UpstreamClient:
         return SlotActionResult(int(data.get("n_erased", 0)), 0, 0.0)
 
     @asynccontextmanager
-    async def stream(self, path: str, body: Mapping[str, Any]) -> AsyncIterator[httpx.Response]:
-        """Open a streaming POST. A non-2xx answer is read whole and raised as UpstreamError before any byte flows."""
-        request = self._http.build_request("POST", path, content=json.dumps(body).encode("utf-8"),
-                                           headers={"content-type": "application/json"})
+    async def stream(self, path: str, body: Mapping[str, Any]) -> AsyncIterator[WireResponse]:
+        """Open a streaming POST. A non-2xx answer is read whole and raised as UpstreamError before any byte flows.
+        Reading the body raises TransportError when the connection breaks (see iter_errors_as_unavailable)."""
         try:
-            response = await self._send_once_more_if_dropped(request)
-        except httpx.HTTPError as exc:
+            response = await self._wire.request("POST", path, body=_encode(body), headers=_JSON)
+        except TransportError as exc:
             raise UpstreamUnavailable(_describe(exc, self.base_url)) from exc
         try:
             if response.status_code >= 400:
                 try:
                     content = await response.aread()
-                except httpx.HTTPError as exc:
+                except TransportError as exc:
                     raise UpstreamUnavailable(_describe(exc, self.base_url)) from exc
                 raise UpstreamError(response.status_code, content)
             yield response
         finally:
             await response.aclose()
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        if kwargs.get("timeout", 0) is None:
-            del kwargs["timeout"]  # httpx reads an explicit None as "no timeout at all"; keep the client's default
-        request = self._http.build_request(method, path, **kwargs)
+    async def _request(self, method: str, path: str, body: Mapping[str, Any] | None,
+                       timeout: float | None) -> tuple[int, bytes]:
+        """One request read whole; `timeout` None is the client's read timeout."""
         try:
-            response = await self._send_once_more_if_dropped(request)
+            response = await self._wire.request(method, path, body=None if body is None else _encode(body),
+                                                headers=_JSON if body is not None else None, timeout=timeout)
             try:
-                await response.aread()
+                content = await response.aread()
             finally:
                 await response.aclose()
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             raise UpstreamUnavailable(_describe(exc, self.base_url)) from exc
-        return response
-
-    async def _send_once_more_if_dropped(self, request: httpx.Request) -> httpx.Response:
-        """Send, and send again once if the server closed a reused connection before answering anything: the
-        request was never read, so repeating it is safe."""
-        try:
-            return await self._http.send(request, stream=True)
-        except httpx.RemoteProtocolError:
-            return await self._http.send(request, stream=True)
+        return response.status_code, content
 
 
-def iter_errors_as_unavailable(exc: httpx.HTTPError, base_url: str) -> UpstreamUnavailable:
+_JSON = {"Content-Type": "application/json"}
+
+
+def _encode(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body).encode("utf-8")
+
+
+def iter_errors_as_unavailable(exc: TransportError, base_url: str) -> UpstreamUnavailable:
     """Map a transport error met while reading a stream (the backend died mid-response)."""
     return UpstreamUnavailable(_describe(exc, base_url))
 
 
-def _json_or_raise(response: httpx.Response) -> Any:
-    if response.status_code >= 400:
-        raise UpstreamError(response.status_code, response.content)
+def _json_or_raise(status: int, content: bytes) -> Any:
+    if status >= 400:
+        raise UpstreamError(status, content)
     try:
-        return response.json()
+        return json.loads(content)
     except ValueError as exc:
-        raise UpstreamError(502, response.content) from exc
+        raise UpstreamError(502, content) from exc
 
 
-def _describe(exc: httpx.HTTPError, base_url: str) -> str:
-    kind = type(exc).__name__
-    if isinstance(exc, httpx.TimeoutException):
-        return f"the backend at {base_url} did not answer in time ({kind})"
-    if isinstance(exc, httpx.ConnectError):
-        return f"cannot reach the backend at {base_url} ({kind})"
-    return f"the backend at {base_url} broke the connection ({kind}: {exc})"
+def _describe(exc: TransportError, base_url: str) -> str:
+    if isinstance(exc, TimedOut) and exc.kind != "ConnectTimeout":
+        return f"the backend at {base_url} did not answer in time ({exc.kind})"
+    if isinstance(exc, ConnectFailed | TimedOut):
+        return f"cannot reach the backend at {base_url} ({exc.kind}: {exc.detail})"
+    return f"the backend at {base_url} broke the connection ({exc.kind}: {exc.detail})"
