@@ -678,3 +678,31 @@ async def test_on_a_tie_the_sessions_own_snapshot_wins(client: FakeClient, store
     lease = await pool.acquire(A, chain_of("a1 with more text"))
     assert lease.outcome == CacheOutcome.RESTORED
     lease.release(TurnEnd.COMPLETED, 50)
+
+
+async def test_a_side_task_runs_in_its_own_conversations_slot(client: FakeClient, store: SnapshotStore) -> None:
+    """With every slot taken, a chat's title or tags task runs where the chat is (saved first), not in the slot of
+    another conversation (an agent that may be back at once), even when that one is already on disk."""
+    pool = make_pool(client, store, n_slots=2)
+    agent = await turn(pool, A)
+    await pool.flush()  # the agent's state is on disk: its slot is clean
+    chat = await turn(pool, B)
+    task = await pool.acquire(B, side=True)
+    assert task.slot_id == chat.slot_id != agent.slot_id
+    assert [c[0] for c in client.actions("save")][-1] == chat.slot_id  # the chat was saved before the task
+    task.release(TurnEnd.COMPLETED)
+    back = await pool.acquire(A)
+    assert back.slot_id == agent.slot_id and back.outcome is CacheOutcome.HOT
+    back.release(TurnEnd.COMPLETED)
+    resumed = await pool.acquire(B)
+    assert resumed.slot_id == chat.slot_id and resumed.outcome is CacheOutcome.RESTORED
+    resumed.release(TurnEnd.COMPLETED)
+
+
+async def test_a_side_task_still_prefers_an_empty_slot(client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, n_slots=2)
+    chat = await turn(pool, B)
+    task = await pool.acquire(B, side=True)
+    assert task.slot_id != chat.slot_id and client.actions("save") == []
+    task.release(TurnEnd.COMPLETED)
+    assert (await turn(pool, B)).outcome is CacheOutcome.HOT

@@ -160,7 +160,7 @@ class SlotPool:
         it gets a slot that holds no unsaved session when there is one, the slot's changed occupant is saved first,
         nothing is restored, and afterwards the slot is attributed to nobody.
         """
-        slot = await self._take(self._choose_side if side else lambda: self._choose(key), bounded=True)
+        slot = await self._take((lambda: self._choose_side(key)) if side else lambda: self._choose(key), bounded=True)
         previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
         slot.occupant, slot.dirty = (None if side else key), False
         slot.generation += 1
@@ -190,12 +190,15 @@ class SlotPool:
         # An empty slot first; then the least recently used one.
         return min(idle, key=lambda s: (s.occupant is not None, s.last_used))
 
-    def _choose_side(self) -> SlotState | None:
+    def _choose_side(self, key: SessionKey | None = None) -> SlotState | None:
         idle = [s for s in self.slots if not s.busy]
         if not idle:
             return None
-        # Best: an empty slot; then one whose state is already on disk; last, the least recently used.
-        return min(idle, key=lambda s: (s.occupant is not None, s.dirty, s.last_used))
+        # Best: an empty slot; then the slot of the conversation the task belongs to (`key`): its user is reading
+        # the answer the task is about, while another conversation in its slot (an agent) may be back at once;
+        # then one whose state is already on disk; last, the least recently used.
+        return min(idle, key=lambda s: (s.occupant is not None, key is None or s.occupant != key, s.dirty,
+                                        s.last_used))
 
     async def _take(self, choose: Callable[[], SlotState | None], bounded: bool = False) -> SlotState:
         """Queue for a slot; slots are handed out in arrival order to the first waiter that can use them."""
