@@ -29,6 +29,7 @@ async def export(session_id: str, request: Request) -> Response:
     state = app_state(request, request.query_params.get("model"))
     kind = one_kind(request)
     key = SessionKey(state.backend.model_id, session_id)
+    await state.pool.settle(key, kind)
     snapshot = await asyncio.to_thread(state.store.checked_snapshot, key, state.backend.fingerprint, kind)
     if snapshot is None:
         raise NotFound(f"no {kind} snapshot '{session_id}' to export")
@@ -53,6 +54,7 @@ async def import_bundle(request: Request) -> dict[str, Any]:
     session = checked_session_id(request.query_params.get("as") or meta.session_id, "the import")
     key = SessionKey(state.backend.model_id, session)
     replace = request.query_params.get("replace", "").lower() in ("1", "true", "yes")
+    await state.pool.settle(key, meta.kind)  # a save still being committed must not land over the import
     if not replace and await asyncio.to_thread(state.store.get, key, meta.kind) is not None:
         raise BadRequest(f"a {meta.kind} snapshot '{session}' exists already; import with replace=true (the CLI's "
                          "--replace) to overwrite it, or as=ID (--as) to give it another id")
