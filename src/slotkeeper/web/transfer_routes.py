@@ -18,13 +18,15 @@ from slotkeeper.errors import BadRequest, NotFound
 from slotkeeper.identity import checked_session_id
 from slotkeeper.types import SessionKey
 from slotkeeper.web.admin import one_kind
+from slotkeeper.web.openapi import answers
 from slotkeeper.web.security import BUNDLE_IMPORT_PATH
 from slotkeeper.web.state import app_state
 
 router = APIRouter()
+BUNDLE_TYPE = "application/x-tar"
 
 
-@router.get("/api/sessions/{session_id:path}/export")
+@router.get("/api/sessions/{session_id:path}/export", responses=answers(BUNDLE_TYPE))
 async def export(session_id: str, request: Request) -> Response:
     state = app_state(request, request.query_params.get("model"))
     kind = one_kind(request)
@@ -37,7 +39,7 @@ async def export(session_id: str, request: Request) -> Response:
     slot_file = (state.store.slot_dir / snapshot.filename).open("rb")
     name = urllib.parse.quote(f"{session_id}.slotkeeper.tar", safe="")
     return StreamingResponse(iterate_in_threadpool(write_bundle(meta_of(snapshot, chain), slot_file)),
-                             media_type="application/x-tar",
+                             media_type=BUNDLE_TYPE,
                              headers={"Content-Disposition": f"attachment; filename*=UTF-8''{name}"})
 
 
