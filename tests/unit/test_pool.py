@@ -108,6 +108,7 @@ async def test_switch_saves_and_restores(client: FakeClient, store: SnapshotStor
     lease_b = await pool.acquire(B)
     assert lease_b.outcome is CacheOutcome.COLD
     assert [(c[0], c[1]) for c in client.calls] == [(0, "save")]
+    await pool.settle()  # A's save is committed in the background, after B got the slot
     snap_a = store.get(A)
     assert snap_a is not None and snap_a.n_tokens == 42 and snap_a.hits == 0
     assert client.calls[0][2] is not None and client.calls[0][2].startswith(A.file_stem(FP))
@@ -121,6 +122,7 @@ async def test_switch_saves_and_restores(client: FakeClient, store: SnapshotStor
     lease_a = await pool.acquire(A)
     assert [(c[0], c[1]) for c in client.calls] == [(0, "save"), (0, "restore")]
     assert client.calls[1][2] == snap_a.filename
+    await pool.settle()  # B's save is committed, and A's use recorded, in the background
     assert store.get(B) is not None
     assert lease_a.outcome is CacheOutcome.RESTORED
     assert lease_a.restored_tokens == 33
@@ -152,6 +154,7 @@ async def test_restore_refused_quarantines(client: FakeClient, store: SnapshotSt
     pool = make_pool(client, store)
     await turn(pool, A)
     await turn(pool, B)
+    await pool.settle()
     snap_a = store.get(A)
     assert snap_a is not None
     client.restore_error = UpstreamError(400, b'{"error":{"message":"bad"}}')
@@ -171,6 +174,7 @@ async def test_snapshot_larger_than_slot_not_restored(client: FakeClient, store:
     pool = make_pool(client, store, n_ctx_slot=40)  # the fake saves 42 tokens
     await turn(pool, A)
     await turn(pool, B)
+    await pool.settle()
     assert store.get(A) is not None
     lease = await pool.acquire(A)
     assert lease.outcome is CacheOutcome.COLD
@@ -490,6 +494,7 @@ async def test_save_failure_does_not_fail_acquire(
         client.save_tokens = 0
     with caplog.at_level(logging.ERROR, logger="slotkeeper.pool"):
         lease = await pool.acquire(B)
+        await pool.settle()  # a commit that fails does so in the background
     assert lease.outcome is CacheOutcome.COLD
     assert pool.failed_saves == 1 and pool.saves == 0
     assert store.get(A) is None
@@ -503,11 +508,13 @@ async def test_save_failure_keeps_previous_snapshot(client: FakeClient, store: S
     pool = make_pool(client, store)
     await turn(pool, A)
     await turn(pool, B)  # A saved
+    await pool.settle()
     good = store.get(A)
     assert good is not None
     await turn(pool, A)  # A restored, B saved
     client.save_tokens = 0
     await turn(pool, B)  # saving A fails
+    await pool.settle()
     assert pool.failed_saves == 1
     kept = store.get(A)
     assert kept is not None
@@ -662,6 +669,7 @@ async def test_expected_reuse_is_the_shared_part(client: FakeClient, store: Snap
     client.save_tokens = 100
     (await pool.acquire(A, chain_of("a1", "a2", "a3"))).release(TurnEnd.COMPLETED, 100)
     (await pool.acquire(B, [])).release(TurnEnd.COMPLETED, 10)
+    await pool.settle()
     client.restore_tokens = {store.get(A).filename: 100}  # type: ignore[union-attr]
     edited = await pool.acquire(A, chain_of("a1", "edited"))
     assert edited.outcome == CacheOutcome.RESTORED and 0 < edited.expected_reuse < 100

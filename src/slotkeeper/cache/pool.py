@@ -1,8 +1,8 @@
 """The slot pool: the single owner of "slot i holds session S's state up to message k, changed since its last save".
 
 Every decision (which slot, hot or not, who to save, what to restore) is taken synchronously right after the pool
-wakes up, never on a value read before an `await`; the slow work (save, restore) then runs while the slot is busy.
-See docs/design-pool.md for the rules.
+wakes up, never on a value read before an `await`; the slow work (save, restore) then runs while the slot is busy,
+except a save's commit, which need not hold the slot (persister.py). See docs/design-pool.md for the rules.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from slotkeeper.cache.budget import DiskBudget, SnapshotId
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
-from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.cache.persister import Persister, key_of, snapshot_id
+from slotkeeper.cache.store import PrefixMatch, SnapshotStore
 from slotkeeper.cache.systemprompt import SystemPrompt
-from slotkeeper.errors import NotFound, Overloaded, SnapshotError, UpstreamError, UpstreamUnavailable
+from slotkeeper.errors import NotFound, Overloaded, UpstreamError
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import UpstreamClient
 
@@ -129,19 +130,34 @@ class SlotPool:
         self._min_restore_tokens = min_restore_tokens
         self._max_queue = max_queue
         self._system_snapshots = system_snapshots
-        self.budget = budget or DiskBudget()
-        self.evictions = 0
         self._short_systems: deque[str] = deque(maxlen=_SHORT_SYSTEMS_KEPT)
         self._waiters: deque[_Waiter] = deque()
         self._timers: set[asyncio.Task[None]] = set()
-        self.saves = 0
         self.restores = 0
-        self.failed_saves = 0
         # System prompts evaluated into a slot (a new one met by a turn, or an operator's pre-warm), and failures.
         self.warm_ups = 0
         self.failed_warm_ups = 0
         self.restore_stats = RestoreStats()
         self.events = CacheEvents()
+        self._persist = Persister(client, store, fingerprint, budget or DiskBudget(), self.events,
+                                  lambda: [s.occupant for s in self.slots if s.occupant is not None])
+
+    # Saves, failed saves and budget evictions: counted by the persister when a save's commit is done.
+    @property
+    def saves(self) -> int:
+        return self._persist.saves
+
+    @property
+    def failed_saves(self) -> int:
+        return self._persist.failed_saves
+
+    @property
+    def evictions(self) -> int:
+        return self._persist.evictions
+
+    @property
+    def budget(self) -> DiskBudget:
+        return self._persist.budget
 
     @property
     def queue_length(self) -> int:
@@ -172,7 +188,7 @@ class SlotPool:
             return lease
         try:
             if previous is not None and previous_dirty:
-                lease.save_ms = await self._save(slot.slot_id, previous, in_slot)
+                lease.save_ms = await self._save(slot.slot_id, previous, in_slot, wait=False)
             if not side:
                 await self._bring_in(slot, lease, in_slot)
         except BaseException:
@@ -261,11 +277,9 @@ class SlotPool:
         if key.is_default or self.restore_stats.disabled:
             return
         kept = common_prefix(in_slot, lease.chain)  # what the slot's current content already gives for free
-        own = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint)
+        await self._persist.settle([snapshot_id(key)])  # a save of this session that is still being committed
+        own, shared = await asyncio.to_thread(self._own_snapshot, key, lease.chain)
         if own is not None:
-            # What the restore can give is the part of the snapshot this request still shares (a client may have
-            # edited or trimmed its history); a request without messages (a raw prompt) is taken as sharing it all.
-            shared = await asyncio.to_thread(self._store.shared_prefix, own, lease.chain) if lease.chain else None
             messages, expected = shared if shared is not None else (len(lease.chain), own.n_tokens)
             # On a tie with what the slot holds, the session's own state wins: it usually shares more than whole
             # messages (the next message often starts with the old one's text).
@@ -277,13 +291,17 @@ class SlotPool:
         # system prompt share its system snapshot, never each other's.
         n_system = system.n_messages if system is not None else 0
         floor = max(kept, n_system)  # a match must share more messages than this to be worth a restore
-        match = await asyncio.to_thread(self._store.best_prefix, key.model, self._fingerprint, lease.chain, floor + 1)
+        # A save still being committed that the lookup would find: wait for it (a new conversation's prefill, or
+        # restore, is worth a few milliseconds more).
+        await self._persist.settle(self._persist.pending_sharing(lease.chain, floor + 1))
+        match = await self._best_prefix(key.model, lease.chain, floor + 1)
         if match is not None and match.messages > floor and match.est_tokens >= self._min_restore_tokens:
             await self._restore(slot, lease, match.snapshot, CacheOutcome.PREFIX, match.est_tokens)
             return
         if system is None or own is not None:
             return
         system_key = SessionKey(key.model, system.digest)
+        await self._persist.settle([snapshot_id(system_key, SnapshotKind.SYSTEM)])
         snapshot = await asyncio.to_thread(self._store.checked_snapshot, system_key, self._fingerprint,
                                            SnapshotKind.SYSTEM)
         if snapshot is None:
@@ -293,6 +311,22 @@ class SlotPool:
             return  # the slot already holds this system part (another conversation on it was there)
         if snapshot.n_tokens >= max(self._min_restore_tokens, 1):
             await self._restore(slot, lease, snapshot, CacheOutcome.RESTORED, snapshot.n_tokens)
+
+    def _own_snapshot(self, key: SessionKey, chain: Sequence[Link]) -> tuple[Snapshot | None, tuple[int, int] | None]:
+        """In a worker thread, in one go: the session's checked snapshot, and what of it the request still shares
+        (a client may have edited or trimmed its history). None for the second when the request has no messages (a
+        raw prompt, taken as sharing it all) or the snapshot has no recorded chain."""
+        own = self._store.checked_snapshot(key, self._fingerprint)
+        return own, (self._store.shared_prefix(own, chain) if own is not None and chain else None)
+
+    async def _best_prefix(self, model: str, chain: Sequence[Link], min_messages: int) -> PrefixMatch | None:
+        """The store's best prefix match; when the session found has a save still being committed, the match is
+        looked up again once that commit is done (its file is about to be replaced)."""
+        match = await asyncio.to_thread(self._store.best_prefix, model, self._fingerprint, chain, min_messages)
+        if match is not None and self._persist.pending(found := snapshot_id(key_of(match.snapshot))):
+            await self._persist.settle([found])
+            match = await asyncio.to_thread(self._store.best_prefix, model, self._fingerprint, chain, min_messages)
+        return match
 
     def _worth_warming(self, system: SystemPrompt) -> bool:
         # About two characters of canonical JSON per token at the least: shorter prompts cannot reach the threshold.
@@ -313,6 +347,7 @@ class SlotPool:
                      system.short_id, n_tokens)
             return None
         key = SessionKey(lease.key.model, system.digest)
+        # Awaited, commit included: the caller gets the snapshot.
         lease.save_ms += await self._save(slot.slot_id, key, slot.chain, SnapshotKind.SYSTEM)
         return await asyncio.to_thread(self._store.get, key, SnapshotKind.SYSTEM)
 
@@ -332,10 +367,11 @@ class SlotPool:
         lease = SlotLease(slot.slot_id, key, CacheOutcome.COLD, side=True, chain=system.chain(), system=system,
                           _release=self._finish)
         try:
+            await self._persist.settle([snapshot_id(key, SnapshotKind.SYSTEM)])
             lease.existing = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint,
                                                      SnapshotKind.SYSTEM)
             if lease.existing is None and previous is not None and previous_dirty:
-                lease.save_ms = await self._save(slot.slot_id, previous, in_slot)
+                lease.save_ms = await self._save(slot.slot_id, previous, in_slot, wait=False)
         except BaseException:
             lease.release(TurnEnd.FAILED)
             raise
@@ -368,7 +404,7 @@ class SlotPool:
         self.restores += 1
         self.events.restored(lease.restore_ms, snapshot.n_bytes, result.n_tokens)
         slot.n_tokens = result.n_tokens
-        await asyncio.to_thread(self._store.mark_used, SessionKey(snapshot.model, snapshot.session_id), snapshot.kind)
+        self._persist.used(snapshot)
 
     def _judge_restore(self, lease: SlotLease, cache_n: int) -> None:
         stats = self.restore_stats
@@ -394,29 +430,12 @@ class SlotPool:
     # -- saving ---------------------------------------------------------------------------------------------
 
     async def _save(self, slot_id: int, key: SessionKey, chain: Sequence[Link],
-                    kind: SnapshotKind = SnapshotKind.SESSION) -> float:
-        """Save the slot's state as `key`'s snapshot. A failure is logged and costs only the snapshot's freshness."""
+                    kind: SnapshotKind = SnapshotKind.SESSION, *, wait: bool = True) -> float:
+        """Save the slot's state as `key`'s snapshot, waiting for its commit or not (see persister.py); returns the
+        milliseconds waited (0 when it failed: logged, and it costs only the snapshot's freshness)."""
         if self.restore_stats.disabled:
             return 0.0  # nothing would ever restore it
-        temp = self._store.temp_name(key, self._fingerprint, kind)
-        started = time.perf_counter()
-        try:
-            result = await self._client.slot_action(slot_id, "save", temp)
-            await asyncio.to_thread(self._store.commit, key, temp, self._fingerprint, result.n_tokens, chain,
-                                    result.n_bytes, kind)
-        except (UpstreamError, UpstreamUnavailable, SnapshotError) as exc:
-            self.failed_saves += 1
-            await asyncio.to_thread(self._store.discard_temp, temp)
-            log.error("saving slot %d as %s failed: %s", slot_id, key, exc.message)
-            return 0.0
-        elapsed = (time.perf_counter() - started) * 1000
-        await self.enforce_budget({(key.model, key.session_id, kind)})
-        self.saves += 1
-        self.events.saved(elapsed, result.n_bytes, result.n_tokens)
-        log.info("saved slot %d as %s%s: %d tokens, %d bytes, %.1f ms", slot_id,
-                 "the system snapshot " if kind is SnapshotKind.SYSTEM else "", key, result.n_tokens, result.n_bytes,
-                 elapsed)
-        return elapsed
+        return await self._persist.save(slot_id, key, chain, kind, wait=wait)
 
     def _schedule_idle_save(self, slot: SlotState) -> None:
         if self._save_idle_seconds < 0:
@@ -438,47 +457,46 @@ class SlotPool:
         slot.busy = True
         slot.dirty = False
         try:
-            await self._save(slot.slot_id, key, slot.chain)
+            await self._save(slot.slot_id, key, slot.chain, wait=False)  # the slot is free again once written
         finally:
             slot.busy = False
             self._dispatch()
 
     async def pin(self, snapshot: Snapshot) -> Snapshot | None:
         """Keep a snapshot from the disk budget; returns it as indexed now (None if it is gone)."""
-        key = SessionKey(snapshot.model, snapshot.session_id)
+        key = key_of(snapshot)
+        await self._persist.settle([snapshot_id(key, snapshot.kind)])
         return await asyncio.to_thread(self._store.set_pinned, key, True, snapshot.kind)
+
+    async def settle(self, key: SessionKey | None = None, kind: SnapshotKind = SnapshotKind.SESSION,
+                     timeout: float | None = None) -> bool:
+        """Wait for the saves started so far (of `key`'s snapshot of `kind`, or of every snapshot) to be committed
+        or to fail; True when none of them is left running. For whoever reads the index outside the pool."""
+        return await self._persist.settle(None if key is None else [snapshot_id(key, kind)], timeout)
 
     async def enforce_budget(self, also_keep: set[SnapshotId] | None = None) -> int:
         """Evict what the disk budget does not allow, never a snapshot whose session a slot holds (nor `also_keep`).
         Returns how many were evicted; a failure is logged and leaves everything in place."""
-        if not self.budget.limited:
-            return 0
-        keep = set(also_keep or ())
-        keep.update((s.occupant.model, s.occupant.session_id, SnapshotKind.SESSION)
-                    for s in self.slots if s.occupant is not None)
-        try:
-            evicted = await asyncio.to_thread(self._store.enforce_budget, self.budget, keep)
-        except Exception as exc:  # the budget is housekeeping: it must never fail a turn
-            log.error("enforcing the disk budget failed: %s", exc)
-            return 0
-        self.evictions += len(evicted)
-        return len(evicted)
+        return await self._persist.enforce_budget(also_keep)
 
     # -- operator actions -----------------------------------------------------------------------------------
 
     async def flush(self) -> int:
-        """Save every changed slot (waiting for running turns); returns how many were saved. Used at shutdown."""
+        """Save every changed slot (waiting for running turns), and wait until every save started so far is
+        committed; returns how many slots were saved. Used at shutdown."""
         saved = 0
         for slot in self.slots:
             await self._take(lambda s=slot: None if s.busy else s)  # type: ignore[misc]
             try:
                 if slot.dirty and slot.occupant is not None:
                     slot.dirty = False
-                    await self._save(slot.slot_id, slot.occupant, slot.chain)
+                    # Not waited for here: the next slot's save overlaps this one's commit.
+                    await self._save(slot.slot_id, slot.occupant, slot.chain, wait=False)
                     saved += 1
             finally:
                 slot.busy = False
                 self._dispatch()
+        await self._persist.settle()
         return saved
 
     async def clear(self) -> list[int]:
@@ -497,7 +515,7 @@ class SlotPool:
         try:
             held = slot.occupant  # read after taking the slot: nothing else can change it now
             if slot.dirty and held is not None:
-                await self._save(slot.slot_id, held, slot.chain)
+                await self._save(slot.slot_id, held, slot.chain)  # an operator's action: done when it answers
             await self._client.slot_action(slot.slot_id, "erase")
             slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
             slot.forget_on_release = False
@@ -538,6 +556,8 @@ class SlotPool:
                     slot.occupant = None
 
     async def aclose(self) -> None:
+        """Stop the idle-save timers and wait for the commits still running (the store closes after this)."""
         for task in list(self._timers):
             task.cancel()
         await asyncio.gather(*self._timers, return_exceptions=True)
+        await self._persist.settle()

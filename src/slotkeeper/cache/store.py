@@ -1,7 +1,8 @@
 """The snapshot store: slot files in the backend's slot directory plus their SQLite index.
 
 A file is listed in the index only once it was completely written, fsynced and renamed; anything else in the
-directory is a leftover. Every lookup re-checks size, checksum and fingerprint before a file may be restored.
+directory is a leftover. Every lookup re-checks size, checksum and fingerprint before a file may be restored (the
+checksum is hashed again only when the file's stat identity moved since this process last hashed it: hashmemo.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import re
 import secrets
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
@@ -23,6 +25,7 @@ import xxhash
 
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
 from slotkeeper.cache.chain import Link
+from slotkeeper.cache.hashmemo import HashMemo, fine_timestamps, read_identity
 from slotkeeper.errors import SnapshotError
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 
@@ -116,6 +119,7 @@ class SnapshotStore:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")}
         if "pinned" not in columns:  # an index from before pinning
             self._db.execute("ALTER TABLE snapshots ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
+        self.hashes = HashMemo(fine_timestamps(slot_dir))
 
     def close(self) -> None:
         with self._lock:
@@ -138,18 +142,21 @@ class SnapshotStore:
         if n_tokens <= 0:
             _unlink_quietly(temp_path)
             raise SnapshotError(f"the backend saved 0 tokens for {key}; the previous snapshot is kept")
+        final_name = f"{key.file_stem(fingerprint, kind)}-{secrets.token_hex(4)}.bin"
+        final_path = self.slot_dir / final_name
         try:
             with temp_path.open("rb") as fh:
                 os.fsync(fh.fileno())
-            n_bytes = temp_path.stat().st_size
+                n_bytes = os.fstat(fh.fileno()).st_size
             if n_written is not None and n_bytes != n_written:
                 raise OSError(f"the file has {n_bytes} bytes but the backend wrote {n_written}")
-            checksum = file_checksum(temp_path)
-            final_name = f"{key.file_stem(fingerprint, kind)}-{secrets.token_hex(4)}.bin"
-            os.replace(temp_path, self.slot_dir / final_name)
+            os.replace(temp_path, final_path)
             _fsync_dir(self.slot_dir)
+            _, identity = read_identity(final_path)  # before the hash: a later change moves it (hashmemo.py)
+            checksum = file_checksum(final_path)
         except OSError as exc:
             _unlink_quietly(temp_path)
+            _unlink_quietly(final_path)
             raise SnapshotError(f"could not finish the snapshot of {key}: {exc}") from exc
         now = time.time()
         with self._lock, self._transaction():
@@ -169,6 +176,7 @@ class SnapshotStore:
             if previous is not None:
                 self._db.execute("DELETE FROM chains WHERE filename=?", (previous.filename,))
             snapshot = self._row(key, kind)
+        self.hashes.remember(final_name, identity, checksum)
         if previous is not None and previous.filename != final_name:
             self._unlink_snapshot_files(previous.filename)
         assert snapshot is not None
@@ -256,15 +264,18 @@ class SnapshotStore:
         if snapshot.fingerprint != fingerprint:
             return f"fingerprint mismatch (file {snapshot.fingerprint}, backend {fingerprint})"
         try:
-            st = path.lstat()
+            st, identity = read_identity(path)
         except FileNotFoundError:
             return "file is missing"
-        if not path.is_file() or path.is_symlink():
+        if not stat.S_ISREG(st.st_mode):  # lstat: a symlink is not one either
             return "not a regular file"
         if st.st_size != snapshot.n_bytes:
             return f"size {st.st_size} bytes, index says {snapshot.n_bytes} (truncated or replaced)"
+        if self.hashes.checksum(snapshot.filename, identity) == snapshot.checksum:
+            return None  # hashed whole by this process, and not touched since
         if file_checksum(path) != snapshot.checksum:
             return "checksum mismatch (the file changed after it was saved)"
+        self.hashes.remember(snapshot.filename, identity, snapshot.checksum)
         return None
 
     def quarantine(self, snapshot: Snapshot, reason: str) -> None:
@@ -272,6 +283,7 @@ class SnapshotStore:
         with self._lock, self._transaction():
             self._db.execute("DELETE FROM snapshots WHERE filename=?", (snapshot.filename,))
             self._db.execute("DELETE FROM chains WHERE filename=?", (snapshot.filename,))
+        self.hashes.forget(snapshot.filename)
         source = self.slot_dir / snapshot.filename
         if source.exists() or source.is_symlink():
             target_dir = self.slot_dir / QUARANTINE_DIR
@@ -379,6 +391,7 @@ class SnapshotStore:
         return out
 
     def _unlink_snapshot_files(self, filename: str) -> None:
+        self.hashes.forget(filename)
         _unlink_quietly(self.slot_dir / filename)
         for suffix in SIDECAR_SUFFIXES:
             sidecar = self.slot_dir / (filename + suffix)

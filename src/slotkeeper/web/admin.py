@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 
 from slotkeeper.errors import BadRequest, NotFound
 from slotkeeper.types import IdSource, SessionKey, Snapshot, SnapshotKind
-from slotkeeper.web.state import AppState, app_state, backends
+from slotkeeper.web.state import AppState, app_state, backends, settled
 
 router = APIRouter(prefix="/api/sessions")
 
@@ -22,6 +22,7 @@ async def list_sessions(request: Request) -> dict[str, Any]:
     kind = _kind_filter(request)
     model = request.query_params.get("model")
     states = [app_state(request, model)] if model else backends(request).all
+    await settled(states)
     sessions = []
     for state in states:
         snapshots = await asyncio.to_thread(state.store.list, None, kind)
@@ -33,6 +34,7 @@ async def list_sessions(request: Request) -> dict[str, Any]:
 @router.get("/current")
 async def current_session(request: Request) -> dict[str, Any]:
     state = app_state(request, request.query_params.get("model"))
+    await settled([state])
     slots = [
         {
             "id": slot.slot_id,
@@ -70,6 +72,7 @@ async def current_session(request: Request) -> dict[str, Any]:
 async def disk(request: Request) -> dict[str, Any]:
     """What the snapshots take, the budget they are kept under, and how much the budget evicted."""
     state = app_state(request, request.query_params.get("model"))
+    await settled([state])
     usage = await asyncio.to_thread(state.store.usage)
     free = await asyncio.to_thread(shutil.disk_usage, state.store.slot_dir)
     budget = state.pool.budget
@@ -99,6 +102,7 @@ async def _set_pinned(session_id: str, request: Request, pinned: bool) -> dict[s
     state = app_state(request, request.query_params.get("model"))
     key = _key(state, session_id, request)
     kind = one_kind(request)
+    await state.pool.settle(key, kind)
     snapshot = await asyncio.to_thread(state.store.set_pinned, key, pinned, kind)
     if snapshot is None:
         raise NotFound(f"no {kind} snapshot '{session_id}'")
@@ -123,6 +127,7 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
     state = app_state(request, request.query_params.get("model"))
     key = _key(state, session_id, request)
     kind = one_kind(request)
+    await state.pool.settle(key, kind)
     snapshot = await asyncio.to_thread(state.store.get, key, kind)
     if kind is SnapshotKind.SYSTEM:
         if snapshot is None:
@@ -144,6 +149,7 @@ async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
     kind = one_kind(request)
     if kind is SnapshotKind.SESSION:
         state.pool.forget(key)
+    await state.pool.settle(key, kind)  # a save still being committed would bring the snapshot back
     removed = await asyncio.to_thread(state.store.delete, key, kind)
     if removed is None:
         raise NotFound(f"session '{session_id}' not found" if kind is SnapshotKind.SESSION

@@ -24,7 +24,7 @@ from slotkeeper import __version__
 from slotkeeper.cache.store import QUARANTINE_DIR
 from slotkeeper.journal import RequestEntry, RequestJournal
 from slotkeeper.types import SnapshotKind
-from slotkeeper.web.state import AppState, Backends
+from slotkeeper.web.state import AppState, Backends, settled
 
 router = APIRouter()
 
@@ -94,6 +94,7 @@ class Metrics:
 
     async def render(self) -> bytes:
         states = self._served.all
+        await settled(states)  # so the save counters include the saves still being committed
         ups = await asyncio.gather(*(state.client.healthy() for state in states))
         for state, up in zip(states, ups, strict=True):
             _child(self.backend_up, *_model_labels(state, self._several)).set(1 if up else 0)

@@ -3,6 +3,7 @@ and the Backends that picks one by a request's model name."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,6 +60,16 @@ class Backends:
                 return state
         served = ", ".join(repr(s.backend.model_id) for s in self.all)
         raise NotFound(f"model '{model}' not found: slotkeeper serves {served}")
+
+
+# How long an operator's view (listings, counters, /metrics) waits for saves still being committed in the background
+# so that it shows them; past this it shows what is indexed so far.
+VIEW_SETTLE_SECONDS = 5.0
+
+
+async def settled(states: Sequence[AppState]) -> None:
+    """Wait (bounded) until the saves every backend's pool has started are committed, for a consistent view."""
+    await asyncio.gather(*(state.pool.settle(timeout=VIEW_SETTLE_SECONDS) for state in states))
 
 
 def backends(request: Request) -> Backends:

@@ -18,17 +18,20 @@ from slotkeeper.errors import BadRequest, NotFound
 from slotkeeper.identity import checked_session_id
 from slotkeeper.types import SessionKey
 from slotkeeper.web.admin import one_kind
+from slotkeeper.web.openapi import answers
 from slotkeeper.web.security import BUNDLE_IMPORT_PATH
 from slotkeeper.web.state import app_state
 
 router = APIRouter()
+BUNDLE_TYPE = "application/x-tar"
 
 
-@router.get("/api/sessions/{session_id:path}/export")
+@router.get("/api/sessions/{session_id:path}/export", responses=answers(BUNDLE_TYPE))
 async def export(session_id: str, request: Request) -> Response:
     state = app_state(request, request.query_params.get("model"))
     kind = one_kind(request)
     key = SessionKey(state.backend.model_id, session_id)
+    await state.pool.settle(key, kind)
     snapshot = await asyncio.to_thread(state.store.checked_snapshot, key, state.backend.fingerprint, kind)
     if snapshot is None:
         raise NotFound(f"no {kind} snapshot '{session_id}' to export")
@@ -36,7 +39,7 @@ async def export(session_id: str, request: Request) -> Response:
     slot_file = (state.store.slot_dir / snapshot.filename).open("rb")
     name = urllib.parse.quote(f"{session_id}.slotkeeper.tar", safe="")
     return StreamingResponse(iterate_in_threadpool(write_bundle(meta_of(snapshot, chain), slot_file)),
-                             media_type="application/x-tar",
+                             media_type=BUNDLE_TYPE,
                              headers={"Content-Disposition": f"attachment; filename*=UTF-8''{name}"})
 
 
@@ -53,6 +56,7 @@ async def import_bundle(request: Request) -> dict[str, Any]:
     session = checked_session_id(request.query_params.get("as") or meta.session_id, "the import")
     key = SessionKey(state.backend.model_id, session)
     replace = request.query_params.get("replace", "").lower() in ("1", "true", "yes")
+    await state.pool.settle(key, meta.kind)  # a save still being committed must not land over the import
     if not replace and await asyncio.to_thread(state.store.get, key, meta.kind) is not None:
         raise BadRequest(f"a {meta.kind} snapshot '{session}' exists already; import with replace=true (the CLI's "
                          "--replace) to overwrite it, or as=ID (--as) to give it another id")

@@ -1,0 +1,82 @@
+"""Index writes that finish after the slot moved on: the commit of a save, run in the background, one at a time per
+snapshot.
+
+Once the backend has written a slot's state to its temporary file, the slot may serve the next turn; making the file
+durable and indexing it (SnapshotStore.commit: fsync, rename, checksum, SQLite) then runs here. A snapshot's writes
+run in the order they were started, so of two saves of one session the newer lands last and is kept. Whatever reads
+a snapshot first waits for that snapshot's pending writes (`wait`), and so never sees the state before a save that
+already happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any
+
+from slotkeeper.cache.budget import SnapshotId
+from slotkeeper.cache.chain import Link, common_prefix
+from slotkeeper.types import SnapshotKind
+
+log = logging.getLogger("slotkeeper.pool")
+
+
+class PendingWrites:
+    """The running background writes, by snapshot; only the newest of each snapshot is kept (it waits for the
+    earlier ones before it starts)."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[SnapshotId, asyncio.Task[bool]] = {}
+        # The message chain each snapshot will have once its pending commit lands (for prefix lookups).
+        self._chains: dict[SnapshotId, Sequence[Link]] = {}
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def __contains__(self, snapshot: object) -> bool:
+        return snapshot in self._tasks
+
+    def start(self, snapshot: SnapshotId, write: Callable[[], Coroutine[Any, Any, bool]],
+              chain: Sequence[Link] | None = None) -> asyncio.Task[bool]:
+        """Run `write()` in the background once the snapshot's earlier writes are done; the task's result is
+        whether it succeeded. `write` handles its own failures; one that escapes anyway is logged here. `chain`:
+        the message chain a commit will index with the snapshot."""
+        earlier = self._tasks.get(snapshot)
+        if chain is not None:
+            self._chains[snapshot] = chain
+
+        async def run() -> bool:
+            if earlier is not None:
+                await asyncio.wait({earlier})
+            return await write()
+
+        task = asyncio.get_running_loop().create_task(run(), name=f"write {snapshot[0]}/{snapshot[1]}")
+        self._tasks[snapshot] = task
+        task.add_done_callback(lambda done: self._finished(snapshot, done))
+        return task
+
+    def _finished(self, snapshot: SnapshotId, task: asyncio.Task[bool]) -> None:
+        if self._tasks.get(snapshot) is task:
+            del self._tasks[snapshot]
+            self._chains.pop(snapshot, None)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("a background write of %s/%s failed", snapshot[0], snapshot[1], exc_info=exc)
+
+    def sharing(self, chain: Sequence[Link], min_messages: int) -> list[SnapshotId]:
+        """The session snapshots with a pending commit whose chain shares at least `min_messages` leading messages
+        with `chain`: the ones a prefix lookup for it could find once they are committed."""
+        return [s for s, pending in self._chains.items()
+                if s[2] is SnapshotKind.SESSION and common_prefix(pending, chain) >= min_messages]
+
+    async def wait(self, snapshots: Iterable[SnapshotId] | None = None, timeout: float | None = None) -> bool:
+        """Wait for the writes of `snapshots` (every snapshot's, with None) started so far; True when they all
+        finished. A timeout, or the caller being cancelled, leaves them running."""
+        if snapshots is None:
+            tasks = set(self._tasks.values())
+        else:
+            tasks = {task for s in snapshots if (task := self._tasks.get(s)) is not None}
+        if not tasks:
+            return True
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        return not pending

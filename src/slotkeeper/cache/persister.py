@@ -1,0 +1,164 @@
+"""The persister: turns a slot's state into a snapshot, and keeps the index's bookkeeping (a restore's use, the disk
+budget), taking off the turn's path whatever the turn need not wait for.
+
+A save has two parts. First the backend writes the slot's state to a temporary file: the slot must wait for that,
+since its next turn changes what would be written. Then the commit makes that file the snapshot (fsync, rename,
+checksum, index: SnapshotStore.commit) and applies the disk budget, in one worker-thread call. Only the snapshot's
+readers need to wait for the commit, so a save that hands its slot on (`wait=False`) leaves it running in the
+background (commits.py), and every reader of a snapshot waits for its pending writes first (`settle`).
+
+What is reported, where:
+- `save()`'s return value (a lease's and a request's `save_ms`): the time the caller waited; with `wait=False` that
+  is the backend's write only.
+- `saves`, `failed_saves`, `events.saved` (the save-duration histogram) and the "saved slot" log line: once the
+  commit is done (or failed), with the time from the start of the save until the snapshot was durable and indexed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from slotkeeper.cache.budget import DiskBudget, SnapshotId
+from slotkeeper.cache.chain import Link
+from slotkeeper.cache.commits import PendingWrites
+from slotkeeper.cache.events import CacheEvents
+from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.errors import SnapshotError, UpstreamError, UpstreamUnavailable
+from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
+from slotkeeper.upstream.client import SlotActionResult, UpstreamClient
+
+log = logging.getLogger("slotkeeper.pool")
+
+
+def snapshot_id(key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> SnapshotId:
+    return key.model, key.session_id, kind
+
+
+def key_of(snapshot: Snapshot) -> SessionKey:
+    return SessionKey(snapshot.model, snapshot.session_id)
+
+
+class Persister:
+    def __init__(self, client: UpstreamClient, store: SnapshotStore, fingerprint: str, budget: DiskBudget,
+                 events: CacheEvents, occupants: Callable[[], Iterable[SessionKey]]) -> None:
+        self._client = client
+        self._store = store
+        self._fingerprint = fingerprint
+        self.budget = budget
+        self.events = events
+        # The sessions the slots hold now: the budget never evicts their snapshots.
+        self._occupants = occupants
+        self._writes = PendingWrites()
+        self.saves = 0
+        self.failed_saves = 0
+        self.evictions = 0
+
+    # -- saving ---------------------------------------------------------------------------------------------
+
+    async def save(self, slot_id: int, key: SessionKey, chain: Sequence[Link],
+                   kind: SnapshotKind = SnapshotKind.SESSION, *, wait: bool = True) -> float:
+        """Save the slot's state as `key`'s snapshot; with `wait`, until it is on disk and indexed, else only until
+        the backend wrote it. Returns the milliseconds waited, or 0 when the save failed: a failure is logged and
+        counted, and costs only the snapshot's freshness (the previous snapshot stays)."""
+        temp = self._store.temp_name(key, self._fingerprint, kind)
+        started = time.perf_counter()
+        try:
+            result = await self._client.slot_action(slot_id, "save", temp)
+        except (UpstreamError, UpstreamUnavailable) as exc:
+            await asyncio.to_thread(self._store.discard_temp, temp)
+            self._failed(slot_id, key, exc.message)
+            return 0.0
+        commit = self._writes.start(snapshot_id(key, kind),
+                                    lambda: self._commit(slot_id, key, temp, result, chain, kind, started), chain)
+        # Shielded: a caller that gives up waiting does not stop the commit.
+        if wait and not await asyncio.shield(commit):
+            return 0.0
+        return (time.perf_counter() - started) * 1000
+
+    async def _commit(self, slot_id: int, key: SessionKey, temp: str, result: SlotActionResult,
+                      chain: Sequence[Link], kind: SnapshotKind, started: float) -> bool:
+        keep = self._budget_keep({snapshot_id(key, kind)})
+        try:
+            evicted = await asyncio.to_thread(self._commit_now, key, temp, result, chain, kind, keep)
+        except Exception as exc:  # whatever it is, it must not escape a background task unlogged
+            self._failed(slot_id, key, exc.message if isinstance(exc, SnapshotError) else repr(exc))
+            return False
+        elapsed = (time.perf_counter() - started) * 1000
+        self.evictions += evicted
+        self.saves += 1
+        self.events.saved(elapsed, result.n_bytes, result.n_tokens)
+        log.info("saved slot %d as %s%s: %d tokens, %d bytes, %.1f ms", slot_id,
+                 "the system snapshot " if kind is SnapshotKind.SYSTEM else "", key, result.n_tokens, result.n_bytes,
+                 elapsed)
+        return True
+
+    def _commit_now(self, key: SessionKey, temp: str, result: SlotActionResult, chain: Sequence[Link],
+                    kind: SnapshotKind, keep: set[SnapshotId]) -> int:
+        """In a worker thread: commit, then enforce the budget; returns how many snapshots the budget evicted."""
+        try:
+            self._store.commit(key, temp, self._fingerprint, result.n_tokens, chain, result.n_bytes, kind)
+        except BaseException:
+            self._store.discard_temp(temp)
+            raise
+        return self._enforce_budget_now(keep)
+
+    def _failed(self, slot_id: int, key: SessionKey, reason: str) -> None:
+        self.failed_saves += 1
+        log.error("saving slot %d as %s failed: %s", slot_id, key, reason)
+
+    # -- bookkeeping ------------------------------------------------------------------------------------------
+
+    def used(self, snapshot: Snapshot) -> None:
+        """Record a restore of `snapshot` (its last use and hits, for the budget's LRU order), in the background,
+        in order with the snapshot's other writes: the turn need not wait for it."""
+        key = key_of(snapshot)
+        self._writes.start(snapshot_id(key, snapshot.kind), lambda: self._mark_used(key, snapshot.kind))
+
+    async def _mark_used(self, key: SessionKey, kind: SnapshotKind) -> bool:
+        try:
+            await asyncio.to_thread(self._store.mark_used, key, kind)
+        except Exception as exc:  # bookkeeping: it never fails anything
+            log.error("recording the use of snapshot %s failed: %s", key, exc)
+            return False
+        return True
+
+    async def enforce_budget(self, also_keep: set[SnapshotId] | None = None) -> int:
+        """Evict what the disk budget does not allow, never a snapshot whose session a slot holds (nor `also_keep`).
+        Returns how many were evicted; a failure is logged and leaves everything in place."""
+        if not self.budget.limited:
+            return 0
+        evicted = await asyncio.to_thread(self._enforce_budget_now, self._budget_keep(also_keep))
+        self.evictions += evicted
+        return evicted
+
+    def _budget_keep(self, also_keep: set[SnapshotId] | None) -> set[SnapshotId]:
+        keep = set(also_keep or ())
+        keep.update(snapshot_id(key) for key in self._occupants())
+        return keep
+
+    def _enforce_budget_now(self, keep: set[SnapshotId]) -> int:
+        """In a worker thread: the store's budget enforcement; returns how many it evicted."""
+        if not self.budget.limited:
+            return 0
+        try:
+            return len(self._store.enforce_budget(self.budget, keep))
+        except Exception as exc:  # the budget is housekeeping: it must never fail a turn
+            log.error("enforcing the disk budget failed: %s", exc)
+            return 0
+
+    # -- waiting for pending writes -----------------------------------------------------------------------------
+
+    async def settle(self, snapshots: Iterable[SnapshotId] | None = None, timeout: float | None = None) -> bool:
+        """Wait for the pending writes of `snapshots` (of every snapshot with None) started so far; True when they
+        all finished. A timeout, or the caller being cancelled, leaves them running."""
+        return await self._writes.wait(snapshots, timeout)
+
+    def pending(self, snapshot: SnapshotId) -> bool:
+        return snapshot in self._writes
+
+    def pending_sharing(self, chain: Sequence[Link], min_messages: int) -> list[SnapshotId]:
+        """Session snapshots with a pending commit that a prefix lookup for `chain` could find once committed."""
+        return self._writes.sharing(chain, min_messages) if chain else []

@@ -1,0 +1,246 @@
+"""A save that hands its slot on commits in the background: the next turn does not wait for it, whoever reads the
+snapshot does, a failure keeps the previous snapshot, two saves of one session land in order, and shutdown waits."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slotkeeper.cache import store as store_mod
+from slotkeeper.cache.pool import TurnEnd
+from slotkeeper.cache.store import SnapshotStore, file_checksum
+from slotkeeper.types import CacheOutcome, SnapshotKind
+from slotkeeper.upstream.client import SlotActionResult
+from tests.unit.test_pool import FP, A, B, FakeClient, make_pool, turn
+
+
+class Gate:
+    """Holds every SnapshotStore.commit (in its worker thread) until opened; counts the commits that started."""
+
+    def __init__(self, store: SnapshotStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.opened = threading.Event()
+        self.started = 0
+        real = store.commit
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            self.started += 1
+            assert self.opened.wait(10), "the test never opened the gate"
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(store, "commit", held)
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+@pytest.fixture
+def client(slot_dir: Path) -> FakeClient:
+    return FakeClient(slot_dir)
+
+
+@pytest.fixture
+def gate(store: SnapshotStore, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    g = Gate(store, monkeypatch)
+    try:
+        yield g
+    finally:
+        g.open()  # never leave a worker thread waiting
+
+
+async def until(predicate: Any, timeout: float = 2.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+async def test_the_next_turn_does_not_wait_for_the_commit(client: FakeClient, store: SnapshotStore,
+                                                          gate: Gate) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    lease = await asyncio.wait_for(pool.acquire(B), 1)  # A's commit is held: B got the slot anyway
+    assert lease.outcome is CacheOutcome.COLD and pool.slots[0].occupant == B
+    await until(lambda: gate.started == 1)
+    assert store.get(A) is None and pool.saves == 0
+    assert not await pool.settle(timeout=0.05)
+    lease.release(TurnEnd.COMPLETED, 10)
+    gate.open()
+    assert await pool.settle()
+    snap = store.get(A)
+    assert snap is not None and pool.saves == 1 and pool.failed_saves == 0
+    assert store.checked_snapshot(A, FP) == snap
+
+
+async def test_a_restore_waits_for_the_pending_commit_of_its_session(client: FakeClient, store: SnapshotStore,
+                                                                     gate: Gate) -> None:
+    pool = make_pool(client, store)
+    gate.open()
+    await turn(pool, A)
+    await turn(pool, B)  # A's first snapshot
+    await pool.settle()
+    old = store.get(A)
+    assert old is not None
+    await turn(pool, A)  # restored, then a newer state of A in the slot
+    await pool.settle()  # B's save
+    gate.opened.clear()
+    await turn(pool, B)  # saves that newer state: its commit is held
+    await until(lambda: gate.started == 3)  # A, B, A
+    back = asyncio.create_task(pool.acquire(A))
+    await asyncio.sleep(0.1)
+    assert not back.done()  # waiting for A's commit, not restoring the old file
+    still = store.get(A)
+    assert still is not None and still.filename == old.filename
+    gate.open()
+    lease = await asyncio.wait_for(back, 2)
+    new = store.get(A)
+    assert new is not None and new.filename != old.filename
+    assert lease.outcome is CacheOutcome.RESTORED
+    assert client.actions("restore")[-1][2] == new.filename
+    assert not (store.slot_dir / old.filename).exists()
+    lease.release(TurnEnd.COMPLETED, 10)
+
+
+class TempVanishes(FakeClient):
+    """A save the backend reports as written, whose file is gone by the time it is committed."""
+
+    vanish = False
+
+    async def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> SlotActionResult:
+        result = await super().slot_action(slot_id, action, filename)
+        if action == "save" and self.vanish:
+            assert filename is not None
+            (self.slot_dir / filename).unlink()
+        return result
+
+
+@pytest.mark.parametrize("failure", ["disk-full", "temp-removed"])
+async def test_a_commit_failing_in_the_background_keeps_the_previous_snapshot(
+        store: SnapshotStore, slot_dir: Path, monkeypatch: pytest.MonkeyPatch, failure: str) -> None:
+    client = TempVanishes(slot_dir)
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    await turn(pool, B)
+    await pool.settle()
+    good = store.get(A)
+    assert good is not None
+    await turn(pool, A)  # restores the good snapshot; the slot then holds a newer state
+    await pool.settle()
+    if failure == "disk-full":
+        def full(fd: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(store_mod.os, "fsync", full)
+    else:
+        client.vanish = True
+    lease = await pool.acquire(B)  # saving A's newer state fails in its commit: B's turn goes ahead
+    assert lease.outcome is CacheOutcome.RESTORED and lease.save_ms > 0
+    lease.release(TurnEnd.COMPLETED, 10)
+    await pool.settle()
+    monkeypatch.undo()
+    client.vanish = False
+    assert pool.failed_saves == 1
+    kept = store.get(A)
+    assert kept is not None and (kept.filename, kept.checksum, kept.n_tokens) == (good.filename, good.checksum,
+                                                                                   good.n_tokens)
+    assert store.checked_snapshot(A, FP) is not None
+    assert file_checksum(slot_dir / good.filename) == good.checksum
+    assert [n for n in os.listdir(slot_dir) if ".tmp-" in n] == []
+    # The previous state is what A's next turn gets.
+    again = await pool.acquire(A)
+    assert again.outcome is CacheOutcome.RESTORED
+    assert client.actions("restore")[-1][2] == good.filename
+    again.release(TurnEnd.COMPLETED, 10)
+
+
+async def test_two_saves_of_one_session_land_in_order(client: FakeClient, store: SnapshotStore, gate: Gate) -> None:
+    """An idle save's commit is held; the session's next turn ends in another idle save: the second commit waits
+    for the first, and the newer state is the one kept."""
+    pool = make_pool(client, store, save_idle_seconds=0.02)
+    try:
+        await turn(pool, A)
+        await until(lambda: gate.started == 1)
+        assert not pool.slots[0].busy  # the slot is free while its save is committed
+        lease = await pool.acquire(A)
+        assert lease.outcome is CacheOutcome.HOT
+        lease.release(TurnEnd.COMPLETED, 20)
+        await until(lambda: len(client.actions("save")) == 2)
+        await asyncio.sleep(0.05)
+        assert gate.started == 1  # the second commit has not started: it waits for the first
+        newest = client.actions("save")[1][2]
+        assert newest is not None
+        newest_sum = file_checksum(store.slot_dir / newest)
+        gate.open()
+        await pool.settle()
+        snap = store.get(A)
+        assert snap is not None and snap.checksum == newest_sum and pool.saves == 2
+        assert [n for n in os.listdir(store.slot_dir) if n.endswith(".bin")] == [snap.filename]
+    finally:
+        await pool.aclose()
+
+
+async def test_flush_and_close_wait_for_pending_commits(client: FakeClient, store: SnapshotStore,
+                                                        gate: Gate) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    await turn(pool, B)  # A's commit is held
+    flushing = asyncio.create_task(pool.flush())
+    await until(lambda: gate.started == 2)  # A's, then B's (the flush saves B)
+    await asyncio.sleep(0.05)
+    assert not flushing.done()
+    gate.open()
+    assert await asyncio.wait_for(flushing, 2) == 1
+    assert store.get(A) is not None and store.get(B) is not None and pool.saves == 2
+
+    await turn(pool, A)  # restores A (B was saved by the flush)
+    await pool.settle()
+    gate.opened.clear()
+    await turn(pool, B)  # A's save is held
+    closing = asyncio.create_task(pool.aclose())
+    await asyncio.sleep(0.05)
+    assert not closing.done()
+    gate.open()
+    await asyncio.wait_for(closing, 2)
+    assert pool.saves == 3
+
+
+async def test_pin_and_settle_wait_for_the_sessions_commit(client: FakeClient, store: SnapshotStore,
+                                                           gate: Gate) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    await turn(pool, B)
+    assert not await pool.settle(A, timeout=0.05)
+    assert await pool.settle(B, timeout=0.05)  # nothing of B is pending
+    waiting = asyncio.create_task(pool.settle(A))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    gate.open()
+    assert await asyncio.wait_for(waiting, 2)
+    snap = store.get(A)
+    assert snap is not None
+    pinned = await pool.pin(snap)
+    assert pinned is not None and pinned.pinned and pinned.kind is SnapshotKind.SESSION
+
+
+async def test_a_cancelled_reader_does_not_cancel_the_commit(client: FakeClient, store: SnapshotStore,
+                                                             gate: Gate) -> None:
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    await turn(pool, B)
+    back = asyncio.create_task(pool.acquire(A))  # saves B, then waits for A's commit
+    await asyncio.sleep(0.05)
+    assert not back.done()
+    back.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await back
+    assert not pool.slots[0].busy
+    gate.open()
+    assert await pool.settle()
+    assert store.get(A) is not None and store.get(B) is not None and pool.saves == 2
