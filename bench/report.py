@@ -52,7 +52,9 @@ def _switch(r: dict[str, Any]) -> list[str]:
         f"message, {c['answer_tokens']}-token answers). TTFT = time to the first streamed content chunk. "
         "`cram0` = llama-server `--cache-ram 0`; `default` = llama-server with its host-memory prompt cache "
         "(`--cache-ram 8192`); slotkeeper runs in front of a `--cache-ram 0` llama-server, saving on eviction "
-        "(`--save-idle-seconds -1`, so the save of the previous session is inside the measured TTFT).",
+        "(`--save-idle-seconds -1`, so the save of the previous session is inside the measured TTFT: the backend "
+        "writing its file, which is what *save ms* shows; the commit after it (fsync, checksum, index row) runs once "
+        "the slot is handed on).",
         "",
         "| context tokens | target | TTFT median ms | TTFT p99 ms | prefilled (prompt_n) | reused (cache_n) "
         "| restore ms | save ms |",
