@@ -14,7 +14,6 @@ one idle connection is kept, and for at most `idle_expiry` seconds.
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import ssl
 import time
@@ -292,9 +291,6 @@ class WireResponse:
         self.content = b"".join(parts)
         return self.content
 
-    def json(self) -> Any:
-        return json.loads(self.content)
-
     async def aclose(self) -> None:
         """Give the connection back when the body was read to its end; close it otherwise."""
         if self._conn is not None:
@@ -340,6 +336,8 @@ class WireClient:
         conn, reused = await self._take(timeout)
         try:
             return await self._send(conn, data, read_timeout)
+        except TimedOut:
+            raise  # the server may be working on it: never sent twice
         except TransportError:
             if not reused or conn.received_any:
                 raise
