@@ -117,7 +117,7 @@ def run_workload(config: BenchConfig, root: Path, slots: int) -> tuple[list[dict
     metrics = ("--metrics",)
     samples: list[dict[str, Any]] = []
     with processes(root, model) as procs, httpx.Client(timeout=600) as client:
-        behind = procs.backend("agent-behind", 0, ctx, parallel=slots, extra_args=metrics)
+        behind = procs.backend("agent-behind", 0, ctx, parallel=slots, extra_args=metrics, ram_dir=True)
         keeper = procs.slotkeeper("agent-slotkeeper", behind)
         backends = {TARGETS[0]: procs.backend("agent-cram0", 0, ctx, parallel=slots, extra_args=metrics),
                     TARGETS[1]: procs.backend("agent-default", 8192, ctx, parallel=slots, extra_args=metrics),

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -61,6 +63,8 @@ class BenchConfig:
 # them; this grammar keeps every generated token a plain letter, so each one arrives as its own content chunk and the
 # first one marks the time to first token. Every target is sent the same grammar.
 GRAMMAR = "root ::= [a-z ]+"
+# Where the RAM dirs of slotkeeper's backends go, as slotkeeper's own default does.
+SHM = "/dev/shm"
 
 
 @dataclass
@@ -148,17 +152,30 @@ class Processes:
         self.root = root
         self.model = model
         self.stack = stack
+        self._ram_dirs: set[Path] = set()
 
     def backend(self, name: str, cache_ram: int, ctx_per_slot: int, parallel: int = 1,
-                extra_args: tuple[str, ...] = ()) -> Backend:
-        backend = Backend("binary", self.model, self.root / name / "slots", self.root / f"{name}.log",
+                extra_args: tuple[str, ...] = (), ram_dir: bool = False) -> Backend:
+        """A llama-server; with `ram_dir`, one set up as slotkeeper sets up the server it starts itself: its
+        --slot-save-path is a fresh directory on tmpfs (removed when the scenario ends), which the slotkeeper put
+        in front of it takes as its RAM dir (cache/ramdir.py)."""
+        slot_dir = self.root / name / "slots"
+        if ram_dir:
+            slot_dir = Path(tempfile.mkdtemp(prefix=f"slotkeeper-bench-{name}-", dir=SHM))
+            self.stack.callback(shutil.rmtree, slot_dir, True)
+            self._ram_dirs.add(slot_dir)
+        backend = Backend("binary", self.model, slot_dir, self.root / f"{name}.log",
                           parallel=parallel, ctx_per_slot=ctx_per_slot, cache_ram=cache_ram, extra_args=extra_args)
         self.stack.callback(backend.stop)
         (self.root / name).mkdir(parents=True, exist_ok=True)
         return backend.start()
 
     def slotkeeper(self, name: str, backend: Backend, *extra_args: str) -> Slotkeeper:
-        keeper = Slotkeeper(self.root / name / "cache", self.root / f"{name}.log", backend, extra_args)
+        """slotkeeper in front of `backend`; its snapshots are kept in <name>/slots when the backend saves into a RAM
+        dir, else in the backend's own slot dir."""
+        disk = self.root / name / "slots" if backend.slot_dir in self._ram_dirs else None
+        keeper = Slotkeeper(self.root / name / "cache", self.root / f"{name}.log", backend, extra_args,
+                            disk_slot_dir=disk)
         self.stack.callback(keeper.stop)
         return keeper.start()
 

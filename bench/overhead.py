@@ -41,7 +41,8 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
 def _run_pairs(config: BenchConfig, root: Path, model: Path, threads: int) -> list[dict[str, Any]]:
     samples: list[dict[str, Any]] = []
     with processes(root, model) as procs, httpx.Client(timeout=600) as client:
-        backend = procs.backend("overhead-backend", cache_ram=0, ctx_per_slot=4096, extra_args=("-t", str(threads)))
+        backend = procs.backend("overhead-backend", cache_ram=0, ctx_per_slot=4096, extra_args=("-t", str(threads)),
+                                ram_dir=True)
         keeper = procs.slotkeeper("overhead-slotkeeper", backend)
         urls = {"direct": backend.url, "slotkeeper": keeper.url}
         for url in urls.values():  # warm-up: the prompt is in the slot, the session is hot

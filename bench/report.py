@@ -51,10 +51,11 @@ def _switch(r: dict[str, Any]) -> list[str]:
         f"{c['sessions']} sessions round-robin on one slot, {c['rounds']} resumed turns each (history + one new user "
         f"message, {c['answer_tokens']}-token answers). TTFT = time to the first streamed content chunk. "
         "`cram0` = llama-server `--cache-ram 0`; `default` = llama-server with its host-memory prompt cache "
-        "(`--cache-ram 8192`); slotkeeper runs in front of a `--cache-ram 0` llama-server, saving on eviction "
-        "(`--save-idle-seconds -1`, so the save of the previous session is inside the measured TTFT: the backend "
-        "writing its file, which is what *save ms* shows; the commit after it (fsync, checksum, index row) runs once "
-        "the slot is handed on).",
+        "(`--cache-ram 8192`); slotkeeper runs in front of a `--cache-ram 0` llama-server whose `--slot-save-path` "
+        "is slotkeeper's RAM dir on tmpfs (as in launch and embedded modes; docs/config.md, \"The RAM dir\"), saving "
+        "on eviction (`--save-idle-seconds -1`, so the save of the previous session is inside the measured TTFT: the "
+        "backend writing its file into the RAM dir, which is what *save ms* shows; the commit after it (copy to the "
+        "slot dir on disk, fsync, checksum, index row) runs once the slot is handed on).",
         "",
         "| context tokens | target | TTFT median ms | TTFT p99 ms | prefilled (prompt_n) | reused (cache_n) "
         "| restore ms | save ms |",
@@ -115,8 +116,9 @@ def _restart(r: dict[str, Any]) -> list[str]:
         "## restart: resuming after llama-server and slotkeeper restarted",
         "",
         f"{c['sessions']} sessions of {s['tokens']} tokens primed through slotkeeper; both processes stopped and "
-        "started again; each session's next turn through slotkeeper (restored from disk) vs a cold prefill of the "
-        "same turn on a fresh `--cache-ram 0` llama-server.",
+        "started again, with slotkeeper's RAM dir empty, as a clean exit or a reboot leaves it; each session's next "
+        "turn through slotkeeper (restored from its file on disk) vs a cold prefill of the same turn on a fresh "
+        "`--cache-ram 0` llama-server.",
         "",
         "| target | TTFT median ms | prefilled (prompt_n) | reused (cache_n) | restore ms |",
         "|---|---:|---:|---:|---:|",

@@ -23,12 +23,12 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     with httpx.Client(timeout=600) as client:
         with processes(root, model) as procs:  # before the restart
-            backend = procs.backend("restart-behind", cache_ram=0, ctx_per_slot=ctx)
+            backend = procs.backend("restart-behind", cache_ram=0, ctx_per_slot=ctx, ram_dir=True)
             keeper = procs.slotkeeper("restart-slotkeeper", backend)
             for session, messages in sessions.items():
                 stream_chat(client, keeper.url, messages, session, config.answer_tokens)
         with processes(root, model) as procs:  # after: same slot dir and cache dir, new processes
-            backend = procs.backend("restart-behind", cache_ram=0, ctx_per_slot=ctx)
+            backend = procs.backend("restart-behind", cache_ram=0, ctx_per_slot=ctx, ram_dir=True)
             keeper = procs.slotkeeper("restart-slotkeeper", backend)
             cold = procs.backend("restart-cold", cache_ram=0, ctx_per_slot=ctx)
             for k, (session, messages) in enumerate(sessions.items()):

@@ -49,7 +49,7 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
     with processes(root, model) as procs, httpx.Client(timeout=600) as client:
         cram0 = procs.backend("switch-cram0", cache_ram=0, ctx_per_slot=ctx)
         default = procs.backend("switch-default", cache_ram=8192, ctx_per_slot=ctx)
-        behind = procs.backend("switch-behind", cache_ram=0, ctx_per_slot=ctx)
+        behind = procs.backend("switch-behind", cache_ram=0, ctx_per_slot=ctx, ram_dir=True)
         keeper = procs.slotkeeper("switch-slotkeeper", behind)
         urls = {TARGETS[0]: cram0.url, TARGETS[1]: default.url, TARGETS[2]: keeper.url}
         turn_no = 0

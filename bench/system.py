@@ -51,7 +51,7 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     with processes(root, model) as procs, httpx.Client(timeout=600) as client:
         metrics = ("--metrics",)
-        behind = procs.backend("system-behind", cache_ram=0, ctx_per_slot=ctx, extra_args=metrics)
+        behind = procs.backend("system-behind", cache_ram=0, ctx_per_slot=ctx, extra_args=metrics, ram_dir=True)
         keeper = procs.slotkeeper("system-slotkeeper", behind)
         backends = {TARGETS[0]: procs.backend("system-cram0", cache_ram=0, ctx_per_slot=ctx, extra_args=metrics).url,
                     TARGETS[1]: procs.backend("system-default", cache_ram=8192, ctx_per_slot=ctx,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,6 +14,18 @@ from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
 from tests.support import Backend, Slotkeeper
 
 BACKEND_KINDS = ["binary", "embedded"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ram_dirs_removed() -> Iterator[None]:
+    """slotkeeper removes its RAM dir (under /dev/shm) at a clean exit; the tests that kill it on purpose leave theirs
+    behind, and tmpfs memory is not given back by itself: remove the ones this run made."""
+    parent = Path(f"/dev/shm/slotkeeper-{os.getuid()}")
+    before = set(parent.iterdir()) if parent.is_dir() else set()
+    yield
+    if parent.is_dir():
+        for path in set(parent.iterdir()) - before:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

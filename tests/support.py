@@ -114,6 +114,9 @@ class Slotkeeper:
     process: subprocess.Popen[bytes] | None = None
     # Run in a process group of its own, as llama-swap starts its commands (so a test can signal the group).
     own_group: bool = False
+    # With a RAM dir in attach mode: the backend's --slot-save-path (upstream.slot_dir, on tmpfs) becomes
+    # --ram-dir, and this directory the --slot-dir where the snapshots are kept.
+    disk_slot_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -122,7 +125,10 @@ class Slotkeeper:
     def start(self, timeout: float = 90) -> Slotkeeper:
         argv = [sys.executable, "-m", "slotkeeper.cli", "serve", "--port", str(self.port), "--cache-dir",
                 str(self.cache_dir), "--save-idle-seconds", "-1", *self.extra_args]
-        if self.upstream is not None:
+        if self.upstream is not None and self.disk_slot_dir is not None:
+            argv += ["--upstream", self.upstream.url, "--slot-dir", str(self.disk_slot_dir), "--ram-dir",
+                     str(self.upstream.slot_dir)]
+        elif self.upstream is not None:
             argv += ["--upstream", self.upstream.url, "--slot-dir", str(self.upstream.slot_dir)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTKEEPER_")}
         with self.log_path.open("ab") as log:

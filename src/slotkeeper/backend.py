@@ -29,12 +29,12 @@ class BackendNotUsable(SlotkeeperError):
     """The backend is up but cannot do what slotkeeper needs; the message says what to change."""
 
 
-async def discover(client: UpstreamClient, store: SnapshotStore, slot_dir: Path, alias: str | None) -> BackendInfo:
+async def discover(client: UpstreamClient, store: SnapshotStore, alias: str | None) -> BackendInfo:
     props: dict[str, Any] = await client.get_json("/props")
     slots: list[dict[str, Any]] = await client.get_json("/slots")
     models: dict[str, Any] = await client.get_json("/v1/models")
     await _check_slot_actions(client)
-    await _check_slot_dir(client, slot_dir)
+    await _check_slot_dir(client, store.backend_dir, "--ram-dir" if store.ram is not None else "--slot-dir")
 
     n_slots = int(props.get("total_slots") or len(slots) or 1)
     n_ctx_slot = int(slots[0].get("n_ctx") or props["default_generation_settings"]["n_ctx"])
@@ -89,8 +89,9 @@ async def _check_slot_actions(client: UpstreamClient) -> None:
         raise
 
 
-async def _check_slot_dir(client: UpstreamClient, slot_dir: Path) -> None:
-    """Ask the backend to save into a probe file and look for it in our slot dir, so a wrong --slot-dir is caught."""
+async def _check_slot_dir(client: UpstreamClient, slot_dir: Path, option: str) -> None:
+    """Ask the backend to save into a probe file and look for it where it should be (`option` names the setting
+    that said so), so a wrong --slot-dir or --ram-dir is caught."""
     name = f"slotkeeper-probe-{secrets.token_hex(4)}.bin"
     try:
         await client.post_json("/slots/0?action=save", {"filename": name}, timeout=15.0)
@@ -102,7 +103,7 @@ async def _check_slot_dir(client: UpstreamClient, slot_dir: Path) -> None:
     probe = slot_dir / name
     if not probe.exists():
         raise BackendNotUsable(
-            f"the backend saved a probe file that did not appear in {slot_dir}: --slot-dir must be the directory "
+            f"the backend saved a probe file that did not appear in {slot_dir}: {option} must be the directory "
             "llama-server was started with as --slot-save-path"
         )
     probe.unlink()

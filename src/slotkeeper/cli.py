@@ -84,6 +84,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--disk-budget", metavar="SIZE",
                        help="keep the snapshots under SIZE in total (e.g. 50G), evicting the least recently used "
                        "(default 0: no limit)")
+    serve.add_argument("--ram-budget", metavar="SIZE",
+                       help="RAM for copies of recent snapshots in the RAM dir, where the backend saves and restores "
+                       "at memory speed (default: a quarter of the memory, at most 8G; 0: no RAM dir, the backend "
+                       "uses the slot dir)")
+    serve.add_argument("--ram-dir", metavar="DIR",
+                       help="the RAM dir, on tmpfs (default: one under /dev/shm when slotkeeper starts the backend); "
+                       "with --upstream: the directory on tmpfs llama-server was started with as --slot-save-path, "
+                       "while --slot-dir is where the snapshots are kept")
     serve.add_argument("--max-snapshot-age", metavar="DURATION",
                        help="evict snapshots unused for longer than DURATION (e.g. 7d, 12h; default 0: never)")
     serve.add_argument("--max-system-snapshots", type=int, metavar="N",

@@ -18,6 +18,9 @@ from typing import Any
 from slotkeeper.upstream.launchargs import check_command, launch_slot_dir
 from slotkeeper.upstream.wire import Origin
 
+# Where a RAM dir goes by default: the memory file system every Linux has.
+_SHM = Path("/dev/shm")
+
 
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -76,6 +79,13 @@ class Settings:
     disk_budget: int = 0
     max_snapshot_age: float = 0.0
     max_system_snapshots: int = 0
+    # The RAM dir (cache/ramdir.py): the backend's --slot-save-path on tmpfs, holding copies of recent snapshots
+    # within `ram_budget` bytes and symlinks to the others; snapshots are still kept in the slot dir. None: a
+    # directory under /dev/shm when slotkeeper starts the backend, none in attach mode (there: the directory on tmpfs
+    # the running llama-server was given as --slot-save-path, `slot_dir` then being where snapshots are kept).
+    ram_dir: Path | None = None
+    # None: a quarter of the machine's memory, at most 8 GiB (llama-server's own --cache-ram default); 0: no RAM dir.
+    ram_budget: int | None = None
     # Requests allowed to wait for a slot; one more is answered 503 in the client's dialect (0: unbounded).
     max_queue: int = 64
     # Seconds to wait for a save, restore or erase (the backend defers them while the slot is busy).
@@ -123,6 +133,27 @@ class Settings:
             return self.slot_dir
         return self.cache_dir / "slots"
 
+    def effective_ram_dir(self) -> Path | None:
+        """The RAM dir, or None: turned off (--ram-budget 0), attach mode without --ram-dir, or no /dev/shm."""
+        if self.ram_budget == 0:
+            return None
+        if self.ram_dir is not None:
+            return self.ram_dir
+        if self.mode == "attach" or not os.access(_SHM, os.W_OK | os.X_OK):
+            return None
+        slot_dir = str(self.effective_slot_dir().expanduser().resolve())
+        return _SHM / f"slotkeeper-{os.getuid()}" / hashlib.sha256(slot_dir.encode()).hexdigest()[:16]
+
+    @property
+    def effective_ram_budget(self) -> int:
+        if self.ram_budget is not None:
+            return self.ram_budget
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (OSError, ValueError):
+            memory = 0
+        return min(8 * 1024**3, memory // 4)
+
     def backend_settings(self) -> list[Settings]:
         """The settings of each backend: this object itself, or one per `[[backends]]` table (the shared settings
         plus the table's own, the table's name as the model name, and a cache dir of its own)."""
@@ -135,6 +166,7 @@ class Settings:
                 model=spec.model, ctx_size=spec.ctx_size or self.ctx_size, parallel=spec.parallel or self.parallel,
                 cache_ram_mib=spec.cache_ram_mib if spec.cache_ram_mib is not None else self.cache_ram_mib,
                 model_alias=spec.name, cache_dir=self.cache_dir / "backends" / _dir_name(spec.name),
+                ram_dir=None,  # each backend gets its own, next to its slot dir's name
             ))
         return units
 
@@ -153,6 +185,10 @@ class Settings:
             raise ValueError(
                 "--upstream needs --slot-dir: the directory the llama-server was started with as --slot-save-path"
             )
+        if self.ram_dir is not None and self.ram_dir.expanduser().resolve() == (
+                self.effective_slot_dir().expanduser().resolve()):
+            raise ValueError(f"--ram-dir and the slot dir are both {self.ram_dir}: the RAM dir (on tmpfs) holds "
+                             "copies, the slot dir (on disk) the snapshots; give them different directories")
         if self.upstream is not None and self.model is not None:
             raise ValueError("give either --upstream (attach to a running server) or --model (embedded), not both")
         if self.upstream is not None:
@@ -398,6 +434,8 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "backends": _backends,
     "system_snapshots": _bool,
     "disk_budget": parse_size,
+    "ram_budget": parse_size,
+    "ram_dir": lambda v: Path(v).expanduser(),
     "max_snapshot_age": parse_duration,
     "max_system_snapshots": int,
 }
@@ -415,6 +453,7 @@ _FILE_TYPES: dict[str, tuple[type, ...]] = {
     "backends": (list,),
     "system_snapshots": (bool,),
     "disk_budget": (int, str),
+    "ram_budget": (int, str),
     "max_snapshot_age": (int, float, str),
     "max_system_snapshots": (int,),
 }

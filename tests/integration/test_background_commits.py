@@ -64,7 +64,7 @@ async def rig(tmp_path: Path, tiny_model: Path) -> AsyncIterator[Rig]:
     store = SnapshotStore(backend.slot_dir, tmp_path / "cache" / "index.sqlite3")
     client = UpstreamClient(backend.url)
     try:
-        info = await discover(client, store, backend.slot_dir, "tiny")
+        info = await discover(client, store, "tiny")
         # No system snapshots: every commit here is a session's.
         pool = SlotPool(info.n_slots, client, store, info.fingerprint, info.n_ctx_slot, save_idle_seconds=-1,
                         system_snapshots=False)

@@ -10,13 +10,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from slotkeeper.config import Settings
 from tests.support import ANSWER_SLACK, Conversation, Slotkeeper, timings, wait_until
 
 pytestmark = pytest.mark.backend
 
 
 def _embedded_children(cache_dir: Path) -> list[str]:
-    out = subprocess.run(["pgrep", "-f", f"slotkeeper.upstream.embedded .*--slot-dir {cache_dir}/slots"],
+    """The embedded servers of the slotkeeper using `cache_dir`: they save into its RAM dir."""
+    ram_dir = Settings(cache_dir=cache_dir).effective_ram_dir()
+    out = subprocess.run(["pgrep", "-f", f"slotkeeper.upstream.embedded .*--slot-dir {ram_dir} "],
                          capture_output=True, text=True)
     return out.stdout.split()
 

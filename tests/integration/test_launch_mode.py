@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from slotkeeper.config import Settings
 from tests.support import (
     ANSWER_SLACK,
     REPO,
@@ -61,6 +62,13 @@ def servers_for(slot_dir: Path) -> list[int]:
     return found
 
 
+def ram_dir_for(slot_dir: Path) -> Path:
+    """The RAM dir slotkeeper gives a launched llama-server as --slot-save-path for snapshots kept in `slot_dir`."""
+    ram = Settings(launch_command=("llama-server",), slot_dir=slot_dir).effective_ram_dir()
+    assert ram is not None
+    return ram
+
+
 def cmdline(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().rstrip("\0").split("\0")
 
@@ -87,7 +95,7 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., Slotkeeper]]:
     yield start
     for keeper in keepers:
         keeper.stop()
-    leftovers = servers_for(tmp_path / "cache" / "slots" / "launch")
+    leftovers = servers_for(ram_dir_for(tmp_path / "cache" / "slots" / "launch"))
     for pid in leftovers:
         os.kill(pid, signal.SIGKILL)
     assert not leftovers, f"llama-server outlived slotkeeper: {leftovers}"
@@ -105,8 +113,10 @@ def test_launch_serves_the_openai_client_with_the_options_it_added(launch, tiny_
     server = info["server"]
     pid, port = server["pid"], int(info["url"].rsplit(":", 1)[1])
     assert (server["name"], server["running"], server["restarts"]) == ("llama-server", True, 0)
-    # The user's words first, then what slotkeeper adds: loopback, a free port, the slot dir under its cache dir.
-    assert cmdline(pid)[-6:] == ["--host", "127.0.0.1", "--port", str(port), "--slot-save-path", str(slot_dir)]
+    # The user's words first, then what slotkeeper adds: loopback, a free port, and, as the directory to save
+    # into, the RAM dir in front of the slot dir under its cache dir.
+    ram_dir = ram_dir_for(slot_dir)
+    assert cmdline(pid)[-6:] == ["--host", "127.0.0.1", "--port", str(port), "--slot-save-path", str(ram_dir)]
     assert info["url"] == f"http://127.0.0.1:{port}"
     # Its own session and process group: a Ctrl-C or a group signal meant for slotkeeper does not reach it.
     assert keeper.process is not None
@@ -123,15 +133,17 @@ def test_launch_serves_the_openai_client_with_the_options_it_added(launch, tiny_
         assert answer.usage is not None and answer.usage.completion_tokens >= 1
     log = keeper.log_text()
     assert "prompt cache in RAM (--cache-ram, 8192 MiB by default)" in log  # no --cache-ram 0 in this command
-    assert f"added --host 127.0.0.1 --port {port} --slot-save-path {slot_dir}" in log
+    assert f"added --host 127.0.0.1 --port {port} --slot-save-path {ram_dir}" in log
+    assert f"RAM dir {ram_dir}: the backend saves there" in log
     server_log = tmp_path / "cache" / "llama-server.log"
     assert "--- slotkeeper" in server_log.read_text() and server["log"] == str(server_log)
 
     assert keeper.stop() in (0, -signal.SIGTERM)
     assert not alive(pid)
     rows = {row["session_id"]: row for row in keeper.index_rows()}
-    assert set(rows) == {"alice", "bob"}  # saved into the slot dir slotkeeper gave llama-server
+    assert set(rows) == {"alice", "bob"}  # saved through the RAM dir into the slot dir
     assert all((slot_dir / row["filename"]).is_file() for row in rows.values())
+    assert not ram_dir.exists()  # a clean exit empties the RAM dir: everything in it is on disk
 
 
 def test_a_slot_save_path_in_the_command_is_the_slot_dir(launch, tiny_model: Path, tmp_path: Path) -> None:
@@ -140,10 +152,22 @@ def test_a_slot_save_path_in_the_command_is_the_slot_dir(launch, tiny_model: Pat
     keeper = launch("-m", str(tiny_model), "-c", "2048", "-np", "1", "--cache-ram", "0", f"--slot-save-path={own}")
     info = backend_info(keeper)
     assert info["slot_dir"] == str(own)
-    # Given as --slot-save-path=DIR, which llama-server itself refuses: passed on as two words, and only once.
+    # Given as --slot-save-path=DIR (which llama-server itself refuses): it is where the snapshots are kept, and
+    # llama-server gets the RAM dir in front of it instead, once.
     argv = cmdline(info["server"]["pid"])
-    assert argv.count("--slot-save-path") == 1 and argv[argv.index("--slot-save-path") + 1] == str(own)
+    assert argv.count("--slot-save-path") == 1 and argv[argv.index("--slot-save-path") + 1] == str(ram_dir_for(own))
     assert "prompt cache in RAM" not in keeper.log_text()
+    keeper.stop()
+
+
+def test_without_a_ram_dir_the_command_s_own_slot_save_path_is_used(launch, tiny_model: Path,
+                                                                     tmp_path: Path) -> None:
+    own = tmp_path / "own-slots"
+    keeper = launch("-m", str(tiny_model), "-c", "2048", "-np", "1", "--cache-ram", "0", "--slot-save-path", str(own),
+                    options=("--ram-budget", "0"))
+    argv = cmdline(backend_info(keeper)["server"]["pid"])
+    assert argv.count("--slot-save-path") == 1 and argv[argv.index("--slot-save-path") + 1] == str(own)
+    assert "RAM dir" not in keeper.log_text()
     keeper.stop()
 
 
@@ -340,7 +364,7 @@ def test_sigterm_during_a_stream_exits_in_bounded_time_and_saves_it(launch, tiny
     row = keeper.row("streamer")
     assert row is not None and row["n_tokens"] > 0  # the prompt, plus what was generated before the cut
     assert not alive(pid)
-    assert not servers_for(tmp_path / "cache" / "slots" / "launch")
+    assert not servers_for(ram_dir_for(tmp_path / "cache" / "slots" / "launch"))
     log = keeper.log_text()
     assert "shutdown: saved 1 changed slot(s)" in log
     assert "llama-server (pid" in log and "stopped (code 0)" in log

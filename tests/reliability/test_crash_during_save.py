@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import random
 import re
+import shutil
 import signal
 import sqlite3
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -34,35 +37,60 @@ def _index(cache_dir: Path) -> list[sqlite3.Row]:
         db.close()
 
 
-def _assert_index_consistent(cache_dir: Path, slot_dir: Path) -> dict[str, str]:
-    """Every indexed file (of sessions and system prompts) exists with the indexed size and checksum; returns
-    session -> checksum for the sessions."""
+def _temporaries(slot_dir: Path, ram: Path | None) -> list[Path]:
+    return [p for d in (slot_dir, ram) if d is not None and d.is_dir() for p in d.iterdir() if _TEMP.match(p.name)]
+
+
+def _assert_index_consistent(cache_dir: Path, slot_dir: Path, ram: Path | None = None) -> dict[str, str]:
+    """Every indexed file (of sessions and system prompts) exists with the indexed size and checksum, and so does
+    whatever its name in the RAM dir resolves to; returns session -> checksum for the sessions."""
     good = {}
     for row in _index(cache_dir):
         path = slot_dir / row["filename"]
-        assert path.is_file(), f"indexed file missing: {row['filename']}"
+        assert path.is_file() and not path.is_symlink(), f"indexed file missing: {row['filename']}"
         assert path.stat().st_size == row["n_bytes"], f"torn file in the index: {row['filename']}"
         assert file_checksum(path) == row["checksum"], f"checksum mismatch in the index: {row['filename']}"
+        if ram is not None and (ram / row["filename"]).exists():  # a copy, or a link to the file on disk
+            assert file_checksum(ram / row["filename"]) == row["checksum"], f"bad RAM copy: {row['filename']}"
         assert row["n_tokens"] > 0
         if row["kind"] == "session":
             good[row["session_id"]] = row["checksum"]
     return good
 
 
-def test_kill_9_at_random_points_of_saving(tmp_path: Path, tiny_model: Path) -> None:
-    backend = Backend("binary", tiny_model, tmp_path / "slots", tmp_path / "backend.log", cache_ram=0).start()
+@pytest.fixture(params=["slot-dir", "ram-dir"])
+def save_dirs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Path, Path | None]]:
+    """(the backend's --slot-save-path, the RAM dir or None): the backend saves into the slot dir, or into a RAM dir
+    on tmpfs whose saves slotkeeper copies to the slot dir (cache/ramdir.py)."""
+    if request.param == "slot-dir":
+        yield tmp_path / "slots", None
+        return
+    ram = Path(tempfile.mkdtemp(prefix="slotkeeper-test-ram-", dir="/dev/shm"))
+    try:
+        yield ram, ram
+    finally:
+        shutil.rmtree(ram, ignore_errors=True)
+
+
+def test_kill_9_at_random_points_of_saving(tmp_path: Path, tiny_model: Path,
+                                           save_dirs: tuple[Path, Path | None]) -> None:
+    backend_dir, ram = save_dirs
+    backend = Backend("binary", tiny_model, backend_dir, tmp_path / "backend.log", cache_ram=0).start()
+    slot_dir = tmp_path / "slots"  # where the snapshots are kept, either way
+    kills = KILLS if ram is None else KILLS // 2
     cache = tmp_path / "cache"
     rng = random.Random(2026)
     history = {s: [{"role": "system", "content": f"session {s} " + words(400, i)}] for i, s in enumerate(SESSIONS)}
     temporaries_seen = 0
     keeper: Slotkeeper | None = None
     try:
-        for _kill in range(KILLS):
+        for _kill in range(kills):
             keeper = Slotkeeper(cache, tmp_path / "slotkeeper.log", backend,
-                                extra_args=("--save-idle-seconds", "0", "--min-restore-tokens", "0")).start()
+                                extra_args=("--save-idle-seconds", "0", "--min-restore-tokens", "0"),
+                                disk_slot_dir=None if ram is None else slot_dir).start()
             # Right after a start, the previous run's leftovers are gone (reconcile) and the index is consistent.
-            assert not [p for p in backend.slot_dir.iterdir() if _TEMP.match(p.name)]
-            _assert_index_consistent(cache, backend.slot_dir)
+            assert not _temporaries(slot_dir, ram)
+            _assert_index_consistent(cache, slot_dir, ram)
 
             def drive(client_url: str = keeper.url) -> None:
                 with httpx.Client(base_url=client_url, timeout=30) as client:
@@ -79,17 +107,18 @@ def test_kill_9_at_random_points_of_saving(tmp_path: Path, tiny_model: Path) -> 
             time.sleep(rng.uniform(0.05, 1.2))
             keeper.stop(signal.SIGKILL)
             worker.join(60)
-            temporaries_seen += sum(1 for p in backend.slot_dir.iterdir() if _TEMP.match(p.name))
-            _assert_index_consistent(cache, backend.slot_dir)  # even right after the kill, before any repair
+            temporaries_seen += len(_temporaries(slot_dir, ram))
+            _assert_index_consistent(cache, slot_dir, ram)  # even right after the kill, before any repair
             assert backend.alive()
 
-        keeper = Slotkeeper(cache, tmp_path / "slotkeeper.log", backend).start()
-        good = _assert_index_consistent(cache, backend.slot_dir)
+        keeper = Slotkeeper(cache, tmp_path / "slotkeeper.log", backend,
+                            disk_slot_dir=None if ram is None else slot_dir).start()
+        good = _assert_index_consistent(cache, slot_dir, ram)
         # A session whose save was logged as complete has a snapshot (a kill after the commit but before the log
         # line may add more; a kill before the commit keeps the previous one).
         completed = set(re.findall(r"saved slot \d+ as tiny/(\w+):", keeper.log_text()))
         assert completed and completed <= set(good) <= set(SESSIONS), (completed, good)
-        assert not [p for p in backend.slot_dir.iterdir() if _TEMP.match(p.name)]
+        assert not _temporaries(slot_dir, ram)
         with httpx.Client(base_url=keeper.url, timeout=60) as client:
             for session in sorted(good):  # each last completed snapshot restores into the real backend
                 chat(client, [{"role": "user", "content": "switch away"}], "elsewhere", max_tokens=1)
@@ -99,7 +128,7 @@ def test_kill_9_at_random_points_of_saving(tmp_path: Path, tiny_model: Path) -> 
         assert backend.alive()
         keeper.stop()
         saves = len(re.findall(r"saved slot \d+ as ", keeper.log_text()))
-        print(f"{KILLS} kills, {saves} completed saves, {temporaries_seen} leftover temporaries reconciled")
+        print(f"{kills} kills, {saves} completed saves, {temporaries_seen} leftover temporaries reconciled")
     finally:
         if keeper is not None:
             keeper.stop()  # a failed assertion must not leave a slotkeeper running

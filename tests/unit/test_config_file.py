@@ -88,7 +88,8 @@ def test_a_launch_command_reads_back_from_the_printed_file(tmp_path: Path) -> No
 def test_every_setting_can_come_from_the_file(tmp_path: Path) -> None:
     """The file that --print-config writes reads back to the same settings."""
     settings = Settings.build({"upstream": "http://h:1", "slot_dir": "/s", "session_headers": ["X-A"],
-                               "cache_ram_mib": 0, "log_json": True, "model_alias": "m"}, {})
+                               "cache_ram_mib": 0, "log_json": True, "model_alias": "m", "ram_budget": "1G",
+                               "ram_dir": "/dev/shm/r"}, {})
     path = write(tmp_path, settings_toml(settings))
     assert Settings.build({"config": str(path)}, {}) == settings
     names = set(tomllib.loads(path.read_text()))

@@ -66,7 +66,7 @@ class Persister:
         temp = self._store.temp_name(key, self._fingerprint, kind)
         started = time.perf_counter()
         try:
-            result = await self._client.slot_action(slot_id, "save", temp)
+            result = await self._backend_save(slot_id, key, temp)
         except (UpstreamError, UpstreamUnavailable) as exc:
             await asyncio.to_thread(self._store.discard_temp, temp)
             self._failed(slot_id, key, exc.message)
@@ -77,6 +77,22 @@ class Persister:
         if wait and not await asyncio.shield(commit):
             return 0.0
         return (time.perf_counter() - started) * 1000
+
+    async def _backend_save(self, slot_id: int, key: SessionKey, temp: str) -> SlotActionResult:
+        """Have the backend write the slot into `temp`: into the RAM dir when there is one with room; a save there
+        that fails (the tmpfs may have filled up) is tried once more straight into the slot dir."""
+        # Plain syscalls on a memory file system (statvfs, maybe a symlink): not worth a worker thread.
+        in_ram = self._store.prepare_save(temp)
+        try:
+            return await self._client.slot_action(slot_id, "save", temp)
+        except UpstreamError as exc:
+            if not in_ram:
+                raise
+            log.warning("saving slot %d as %s into the RAM dir failed (%s); saving it to disk instead", slot_id,
+                        key, exc.message)
+        await asyncio.to_thread(self._store.discard_temp, temp)
+        self._store.prepare_save(temp, to_disk=True)
+        return await self._client.slot_action(slot_id, "save", temp)
 
     async def _commit(self, slot_id: int, key: SessionKey, temp: str, result: SlotActionResult,
                       chain: Sequence[Link], kind: SnapshotKind, started: float) -> bool:

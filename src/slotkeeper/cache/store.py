@@ -1,8 +1,11 @@
-"""The snapshot store: slot files in the backend's slot directory plus their SQLite index.
+"""The snapshot store: slot files in the slot directory plus their SQLite index.
 
 A file is listed in the index only once it was completely written, fsynced and renamed; anything else in the
 directory is a leftover. Every lookup re-checks size, checksum and fingerprint before a file may be restored (the
 checksum is hashed again only when the file's stat identity moved since this process last hashed it: hashmemo.py).
+
+The backend reads and writes the slot dir itself, or, with a RAM dir (ramdir.py), a directory on tmpfs that holds
+copies of recent snapshots and symlinks to the others: `backend_dir` is whichever it is.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
 from slotkeeper.cache.chain import Link
 from slotkeeper.cache.hashmemo import HashMemo, fine_timestamps, read_identity
+from slotkeeper.cache.ramdir import RamDir, copy_durably
+from slotkeeper.cache.ramdir import file_checksum as file_checksum  # where the rest of the code finds it
 from slotkeeper.errors import SnapshotError
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 
@@ -72,7 +75,6 @@ _TEMP_NAME = re.compile(r"^[0-9a-f]{40}\.tmp-[0-9a-f]{8}\.bin$")
 # A sidecar a patched llama-server may write next to a slot file (context checkpoints): it lives and dies with it.
 SIDECAR_SUFFIXES = (".ckpt",)
 QUARANTINE_DIR = "quarantine"
-_CHUNK = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,15 +93,6 @@ class ReconcileReport:
     rows_dropped: int
 
 
-def file_checksum(path: Path) -> str:
-    """xxh3-128 of a whole file: fast enough to run on every restore of a multi-gigabyte snapshot."""
-    digest = xxhash.xxh3_128()
-    with path.open("rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def make_private_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
 
@@ -107,8 +100,9 @@ def make_private_dir(path: Path) -> None:
 class SnapshotStore:
     """Owns the index rows and the files they name. Thread-safe; callers run it off the event loop."""
 
-    def __init__(self, slot_dir: Path, index_path: Path) -> None:
+    def __init__(self, slot_dir: Path, index_path: Path, ram: RamDir | None = None) -> None:
         self.slot_dir = slot_dir
+        self.ram = ram
         make_private_dir(slot_dir)
         make_private_dir(index_path.parent)
         self._lock = threading.Lock()
@@ -125,11 +119,26 @@ class SnapshotStore:
         with self._lock:
             self._db.close()
 
+    @property
+    def backend_dir(self) -> Path:
+        """The directory the backend saves into and restores from (its --slot-save-path)."""
+        return self.ram.path if self.ram is not None else self.slot_dir
+
     # -- saving ---------------------------------------------------------------------------------------------
 
     def temp_name(self, key: SessionKey, fingerprint: str, kind: SnapshotKind = SnapshotKind.SESSION) -> str:
         """A fresh temporary file name for the backend to write a save into."""
         return f"{key.file_stem(fingerprint, kind)}.tmp-{secrets.token_hex(4)}.bin"
+
+    def prepare_save(self, temp_name: str, *, to_disk: bool = False) -> bool:
+        """Before the backend saves into `temp_name`: True when the save will land in the RAM dir, False when it
+        goes to the slot dir (no RAM dir; it has no room; or `to_disk`)."""
+        if self.ram is None:
+            return False
+        if to_disk:
+            self.ram.save_to_disk(temp_name)
+            return False
+        return self.ram.prepare_save(temp_name)
 
     def commit(self, key: SessionKey, temp_name: str, fingerprint: str, n_tokens: int,
                chain: Sequence[Link] = (), n_written: int | None = None,
@@ -138,26 +147,26 @@ class SnapshotStore:
 
         `n_written` is the size the backend says it wrote; a file of any other size is torn and never indexed.
         """
-        temp_path = self.slot_dir / temp_name
         if n_tokens <= 0:
-            _unlink_quietly(temp_path)
+            self.discard_temp(temp_name)
             raise SnapshotError(f"the backend saved 0 tokens for {key}; the previous snapshot is kept")
         final_name = f"{key.file_stem(fingerprint, kind)}-{secrets.token_hex(4)}.bin"
-        final_path = self.slot_dir / final_name
+        in_ram = self.ram is not None and self.ram.in_ram(temp_name)
         try:
-            with temp_path.open("rb") as fh:
-                os.fsync(fh.fileno())
-                n_bytes = os.fstat(fh.fileno()).st_size
-            if n_written is not None and n_bytes != n_written:
-                raise OSError(f"the file has {n_bytes} bytes but the backend wrote {n_written}")
-            os.replace(temp_path, final_path)
-            _fsync_dir(self.slot_dir)
-            _, identity = read_identity(final_path)  # before the hash: a later change moves it (hashmemo.py)
-            checksum = file_checksum(final_path)
+            if in_ram:
+                n_bytes, checksum = self._copy_from_ram(temp_name, final_name, n_written)
+            else:
+                n_bytes, checksum = self._finish_on_disk(temp_name, final_name, n_written)
         except OSError as exc:
-            _unlink_quietly(temp_path)
-            _unlink_quietly(final_path)
+            self.discard_temp(temp_name)
+            _unlink_quietly(self.slot_dir / final_name)
             raise SnapshotError(f"could not finish the snapshot of {key}: {exc}") from exc
+        if self.ram is not None:
+            self.ram.saw(n_bytes)
+            if in_ram:
+                self.ram.keep_copy(temp_name, final_name, checksum)
+            else:
+                self.ram.remove(temp_name)  # the symlink the backend saved through
         now = time.time()
         with self._lock, self._transaction():
             previous = self._row(key, kind)
@@ -176,14 +185,65 @@ class SnapshotStore:
             if previous is not None:
                 self._db.execute("DELETE FROM chains WHERE filename=?", (previous.filename,))
             snapshot = self._row(key, kind)
-        self.hashes.remember(final_name, identity, checksum)
         if previous is not None and previous.filename != final_name:
             self._unlink_snapshot_files(previous.filename)
+        if in_ram:
+            self.trim_ram()
         assert snapshot is not None
         return snapshot
 
+    def _finish_on_disk(self, temp_name: str, final_name: str, n_written: int | None) -> tuple[int, str]:
+        """The backend wrote the save into the slot dir: fsync it, check its size, rename it, hash it."""
+        temp_path, final_path = self.slot_dir / temp_name, self.slot_dir / final_name
+        with temp_path.open("rb") as fh:
+            os.fsync(fh.fileno())
+            n_bytes = os.fstat(fh.fileno()).st_size
+        _check_size(n_bytes, n_written)
+        os.replace(temp_path, final_path)
+        _fsync_dir(self.slot_dir)
+        _, identity = read_identity(final_path)  # before the hash: a later change moves it (hashmemo.py)
+        checksum = file_checksum(final_path)
+        self.hashes.remember(final_name, identity, checksum)
+        return n_bytes, checksum
+
+    def _copy_from_ram(self, temp_name: str, final_name: str, n_written: int | None) -> tuple[int, str]:
+        """The backend wrote the save into the RAM dir: copy it to the slot dir (hashing what is written), fsync,
+        rename."""
+        assert self.ram is not None
+        source = self.ram.path / temp_name
+        _check_size(source.stat().st_size, n_written)
+        disk_temp, final_path = self.slot_dir / temp_name, self.slot_dir / final_name
+        n_bytes, checksum = copy_durably(source, disk_temp)
+        _check_size(n_bytes, n_written)
+        os.replace(disk_temp, final_path)
+        _fsync_dir(self.slot_dir)
+        _, identity = read_identity(final_path)
+        # Hashed as it was written, and settled below the page cache: only a change after this moves the identity.
+        self.hashes.remember(final_name, identity, checksum)
+        return n_bytes, checksum
+
     def discard_temp(self, temp_name: str) -> None:
         _unlink_quietly(self.slot_dir / temp_name)
+        if self.ram is not None:
+            self.ram.remove(temp_name)
+
+    def trim_ram(self) -> int:
+        """Keep the RAM dir's copies within its budget, the least recently used going first (each replaced by a
+        symlink to its file on disk); returns how many went."""
+        if self.ram is None:
+            return 0
+        copies = self.ram.copies(_is_final_name)
+        if sum(copies.values()) <= self.ram.budget:
+            return 0
+        with self._lock:
+            rows = self._db.execute("SELECT filename FROM snapshots ORDER BY last_used").fetchall()
+        indexed = [str(row[0]) for row in rows]
+        unindexed = [name for name in copies if name not in set(indexed)]
+        return self.ram.trim(copies, [*unindexed, *indexed])
+
+    def ram_usage(self) -> tuple[int, int]:
+        """(copies, bytes) in the RAM dir; (0, 0) without one."""
+        return (0, 0) if self.ram is None else self.ram.usage(_is_final_name)
 
     # -- restoring ------------------------------------------------------------------------------------------
 
@@ -254,11 +314,22 @@ class SnapshotStore:
         return shared, int(snapshot.n_tokens * rows[shared - 1][1] / max(rows[-1][1], 1))
 
     def _verified(self, snapshot: Snapshot, fingerprint: str) -> Snapshot | None:
-        reason = self._problem(snapshot, self.slot_dir / snapshot.filename, fingerprint)
-        if reason is None:
+        """The snapshot if the backend may restore it by its name in backend_dir: its RAM copy, or else its file on
+        disk (then reached through a symlink from the RAM dir), is intact and of this backend."""
+        if (self.ram is not None and snapshot.fingerprint == fingerprint
+                and self.ram.intact_copy(snapshot.filename, snapshot.n_bytes, snapshot.checksum)):
             return snapshot
-        self.quarantine(snapshot, reason)
-        return None
+        reason = self._problem(snapshot, self.slot_dir / snapshot.filename, fingerprint)
+        if reason is not None:
+            self.quarantine(snapshot, reason)
+            return None
+        if self.ram is not None:
+            try:
+                self.ram.link(snapshot.filename)
+            except OSError as exc:
+                log.error("could not link %s into the RAM dir: %s", snapshot.filename, exc)
+                return None
+        return snapshot
 
     def _problem(self, snapshot: Snapshot, path: Path, fingerprint: str) -> str | None:
         if snapshot.fingerprint != fingerprint:
@@ -284,6 +355,8 @@ class SnapshotStore:
             self._db.execute("DELETE FROM snapshots WHERE filename=?", (snapshot.filename,))
             self._db.execute("DELETE FROM chains WHERE filename=?", (snapshot.filename,))
         self.hashes.forget(snapshot.filename)
+        if self.ram is not None:
+            self.ram.remove(snapshot.filename)
         source = self.slot_dir / snapshot.filename
         if source.exists() or source.is_symlink():
             target_dir = self.slot_dir / QUARANTINE_DIR
@@ -392,6 +465,8 @@ class SnapshotStore:
 
     def _unlink_snapshot_files(self, filename: str) -> None:
         self.hashes.forget(filename)
+        if self.ram is not None:
+            self.ram.remove(filename)
         _unlink_quietly(self.slot_dir / filename)
         for suffix in SIDECAR_SUFFIXES:
             sidecar = self.slot_dir / (filename + suffix)
@@ -413,6 +488,8 @@ class SnapshotStore:
             elif _unindexed_own_file(entry.name, indexed):
                 _unlink_quietly(Path(entry.path))
                 orphans += 1
+        if self.ram is not None:
+            orphans += self._reconcile_ram(indexed)
         with self._lock:
             self._db.execute("DELETE FROM chains WHERE filename NOT IN (SELECT filename FROM snapshots)")
         dropped = 0
@@ -422,6 +499,7 @@ class SnapshotStore:
                     self._db.execute("DELETE FROM snapshots WHERE filename=?", (name,))
                     self._db.execute("DELETE FROM chains WHERE filename=?", (name,))
                 dropped += 1
+        self.trim_ram()
         report = ReconcileReport(temps, orphans, dropped)
         if temps or orphans or dropped:
             log.info(
@@ -429,6 +507,18 @@ class SnapshotStore:
                 temps, orphans, dropped,
             )
         return report
+
+    def _reconcile_ram(self, indexed: set[str]) -> int:
+        """At start, in the RAM dir: remove temporaries, half-made links, and names no snapshot has (copies
+        of indexed snapshots stay: they are checked against their checksum before a restore uses them)."""
+        assert self.ram is not None
+        removed = 0
+        for entry in os.scandir(self.ram.path):
+            name = entry.name
+            if _TEMP_NAME.match(name) or name.startswith(".link-") or (_is_final_name(name) and name not in indexed):
+                self.ram.remove(name)
+                removed += 1
+        return removed
 
     # -- model file identities (cached, so a 20 GB GGUF is not re-read at every start) ------------------------
 
@@ -465,6 +555,16 @@ class SnapshotStore:
             (key.model, key.session_id, str(kind)),
         ).fetchone()
         return None if row is None else _snapshot(row)
+
+
+def _is_final_name(name: str) -> bool:
+    return bool(_FINAL_NAME.match(name))
+
+
+def _check_size(n_bytes: int, n_written: int | None) -> None:
+    """A file of another size than the backend says it wrote is torn, and never indexed."""
+    if n_written is not None and n_bytes != n_written:
+        raise OSError(f"the file has {n_bytes} bytes but the backend wrote {n_written}")
 
 
 def _unindexed_own_file(name: str, indexed: set[str]) -> bool:

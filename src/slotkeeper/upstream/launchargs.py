@@ -204,13 +204,16 @@ def launch_slot_dir(command: Sequence[str], default: Path) -> Path:
     return Path(given) if given is not None else default
 
 
-def plan_launch(command: Sequence[str], default_slot_dir: Path, pick_port: Callable[[], int]) -> LaunchPlan:
+def plan_launch(command: Sequence[str], default_slot_dir: Path, pick_port: Callable[[], int],
+                ram_dir: Path | None = None) -> LaunchPlan:
     """The argv to start (the command plus --host, --port and --slot-save-path where missing) and what to warn about.
 
     `default_slot_dir` is used when the command has no --slot-save-path; `pick_port` is called only when it has no
-    --port.
+    --port. With a `ram_dir` (cache/ramdir.py), that is the llama-server's --slot-save-path, in place of the
+    command's own, which stays the slot dir: where the snapshots are kept.
     """
     args = check_command(command)
+    words = args.args
     added: list[str] = []
     if args.host is None:
         added += ["--host", "127.0.0.1"]
@@ -219,10 +222,13 @@ def plan_launch(command: Sequence[str], default_slot_dir: Path, pick_port: Calla
         port = pick_port()
         added += ["--port", str(port)]
     slot_dir = Path(args.slot_save_path) if args.slot_save_path is not None else default_slot_dir
-    if args.slot_save_path is None:
+    if ram_dir is not None:
+        words = _without_option(words, "slot_save_path")
+        added += ["--slot-save-path", str(ram_dir)]
+    elif args.slot_save_path is None:
         added += ["--slot-save-path", str(slot_dir)]
     return LaunchPlan(
-        argv=(args.program, *args.args, *added),
+        argv=(args.program, *words, *added),
         url=f"http://{_connect_host(args.host)}:{port}",
         port=port,
         slot_dir=slot_dir,
@@ -231,6 +237,22 @@ def plan_launch(command: Sequence[str], default_slot_dir: Path, pick_port: Calla
         added=tuple(added),
         warnings=tuple(launch_warnings(args)),
     )
+
+
+def _without_option(words: Sequence[str], name: str) -> tuple[str, ...]:
+    """The words without every occurrence of the value option `name` (any spelling) and its value; parse_command
+    has already split `--option=value` into two words."""
+    spellings = {option for option, known in VALUE_OPTIONS.items() if known == name}
+    out: list[str] = []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in spellings:
+            skip = True
+        else:
+            out.append(word)
+    return tuple(out)
 
 
 def launch_warnings(args: LlamaServerArgs) -> list[str]:

@@ -40,8 +40,9 @@ class StartedBackend:
             await self.server.stop(timeout)
 
 
-async def start_backend(settings: Settings, slot_dir: Path) -> StartedBackend:
-    """Start (or, in attach mode, just name) the backend, and wait until it answers /health.
+async def start_backend(settings: Settings, slot_dir: Path, ram_dir: Path | None = None) -> StartedBackend:
+    """Start (or, in attach mode, just name) the backend, and wait until it answers /health. The server started
+    saves into `ram_dir` when there is one (cache/ramdir.py), else into `slot_dir`.
 
     Runs on the event loop's thread on purpose: see ServerProcess.spawn.
     """
@@ -49,7 +50,7 @@ async def start_backend(settings: Settings, slot_dir: Path) -> StartedBackend:
         assert settings.upstream is not None
         return StartedBackend(settings.upstream)
     if settings.mode == "launch":
-        plan = plan_launch(settings.launch_command, slot_dir, free_port)
+        plan = plan_launch(settings.launch_command, slot_dir, free_port, ram_dir)
         for warning in plan.warnings:
             log.warning("%s", warning)
         if plan.added:
@@ -61,7 +62,7 @@ async def start_backend(settings: Settings, slot_dir: Path) -> StartedBackend:
             _tiny_model, settings.cache_dir
         )
         port = free_port()
-        server = ServerProcess("the embedded server", embedded_argv(settings, model, port, slot_dir),
+        server = ServerProcess("the embedded server", embedded_argv(settings, model, port, ram_dir or slot_dir),
                                f"http://127.0.0.1:{port}", settings.cache_dir / "embedded-server.log")
         alias = None
         log.info("starting the embedded llama.cpp server (xllamacpp) for %s on %s", model, server.url)

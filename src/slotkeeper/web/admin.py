@@ -76,8 +76,13 @@ async def disk(request: Request) -> dict[str, Any]:
     usage = await asyncio.to_thread(state.store.usage)
     free = await asyncio.to_thread(shutil.disk_usage, state.store.slot_dir)
     budget = state.pool.budget
+    store = state.store
+    copies, copy_bytes = await asyncio.to_thread(store.ram_usage)
+    ram = None if store.ram is None else {"dir": str(store.ram.path), "copies": copies, "bytes": copy_bytes,
+                                           "budget_bytes": store.ram.budget}
     return {
         "slot_dir": str(state.store.slot_dir),
+        "ram": ram,
         "bytes": sum(u["bytes"] for u in usage.values()),
         "snapshots": usage,
         "budget": {"max_bytes": budget.max_bytes, "max_age_seconds": budget.max_age_seconds,

@@ -184,6 +184,10 @@ _GAUGES: list[tuple[str, str, Callable[[_Reading], float]]] = [
      lambda r: sum(u.get("pinned", 0) for u in r.usage.values())),
     ("slotkeeper_disk_budget_bytes", "The disk budget's total size limit (0: none).",
      lambda r: r.state.pool.budget.max_bytes),
+    ("slotkeeper_ram_copy_bytes", "Bytes of snapshot copies in the RAM dir (0 without one).",
+     lambda r: r.state.store.ram_usage()[1]),
+    ("slotkeeper_ram_budget_bytes", "The RAM dir's budget for snapshot copies (0 without a RAM dir).",
+     lambda r: 0 if r.state.store.ram is None else r.state.store.ram.budget),
     ("slotkeeper_quarantined_files", "Snapshot files moved aside after failing a check.",
      lambda r: _count_files(r.state.store.slot_dir / QUARANTINE_DIR)),
 ]

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 import time
+from pathlib import Path
 
 from slotkeeper.backend import discover
 from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.ramdir import RamDir
 from slotkeeper.cache.store import SnapshotStore, make_private_dir
 from slotkeeper.config import Settings
 from slotkeeper.service import TurnService
@@ -32,17 +36,18 @@ class RunningBackend:
     async def start(cls, settings: Settings) -> RunningBackend:
         make_private_dir(settings.cache_dir)
         slot_dir = settings.effective_slot_dir()
-        store = SnapshotStore(slot_dir, settings.index_path)
+        ram = open_ram_dir(settings, slot_dir)
+        store = SnapshotStore(slot_dir, settings.index_path, ram)
         await asyncio.to_thread(store.reconcile)
         try:
-            started = await start_backend(settings, slot_dir)
+            started = await start_backend(settings, slot_dir, None if ram is None else ram.path)
         except BaseException:
             store.close()
             raise
         client = UpstreamClient(started.url, read_timeout=settings.upstream_read_timeout,
                                 slot_op_timeout=settings.slot_op_timeout)
         try:
-            backend = await discover(client, store, slot_dir, settings.model_alias or started.model_alias)
+            backend = await discover(client, store, settings.model_alias or started.model_alias)
         except BaseException:
             await client.aclose()
             await started.stop(settings.shutdown_budget.stopping)
@@ -85,6 +90,30 @@ class RunningBackend:
         await state.client.aclose()
         await self._started.stop(budget.stopping)
         state.store.close()
+        if state.store.ram is not None and self._started.server is not None:
+            # Every save was committed (pool.aclose) and the server that read it is gone: all of it is on disk.
+            await asyncio.to_thread(state.store.ram.remove_all)
+
+
+def open_ram_dir(settings: Settings, slot_dir: Path) -> RamDir | None:
+    """The RAM dir of these settings, made ready; None when there is none, or it cannot be used safely (then the
+    backend saves into the slot dir, as without one)."""
+    path = settings.effective_ram_dir()
+    if path is None:
+        return None
+    try:
+        if settings.ram_dir is None:  # ours under /dev/shm: a parent no other user may own or swap for a link
+            make_private_dir(path.parent)
+            st = os.lstat(path.parent)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                raise OSError(f"{path.parent} is not a directory of this user")
+        ram = RamDir(path, slot_dir, settings.effective_ram_budget)
+    except OSError as exc:
+        log.warning("no RAM dir (%s): the backend saves into the slot dir %s", exc, slot_dir)
+        return None
+    log.info("RAM dir %s: the backend saves there, and copies of recent snapshots (up to %.1f GiB) are restored "
+             "from there", path, ram.budget / 1024**3)
+    return ram
 
 
 async def _keep_budget(pool: SlotPool, interval: float = 60.0) -> None:

@@ -1,0 +1,172 @@
+"""The RAM dir against a real llama-server whose --slot-save-path is on tmpfs (attach mode with --ram-dir, as launch
+and embedded modes set it up themselves): saves land in RAM and are kept on disk, restores come from the RAM copy
+or through a link to the disk file and are proven by the backend's cache_n, and a RAM dir too full for a save
+sends that save to disk instead."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from slotkeeper.cache import ramdir as ramdir_mod
+from slotkeeper.cache.budget import DiskBudget
+from slotkeeper.cache.events import CacheEvents
+from slotkeeper.cache.persister import Persister
+from slotkeeper.cache.ramdir import RamDir
+from slotkeeper.cache.store import SnapshotStore, file_checksum
+from slotkeeper.types import SessionKey
+from slotkeeper.upstream.client import UpstreamClient
+from tests.support import Backend, Conversation, Slotkeeper, timings, words
+
+pytestmark = pytest.mark.backend
+
+
+@pytest.fixture
+def ram_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="slotkeeper-test-ram-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def start(tmp_path: Path, tiny_model: Path, ram_dir: Path, *options: str) -> tuple[Backend, Slotkeeper]:
+    backend = Backend("binary", tiny_model, ram_dir, tmp_path / "backend.log", cache_ram=0).start()
+    keeper = Slotkeeper(tmp_path / "cache", tmp_path / "slotkeeper.log", backend,
+                        extra_args=("--min-restore-tokens", "0", *options), disk_slot_dir=tmp_path / "slots")
+    try:
+        keeper.start()
+    except BaseException:
+        backend.stop()
+        raise
+    return backend, keeper
+
+
+def test_saves_land_in_ram_are_kept_on_disk_and_restore_from_the_copy(tmp_path: Path, tiny_model: Path,
+                                                                      ram_dir: Path) -> None:
+    backend, keeper = start(tmp_path, tiny_model, ram_dir)
+    slots = tmp_path / "slots"
+    try:
+        with httpx.Client(base_url=keeper.url, timeout=120) as client:
+            alice, bob = Conversation(client, "alice", 800, 1), Conversation(client, "bob", 800, 2)
+            alice.turn()
+            bob.turn()  # saves alice (into RAM, then copied to disk)
+            row = keeper.row("alice")
+            assert row is not None
+            copy, kept = ram_dir / row["filename"], slots / row["filename"]
+            assert copy.is_file() and not copy.is_symlink()
+            assert kept.is_file() and file_checksum(kept) == file_checksum(copy) == row["checksum"]
+            assert kept.stat().st_size == row["n_bytes"]
+            assert not [p for p in [*ram_dir.iterdir(), *slots.iterdir()] if ".tmp-" in p.name]
+
+            back = alice.turn()  # saves bob, restores alice from her RAM copy
+            assert back.headers["x-slotkeeper-cache"] == "restored"
+            assert timings(back)["cache_n"] >= row["n_tokens"] - 4
+            bob_row = keeper.row("bob")
+            assert bob_row is not None and (ram_dir / bob_row["filename"]).is_file()
+            assert "RAM dir" in keeper.log_text()
+            disk = client.get("/api/sessions/disk").json()
+            rows = keeper.index_rows()  # the sessions' snapshots and their system prompts'
+            assert disk["ram"]["dir"] == str(ram_dir) and disk["ram"]["copies"] == len(rows) >= 2
+            assert disk["ram"]["bytes"] == sum(r["n_bytes"] for r in rows)
+            metrics = client.get("/metrics").text
+            gauge = re.search(r"^slotkeeper_ram_copy_bytes (\S+)$", metrics, re.MULTILINE)
+            assert gauge is not None and float(gauge.group(1)) == disk["ram"]["bytes"]
+    finally:
+        keeper.stop()
+        backend.stop()
+    # slotkeeper did not start this backend: the RAM dir is the operator's, and stays.
+    assert ram_dir.is_dir()
+
+
+def test_with_no_room_for_copies_restores_go_through_links_to_disk(tmp_path: Path, tiny_model: Path,
+                                                                   ram_dir: Path) -> None:
+    backend, keeper = start(tmp_path, tiny_model, ram_dir, "--ram-budget", "1")
+    slots = tmp_path / "slots"
+    try:
+        with httpx.Client(base_url=keeper.url, timeout=120) as client:
+            alice, bob = Conversation(client, "alice", 800, 1), Conversation(client, "bob", 800, 2)
+            alice.turn()
+            bob.turn()
+            row = keeper.row("alice")
+            assert row is not None
+            link = ram_dir / row["filename"]
+            assert link.is_symlink() and os.readlink(link) == str(slots / row["filename"])
+            assert not [p for p in ram_dir.iterdir() if p.is_file() and not p.is_symlink()]
+            back = alice.turn()
+            assert back.headers["x-slotkeeper-cache"] == "restored"
+            assert timings(back)["cache_n"] >= row["n_tokens"] - 4
+    finally:
+        keeper.stop()
+        backend.stop()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    small = tmp_path / "small-ram"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k,mode=0700", "tmpfs", str(small)], check=True)
+    try:
+        yield small
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_a_ram_dir_without_room_sends_saves_to_disk(tmp_path: Path, tiny_model: Path, small_tmpfs: Path) -> None:
+    backend, keeper = start(tmp_path, tiny_model, small_tmpfs)
+    slots = tmp_path / "slots"
+    try:
+        with httpx.Client(base_url=keeper.url, timeout=120) as client:
+            alice, bob = Conversation(client, "alice", 900, 1), Conversation(client, "bob", 900, 2)
+            alice.turn()
+            assert bob.turn().status_code == 200  # a 600 KB tmpfs has no room: alice is saved straight to disk
+            row = keeper.row("alice")
+            assert row is not None and (slots / row["filename"]).stat().st_size == row["n_bytes"]
+            assert (small_tmpfs / row["filename"]).is_symlink() or not (small_tmpfs / row["filename"]).exists()
+            back = alice.turn()
+            assert back.headers["x-slotkeeper-cache"] == "restored"
+            assert timings(back)["cache_n"] >= row["n_tokens"] - 4
+            assert client.get("/api/sessions/current").json()["failed_saves"] == 0
+    finally:
+        keeper.stop()
+        backend.stop()
+
+
+async def test_a_save_that_fills_the_ram_dir_is_made_again_on_disk(
+    tmp_path: Path, tiny_model: Path, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The room check passes (no headroom asked), the backend's write then runs out of space in the tmpfs: the save
+    is made once more, into the slot dir, and is committed and restorable."""
+    monkeypatch.setattr(ramdir_mod, "_HEADROOM", 0)
+    backend = Backend("binary", tiny_model, small_tmpfs, tmp_path / "backend.log", cache_ram=0).start()
+    slots = tmp_path / "slots"
+    store = SnapshotStore(slots, tmp_path / "index.db", RamDir(small_tmpfs, slots, 1 << 30))
+    client = UpstreamClient(backend.url)
+    try:
+        prompt = {"prompt": words(900, 3), "n_predict": 1, "id_slot": 0, "cache_prompt": True}
+        first = await client.post_json("/completion", prompt)
+        persister = Persister(client, store, "f" * 16, DiskBudget(), CacheEvents(), lambda: ())
+        key = SessionKey("tiny", "alice")
+        assert await persister.save(0, key, []) > 0
+        snapshot = store.checked_snapshot(key, "f" * 16)
+        assert snapshot is not None and snapshot.n_tokens >= first["timings"]["prompt_n"]
+        assert "into the RAM dir failed" in caplog.text and persister.failed_saves == 0
+        assert (slots / snapshot.filename).stat().st_size == snapshot.n_bytes > 600 * 1024
+        await client.slot_action(0, "erase")
+        restored = await client.slot_action(0, "restore", snapshot.filename)  # through the link to disk
+        assert restored.n_tokens == snapshot.n_tokens
+        again = await client.post_json("/completion", prompt)
+        assert again["timings"]["cache_n"] >= snapshot.n_tokens - 1
+    finally:
+        await client.aclose()
+        store.close()
+        backend.stop()
