@@ -295,3 +295,21 @@ def test_a_launch_saves_into_the_ram_dir_and_keeps_the_commands_dir_for_snapshot
     assert plan.argv.count("--slot-save-path") == 1 and "-np" in plan.argv
     without = plan_launch(["llama-server", "-m", "m.gguf"], tmp_path / "default", lambda: 9999)
     assert without.argv[without.argv.index("--slot-save-path") + 1] == str(tmp_path / "default")
+
+
+def test_a_copy_that_cannot_be_kept_leaves_the_snapshot_on_disk(store: SnapshotStore, dirs: tuple[Path, Path],
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    slot_dir, ram_path = dirs
+    assert store.ram is not None
+
+    def fails(*args: object) -> None:
+        raise OSError(2, "No such file or directory")
+
+    monkeypatch.setattr(store.ram, "keep_copy", fails)
+    data = os.urandom(MiB)
+    snap = save(store, key("a"), data)
+    assert (slot_dir / snap.filename).read_bytes() == data
+    assert not [n for n in os.listdir(ram_path) if ".tmp-" in n]
+    assert "keeping a RAM copy" in caplog.text
+    assert store.checked_snapshot(key("a"), FP) == snap and backend_reads(store, snap) == data

@@ -164,7 +164,11 @@ class SnapshotStore:
         if self.ram is not None:
             self.ram.saw(n_bytes)
             if in_ram:
-                self.ram.keep_copy(temp_name, final_name, checksum)
+                try:
+                    self.ram.keep_copy(temp_name, final_name, checksum)
+                except OSError as exc:  # the snapshot is on disk: only the copy is lost
+                    log.warning("keeping a RAM copy of %s failed (%s): it is restored from disk", final_name, exc)
+                    self.ram.remove(temp_name)
             else:
                 self.ram.remove(temp_name)  # the symlink the backend saved through
         now = time.time()
