@@ -78,6 +78,8 @@ class StreamResult:
     cache_n: int
     predicted_n: int
     cache_header: str | None
+    # What the backend says it spent evaluating the prompt (timings.prompt_ms; -1 when it sent no timings).
+    prompt_ms: float = -1.0
 
     @property
     def chunks_per_second(self) -> float:
@@ -126,6 +128,7 @@ def _stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]],
         ttft_ms=((ttft if ttft is not None else end) - t0) * 1000, total_ms=(end - t0) * 1000,
         content_chunks=chunks, prompt_n=int(timings.get("prompt_n", -1)), cache_n=int(timings.get("cache_n", -1)),
         predicted_n=int(timings.get("predicted_n", -1)), cache_header=header,
+        prompt_ms=float(timings.get("prompt_ms", -1.0)),
     )
 
 

@@ -57,17 +57,27 @@ def _switch(r: dict[str, Any]) -> list[str]:
         "backend writing its file into the RAM dir, which is what *save ms* shows; the commit after it (copy to the "
         "slot dir on disk, fsync, checksum, index row) runs once the slot is handed on).",
         "",
-        "| context tokens | target | TTFT median ms | TTFT p99 ms | prefilled (prompt_n) | reused (cache_n) "
-        "| restore ms | save ms |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "*Backend prompt ms* is what the llama-server behind the target reported for evaluating the turn's prompt "
+        "(`timings.prompt_ms`), and *beyond it* the rest of the time to first token: for the RAM cache its swap, for "
+        "slotkeeper the save, the restore and the proxy; both include the first token's decode. Separate "
+        "llama-server processes of one configuration differ in speed by up to about 15% on this machine for their "
+        "whole life (measured: the same 3,285-token prefill took 5,242 ms on one and 6,679 ms on another), which "
+        "the rotating order cannot cancel; the time beyond the prompt is the part that does not depend on it.",
+        "",
+        "| context tokens | target | TTFT median ms | TTFT p99 ms | backend prompt ms (median) "
+        "| beyond it (median) | prefilled (prompt_n) | reused (cache_n) | restore ms | save ms |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for tokens, s in r["summary"].items():
         for target, t in s["targets"].items():
             extra = ["", ""]
             if "restore_ms" in t:
                 extra = [_fmt(t["restore_ms"]["median"]), _fmt(t["save_ms"]["median"])]
+            prompt = [_fmt(t["prompt_ms_median"]), _fmt(t["beyond_prompt_ms_median"])] if "prompt_ms_median" in t else [
+                "", ""]
             lines.append(f"| {tokens} | {target} | {_fmt(t['ttft_ms']['median'])} | {_fmt(t['ttft_ms']['p99'])} "
-                         f"| {t['prompt_n_median']:g} | {t['cache_n_median']:g} | {' | '.join(extra)} |")
+                         f"| {' | '.join(prompt)} | {t['prompt_n_median']:g} | {t['cache_n_median']:g} "
+                         f"| {' | '.join(extra)} |")
     lines += ["", "| context tokens | cram0 / slotkeeper (of medians, per-turn median) "
               "| default / slotkeeper (of medians, per-turn median) |", "|---:|---|---|"]
     for tokens, s in r["summary"].items():

@@ -4,7 +4,8 @@ Every resumed turn (the session's history plus one new user message) is sent to 
 so that machine noise falls on all of them alike: llama-server alone with `--cache-ram 0`, llama-server alone with
 its default host-memory prompt cache (`--cache-ram 8192`), and slotkeeper in front of a `--cache-ram 0`
 llama-server. Measured: time to the first streamed content chunk, tokens prefilled (`prompt_n`) and reused
-(`cache_n`), and slotkeeper's own save and restore times."""
+(`cache_n`), the backend's own prompt time (`timings.prompt_ms`) and the rest of the time to first token, and
+slotkeeper's own save and restore times."""
 
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
                             "tokens": tokens, "round": rnd, "session": session, "target": target,
                             "position": order.index(target), "ttft_ms": result.ttft_ms,
                             "total_ms": result.total_ms, "prompt_n": result.prompt_n, "cache_n": result.cache_n,
+                            "prompt_ms": result.prompt_ms,
                         }
                         if target == "slotkeeper":
                             row = keeper_record(client, keeper.url, session, since)
@@ -93,6 +95,11 @@ def summarize(samples: list[dict[str, Any]], config: BenchConfig) -> dict[str, A
                 "ttft_ms": describe([s["ttft_ms"] for s in mine]),
                 "prompt_n_median": statistics.median(s["prompt_n"] for s in mine),
                 "cache_n_median": statistics.median(s["cache_n"] for s in mine),
+                # The backend's own prompt evaluation, and the rest of the time to first token: what a switch costs
+                # besides the prefill (the RAM cache's swap, or slotkeeper's save, restore and proxying), apart from
+                # how fast each llama-server process happens to run.
+                "prompt_ms_median": statistics.median(s["prompt_ms"] for s in mine),
+                "beyond_prompt_ms_median": statistics.median(s["ttft_ms"] - s["prompt_ms"] for s in mine),
             }
         keeper_rows = [s for s in rows if s["target"] == "slotkeeper"]
         per_target["slotkeeper"].update({

@@ -64,7 +64,7 @@ def test_switch(results: Path) -> None:
     assert len(data["samples"]) == len(targets) * config["sessions"] * config["rounds"] * len(config["tokens"])
     for sample in data["samples"]:
         assert positive(sample["ttft_ms"]) and sample["total_ms"] >= sample["ttft_ms"]
-        assert sample["prompt_n"] >= 1 and sample["cache_n"] >= 0
+        assert sample["prompt_n"] >= 1 and sample["cache_n"] >= 0 and positive(sample["prompt_ms"])
         if sample["target"] == "slotkeeper":
             assert sample["cache"] in {"hot", "restored", "prefix", "cold"}
             assert sample["restore_ms"] >= 0 and sample["save_ms"] >= 0
@@ -73,6 +73,8 @@ def test_switch(results: Path) -> None:
         for target in targets:
             assert positive(summary["targets"][target]["ttft_ms"]["median"])
             assert positive(summary["targets"][target]["prompt_n_median"])
+            assert positive(summary["targets"][target]["prompt_ms_median"])
+            assert positive(summary["targets"][target]["beyond_prompt_ms_median"])  # the prefill is inside the TTFT
         assert "restore_ms" in summary["targets"]["slotkeeper"]
         for name in ("cram0_over_slotkeeper", "default_over_slotkeeper"):
             assert positive(summary["ratios"][name]["of_medians"])
