@@ -11,6 +11,8 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,6 +173,17 @@ def _stop(process: subprocess.Popen[bytes] | None, sig: int) -> int | None:
     except subprocess.TimeoutExpired:
         process.kill()
         return process.wait()
+
+
+@contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (e.g. "600k") mounted on the new directory `path`, for tests of a full disk (needs root)."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 # -- conversations ------------------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from slotkeeper.cache.ramdir import RamDir
 from slotkeeper.cache.store import SnapshotStore, file_checksum
 from slotkeeper.types import SessionKey
 from slotkeeper.upstream.client import UpstreamClient
-from tests.support import Backend, Conversation, Slotkeeper, timings, words
+from tests.support import Backend, Conversation, Slotkeeper, small_tmpfs, timings, words
 
 pytestmark = pytest.mark.backend
 
@@ -108,20 +107,15 @@ def test_with_no_room_for_copies_restores_go_through_links_to_disk(tmp_path: Pat
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+def small_ram(tmp_path: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    small = tmp_path / "small-ram"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k,mode=0700", "tmpfs", str(small)], check=True)
-    try:
-        yield small
-    finally:
-        subprocess.run(["umount", "-l", str(small)], check=False)
+    with small_tmpfs(tmp_path / "small-ram", "600k") as mount:
+        yield mount
 
 
-def test_a_ram_dir_without_room_sends_saves_to_disk(tmp_path: Path, tiny_model: Path, small_tmpfs: Path) -> None:
-    backend, keeper = start(tmp_path, tiny_model, small_tmpfs)
+def test_a_ram_dir_without_room_sends_saves_to_disk(tmp_path: Path, tiny_model: Path, small_ram: Path) -> None:
+    backend, keeper = start(tmp_path, tiny_model, small_ram)
     slots = tmp_path / "slots"
     try:
         with httpx.Client(base_url=keeper.url, timeout=120) as client:
@@ -130,7 +124,7 @@ def test_a_ram_dir_without_room_sends_saves_to_disk(tmp_path: Path, tiny_model: 
             assert bob.turn().status_code == 200  # a 600 KB tmpfs has no room: alice is saved straight to disk
             row = keeper.row("alice")
             assert row is not None and (slots / row["filename"]).stat().st_size == row["n_bytes"]
-            assert (small_tmpfs / row["filename"]).is_symlink() or not (small_tmpfs / row["filename"]).exists()
+            assert (small_ram / row["filename"]).is_symlink() or not (small_ram / row["filename"]).exists()
             back = alice.turn()
             assert back.headers["x-slotkeeper-cache"] == "restored"
             assert timings(back)["cache_n"] >= row["n_tokens"] - 4
@@ -141,15 +135,15 @@ def test_a_ram_dir_without_room_sends_saves_to_disk(tmp_path: Path, tiny_model: 
 
 
 async def test_a_save_that_fills_the_ram_dir_is_made_again_on_disk(
-    tmp_path: Path, tiny_model: Path, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, tiny_model: Path, small_ram: Path, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The room check passes (no headroom asked), the backend's write then runs out of space in the tmpfs: the save
     is made once more, into the slot dir, and is committed and restorable."""
     monkeypatch.setattr(ramdir_mod, "_HEADROOM", 0)
-    backend = Backend("binary", tiny_model, small_tmpfs, tmp_path / "backend.log", cache_ram=0).start()
+    backend = Backend("binary", tiny_model, small_ram, tmp_path / "backend.log", cache_ram=0).start()
     slots = tmp_path / "slots"
-    store = SnapshotStore(slots, tmp_path / "index.db", RamDir(small_tmpfs, slots, 1 << 30))
+    store = SnapshotStore(slots, tmp_path / "index.db", RamDir(small_ram, slots, 1 << 30))
     client = UpstreamClient(backend.url)
     try:
         prompt = {"prompt": words(900, 3), "n_predict": 1, "id_slot": 0, "cache_prompt": True}

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from slotkeeper.cache.store import file_checksum
-from tests.support import Backend, Slotkeeper, chat, words
+from tests.support import Backend, Slotkeeper, chat, small_tmpfs, words
 
 pytestmark = [
     pytest.mark.backend,
@@ -22,14 +22,9 @@ pytestmark = [
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path):
-    mount = tmp_path / "slots"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k,mode=0700", "tmpfs", str(mount)], check=True)
-    try:
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    with small_tmpfs(tmp_path / "slots", "1200k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_disk_full_keeps_the_good_snapshot_and_serves_on(tmp_path: Path, tiny_model: Path, small_disk: Path) -> None:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from slotkeeper.cache import ramdir as ramdir_mod
-from slotkeeper.cache.ramdir import RamDir, copy_durably
+from slotkeeper.cache import files as files_mod
+from slotkeeper.cache.files import copy_durably
+from slotkeeper.cache.ramdir import RamDir
 from slotkeeper.cache.store import SnapshotStore, file_checksum
 from slotkeeper.config import Settings
 from slotkeeper.types import SessionKey, Snapshot
@@ -84,7 +85,7 @@ def test_copy_durably_falls_back_where_direct_io_is_refused(tmp_path: Path, monk
             raise OSError(22, "Invalid argument")
         return real_open(path, flags, mode)
 
-    monkeypatch.setattr(ramdir_mod.os, "open", no_direct)
+    monkeypatch.setattr(files_mod.os, "open", no_direct)
     n, checksum = copy_durably(source, tmp_path / "dst.bin")
     assert (n, checksum) == (5000, file_checksum(source))
     assert (tmp_path / "dst.bin").read_bytes() == source.read_bytes()
@@ -97,7 +98,7 @@ def test_copy_durably_leaves_no_partial_file(tmp_path: Path, monkeypatch: pytest
     def full(fd: int, data: object) -> int:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ramdir_mod.os, "write", full)
+    monkeypatch.setattr(files_mod.os, "write", full)
     with pytest.raises(OSError):
         copy_durably(source, tmp_path / "dst.bin")
     assert not (tmp_path / "dst.bin").exists()

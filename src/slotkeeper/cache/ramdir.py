@@ -19,11 +19,7 @@ time: slotkeeper removes it at a clean exit, and a reboot does the same.
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import io
 import logging
-import mmap
 import os
 import secrets
 import shutil
@@ -32,87 +28,13 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import xxhash
-
+from slotkeeper.cache.files import file_checksum, unlink_quietly
 from slotkeeper.cache.hashmemo import HashMemo, fine_timestamps, read_identity
 
 log = logging.getLogger("slotkeeper.store")
 
-_CHUNK = 4 * 1024 * 1024
-# Direct I/O wants buffers, offsets and lengths in whole blocks of the device; 4 KiB is a multiple of every common one.
-_BLOCK = 4096
 # A save goes to RAM only with this much room beyond twice the largest snapshot seen, so that the tmpfs is not filled.
 _HEADROOM = 64 * 1024 * 1024
-
-
-def copy_durably(source: Path, target: Path) -> tuple[int, str]:
-    """Copy `source` to a new file `target` and fsync it; returns (bytes, xxh3-128 of them).
-
-    The target is written with O_DIRECT where the file system allows it: the bytes go from our buffer to the disk,
-    not into the page cache (which costs CPU and memory a running model would rather keep). Elsewhere (tmpfs, some
-    network file systems) it is an ordinary write. The digest is of the bytes that were written.
-    """
-    try:
-        return _copy(source, target, direct=True)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        _unlink_quietly(target)
-        return _copy(source, target, direct=False)
-
-
-def _copy(source: Path, target: Path, direct: bool) -> tuple[int, str]:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
-    digest = xxhash.xxh3_128()
-    buffer = mmap.mmap(-1, _CHUNK)  # page-aligned, as direct I/O wants
-    view = memoryview(buffer)
-    total = 0
-    try:
-        with source.open("rb", buffering=0) as src:
-            fd = os.open(target, flags, 0o600)
-            try:
-                while n := _fill(src, view):
-                    digest.update(view[:n])
-                    length = n
-                    if direct and n % _BLOCK:  # the last piece: padded to a whole block, cut back below
-                        length = n + _BLOCK - n % _BLOCK
-                        view[n:length] = bytes(length - n)
-                    if os.write(fd, view[:length]) != length:
-                        raise OSError(errno.ENOSPC, "short write")
-                    total += n
-                if direct:
-                    os.ftruncate(fd, total)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    except BaseException:
-        _unlink_quietly(target)
-        raise
-    finally:
-        view.release()
-        with contextlib.suppress(BufferError):  # a slice still held by a traceback: the collector closes it
-            buffer.close()
-    return total, digest.hexdigest()
-
-
-def _fill(src: io.RawIOBase, view: memoryview) -> int:
-    """Read into `view` until it is full or the file ends (a short read in between would misalign the next write)."""
-    filled = 0
-    while filled < len(view):
-        n = src.readinto(view[filled:])
-        if not n:
-            break
-        filled += n
-    return filled
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.error("could not remove %s: %s", path, exc)
 
 
 class RamDir:
@@ -140,12 +62,8 @@ class RamDir:
             room = 0
         if room >= 2 * self._largest + _HEADROOM:
             return True
-        self.save_to_disk(name)
-        return False
-
-    def save_to_disk(self, name: str) -> None:
-        """Make `name` a symlink to the slot dir, so that the backend's save of it is written on disk."""
         self.link(name)
+        return False
 
     def in_ram(self, name: str) -> bool:
         """Whether `name` is a file here (a save that landed in RAM, or a copy), not a symlink to the slot dir."""
@@ -198,13 +116,13 @@ class RamDir:
         try:
             os.replace(temp, self.path / name)
         except BaseException:
-            _unlink_quietly(temp)
+            unlink_quietly(temp)
             raise
         self.hashes.forget(name)
 
     def remove(self, name: str) -> None:
         self.hashes.forget(name)
-        _unlink_quietly(self.path / name)
+        unlink_quietly(self.path / name)
 
     # -- the budget -----------------------------------------------------------------------------------------
 
@@ -242,12 +160,3 @@ class RamDir:
     def remove_all(self) -> None:
         """Empty and remove the RAM dir (at exit, once every save was committed): everything in it is on disk."""
         shutil.rmtree(self.path, ignore_errors=True)
-
-
-def file_checksum(path: Path) -> str:
-    """xxh3-128 of a whole file: fast enough to run on every restore of a multi-gigabyte snapshot."""
-    digest = xxhash.xxh3_128()
-    with path.open("rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -26,9 +26,10 @@ from typing import Any
 
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
 from slotkeeper.cache.chain import Link
+from slotkeeper.cache.files import copy_durably, fsync_dir, unlink_quietly
+from slotkeeper.cache.files import file_checksum as file_checksum  # where the rest of the code finds it
 from slotkeeper.cache.hashmemo import HashMemo, fine_timestamps, read_identity
-from slotkeeper.cache.ramdir import RamDir, copy_durably
-from slotkeeper.cache.ramdir import file_checksum as file_checksum  # where the rest of the code finds it
+from slotkeeper.cache.ramdir import RamDir
 from slotkeeper.errors import SnapshotError
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 
@@ -136,7 +137,7 @@ class SnapshotStore:
         if self.ram is None:
             return False
         if to_disk:
-            self.ram.save_to_disk(temp_name)
+            self.ram.link(temp_name)  # the backend's write follows the link into the slot dir
             return False
         return self.ram.prepare_save(temp_name)
 
@@ -159,7 +160,7 @@ class SnapshotStore:
                 n_bytes, checksum = self._finish_on_disk(temp_name, final_name, n_written)
         except OSError as exc:
             self.discard_temp(temp_name)
-            _unlink_quietly(self.slot_dir / final_name)
+            unlink_quietly(self.slot_dir / final_name)
             raise SnapshotError(f"could not finish the snapshot of {key}: {exc}") from exc
         if self.ram is not None:
             self.ram.saw(n_bytes)
@@ -204,7 +205,7 @@ class SnapshotStore:
             n_bytes = os.fstat(fh.fileno()).st_size
         _check_size(n_bytes, n_written)
         os.replace(temp_path, final_path)
-        _fsync_dir(self.slot_dir)
+        fsync_dir(self.slot_dir)
         _, identity = read_identity(final_path)  # before the hash: a later change moves it (hashmemo.py)
         checksum = file_checksum(final_path)
         self.hashes.remember(final_name, identity, checksum)
@@ -220,14 +221,14 @@ class SnapshotStore:
         n_bytes, checksum = copy_durably(source, disk_temp)
         _check_size(n_bytes, n_written)
         os.replace(disk_temp, final_path)
-        _fsync_dir(self.slot_dir)
+        fsync_dir(self.slot_dir)
         _, identity = read_identity(final_path)
         # Hashed as it was written, and settled below the page cache: only a change after this moves the identity.
         self.hashes.remember(final_name, identity, checksum)
         return n_bytes, checksum
 
     def discard_temp(self, temp_name: str) -> None:
-        _unlink_quietly(self.slot_dir / temp_name)
+        unlink_quietly(self.slot_dir / temp_name)
         if self.ram is not None:
             self.ram.remove(temp_name)
 
@@ -471,11 +472,11 @@ class SnapshotStore:
         self.hashes.forget(filename)
         if self.ram is not None:
             self.ram.remove(filename)
-        _unlink_quietly(self.slot_dir / filename)
+        unlink_quietly(self.slot_dir / filename)
         for suffix in SIDECAR_SUFFIXES:
             sidecar = self.slot_dir / (filename + suffix)
             if sidecar.exists():
-                _unlink_quietly(sidecar)
+                unlink_quietly(sidecar)
 
     def reconcile(self) -> ReconcileReport:
         """At start: remove our leftover temporaries and unindexed files, and rows whose file is gone.
@@ -487,10 +488,10 @@ class SnapshotStore:
         temps = orphans = 0
         for entry in os.scandir(self.slot_dir):
             if _TEMP_NAME.match(entry.name):
-                _unlink_quietly(Path(entry.path))
+                unlink_quietly(Path(entry.path))
                 temps += 1
             elif _unindexed_own_file(entry.name, indexed):
-                _unlink_quietly(Path(entry.path))
+                unlink_quietly(Path(entry.path))
                 orphans += 1
         if self.ram is not None:
             orphans += self._reconcile_ram(indexed)
@@ -584,20 +585,3 @@ def _snapshot(row: Sequence[Any]) -> Snapshot:
     model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned = row
     return Snapshot(model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits,
                     SnapshotKind(kind), bool(pinned))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.error("could not remove %s: %s", path, exc)
