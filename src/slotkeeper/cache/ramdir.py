@@ -78,7 +78,6 @@ class RamDir:
         os.replace(self.path / temp_name, target)
         _, identity = read_identity(target)
         self.hashes.remember(final_name, identity, checksum)
-        self.saw(identity.size)
 
     def saw(self, n_bytes: int) -> None:
         """A snapshot of `n_bytes` was saved: a save goes to RAM only with room for twice the largest one."""
@@ -110,9 +109,16 @@ class RamDir:
 
     def link(self, name: str) -> None:
         """Make `name` here a symlink to the file of that name in the slot dir, replacing whatever it was in one
-        step (a restore reading it gets either the old file or the new link)."""
+        step (a restore reading it gets either the old file or the new link). Nothing is written when it is that
+        link already (every restore from disk, and every prefix lookup's candidate, asks for it)."""
+        target = self.slot_dir / name
+        try:
+            if os.readlink(self.path / name) == str(target):
+                return
+        except OSError:
+            pass  # missing, or a file (a copy or a save) to be replaced
         temp = self.path / f".link-{secrets.token_hex(4)}"
-        os.symlink(self.slot_dir / name, temp)
+        os.symlink(target, temp)
         try:
             os.replace(temp, self.path / name)
         except BaseException:
