@@ -216,7 +216,10 @@ def test_responses_pass_through_under_session_control(client: openai.OpenAI) -> 
 
 
 def test_responses_stream(client: openai.OpenAI) -> None:
-    events = list(client.responses.create(model="tiny", input="Hello there", max_output_tokens=3, stream=True))
+    # As in the chat stream test: llama-server sends response.created with the first piece of text, so a random
+    # model whose first tokens are incomplete UTF-8 bytes gets a stream without it (2 of 100 requests, directly).
+    events = list(client.responses.create(model="tiny", input="Hello there", max_output_tokens=3, stream=True,
+                                          extra_body={"grammar": "root ::= [a-z ]+"}))
     assert events[0].type == "response.created"
     assert events[-1].type == "response.completed"
 
