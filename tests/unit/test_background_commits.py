@@ -18,7 +18,7 @@ from slotkeeper.cache.pool import TurnEnd
 from slotkeeper.cache.store import SnapshotStore, file_checksum
 from slotkeeper.types import CacheOutcome, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult
-from tests.unit.test_pool import FP, A, B, FakeClient, make_pool, turn
+from tests.unit.test_pool import FP, A, B, C, FakeClient, make_pool, turn
 
 
 class Gate:
@@ -244,3 +244,37 @@ async def test_a_cancelled_reader_does_not_cancel_the_commit(client: FakeClient,
     gate.open()
     assert await pool.settle()
     assert store.get(A) is not None and store.get(B) is not None and pool.saves == 2
+
+
+async def test_a_session_back_while_the_backend_still_writes_its_save_restores_that_save(
+        client: FakeClient, store: SnapshotStore) -> None:
+    """A's slot goes to B, and the backend is still writing A's state when A comes back on the other slot: A's
+    turn waits for that save and restores it, never the older snapshot the save replaces."""
+    pool = make_pool(client, store, n_slots=2)
+    try:
+        await turn(pool, A)
+        await pool.flush()  # A's older snapshot
+        older = store.get(A)
+        assert older is not None
+        await turn(pool, A)  # A changes again, in slot 0
+        await turn(pool, C)  # slot 1
+        real = client.slot_action
+
+        async def slow_on_slot_0(slot_id: int, action: str, filename: str | None = None) -> SlotActionResult:
+            result = await real(slot_id, action, filename)
+            if slot_id == 0 and action == "save":
+                await asyncio.sleep(0.3)  # the backend has not answered yet
+            return result
+
+        client.slot_action = slow_on_slot_0  # type: ignore[method-assign]
+        b_lease = asyncio.create_task(pool.acquire(B))  # the least recently used slot: A's; A is saved first
+        await until(lambda: len(client.actions("save")) == 2)  # the flush's, and A's now being written
+        a_lease = await pool.acquire(A)  # slot 1 (C's, saved first), while the backend writes A's state
+        newer = store.get(A)
+        assert newer is not None and newer.filename != older.filename
+        assert a_lease.outcome is CacheOutcome.RESTORED
+        assert client.actions("restore")[-1][2] == newer.filename
+        a_lease.release(TurnEnd.COMPLETED, 10)
+        (await b_lease).release(TurnEnd.COMPLETED, 10)
+    finally:
+        await pool.aclose()

@@ -37,9 +37,14 @@ class PendingWrites:
     def __contains__(self, snapshot: object) -> bool:
         return snapshot in self._tasks
 
+    def current(self, snapshot: SnapshotId) -> asyncio.Task[bool] | None:
+        """The snapshot's newest pending write, if any."""
+        return self._tasks.get(snapshot)
+
     def start(self, snapshot: SnapshotId, write: Callable[[], Coroutine[Any, Any, bool]],
-              chain: Sequence[Link] | None = None) -> asyncio.Task[bool]:
-        """Run `write()` in the background once the snapshot's earlier writes are done; the task's result is
+              chain: Sequence[Link] | None = None, *, at_once: bool = False) -> asyncio.Task[bool]:
+        """Run `write()` in the background once the snapshot's earlier writes are done (`at_once`: right away, the
+        write then waits for `current()` itself before the part that must come after them); the task's result is
         whether it succeeded. `write` handles its own failures; one that escapes anyway is logged here. `chain`:
         the message chain a commit will index with the snapshot."""
         earlier = self._tasks.get(snapshot)
@@ -47,7 +52,7 @@ class PendingWrites:
             self._chains[snapshot] = chain
 
         async def run() -> bool:
-            if earlier is not None:
+            if earlier is not None and not at_once:
                 await asyncio.wait({earlier})
             return await write()
 

@@ -65,16 +65,33 @@ class Persister:
         counted, and costs only the snapshot's freshness (the previous snapshot stays)."""
         temp = self._store.temp_name(key, self._fingerprint, kind)
         started = time.perf_counter()
-        try:
-            result = await self._backend_save(slot_id, key, temp)
-        except (UpstreamError, UpstreamUnavailable) as exc:
-            await asyncio.to_thread(self._store.discard_temp, temp)
-            self._failed(slot_id, key, exc.message)
+        written: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        sid = snapshot_id(key, kind)
+        earlier = self._writes.current(sid)
+
+        async def write() -> bool:
+            ok = False
+            try:
+                result = await self._backend_save(slot_id, key, temp)
+                ok = True
+            except (UpstreamError, UpstreamUnavailable) as exc:
+                await asyncio.to_thread(self._store.discard_temp, temp)
+                self._failed(slot_id, key, exc.message)
+                return False
+            finally:
+                if not written.done():  # the caller waits for this part only, unless it asked to wait for all
+                    written.set_result(ok)
+            if earlier is not None:  # commits of one snapshot land in the order its saves were made
+                await asyncio.wait({earlier})
+            return await self._commit(slot_id, key, temp, result, chain, kind, started)
+
+        # The whole save is one pending write, from before the backend writes the file: a reader of the snapshot
+        # (the session back on another slot while its old slot is being saved) waits for it, never reads the
+        # snapshot the save replaces. Shielded: a caller that gives up waiting does not stop the save.
+        done = self._writes.start(sid, write, chain, at_once=True)
+        if not await asyncio.shield(written):
             return 0.0
-        commit = self._writes.start(snapshot_id(key, kind),
-                                    lambda: self._commit(slot_id, key, temp, result, chain, kind, started), chain)
-        # Shielded: a caller that gives up waiting does not stop the commit.
-        if wait and not await asyncio.shield(commit):
+        if wait and not await asyncio.shield(done):
             return 0.0
         return (time.perf_counter() - started) * 1000
 
