@@ -123,19 +123,26 @@ def _parser() -> argparse.ArgumentParser:
 
     add_commands(sub)
 
-    tiny = sub.add_parser("tiny-model", help="write the deterministic random-weight test model",
-                          description="Write a tiny random-weight llama (or, with --arch mamba, recurrent Mamba-1) "
-                          "GGUF with a ChatML template. Same options, same bytes. Its output is gibberish: it exists "
-                          "for tests and demos.")
+    tiny = sub.add_parser("tiny-model", help="write a deterministic random-weight test model",
+                          description="Write a tiny random-weight GGUF with a synthetic vocab: llama (dense, the "
+                          "default), mamba (recurrent Mamba-1), jamba (Mamba-1 + attention), lfm2 (short convolution "
+                          "+ attention) or gemma3 (sliding-window attention), with a ChatML or a Qwen3-style chat "
+                          "template. Same options, same bytes. Its output is gibberish: it exists for tests and demos.")
     tiny.add_argument("out", metavar="OUT.gguf")
-    tiny.add_argument("--arch", choices=["llama", "mamba"], default="llama",
-                      help="llama (KV cache) or mamba (recurrent state; ignores --n-head, --n-head-kv, --n-ff)")
+    # The choices repeat slotkeeper.tinymodel.ARCHS and TEMPLATES, so that parsing does not import numpy and gguf.
+    tiny.add_argument("--arch", choices=["llama", "mamba", "jamba", "lfm2", "gemma3"], default="llama",
+                      help="llama (KV cache), mamba (recurrent state; ignores --n-head, --n-head-kv, --n-ff), jamba "
+                      "or lfm2 (hybrid: attention on the odd layers), gemma3 (even layers with a 64-token sliding "
+                      "window, odd layers global)")
+    tiny.add_argument("--template", choices=["chatml", "qwen3"], default="chatml",
+                      help="chatml, or qwen3: a Qwen3-style template with tools, tool calls and <think> reasoning "
+                      "dropped from earlier turns (adds <think>, </think>, <tool_call>, </tool_call> to the vocab)")
     tiny.add_argument("--seed", type=int, default=1234)
-    tiny.add_argument("--n-embd", type=int, default=256)
+    tiny.add_argument("--n-embd", type=int, help="default 256 (llama, mamba) or 128 (jamba, lfm2, gemma3)")
     tiny.add_argument("--n-layer", type=int, default=4)
-    tiny.add_argument("--n-head", type=int, default=8)
-    tiny.add_argument("--n-head-kv", type=int, default=4)
-    tiny.add_argument("--n-ff", type=int, default=768)
+    tiny.add_argument("--n-head", type=int, help="default 8, or 4 for jamba, lfm2, gemma3")
+    tiny.add_argument("--n-head-kv", type=int, help="default 4, or 2 for jamba, lfm2, gemma3")
+    tiny.add_argument("--n-ff", type=int, help="default 768, or 256 for jamba, lfm2, gemma3")
     tiny.add_argument("--context-length", type=int, default=32768)
     return parser
 
@@ -199,7 +206,8 @@ def _tiny_model(args: argparse.Namespace) -> int:
     from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
 
     spec = TinyModelSpec(arch=args.arch, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
-                         n_head_kv=args.n_head_kv, n_ff=args.n_ff, context_length=args.context_length, seed=args.seed)
+                         n_head_kv=args.n_head_kv, n_ff=args.n_ff, context_length=args.context_length, seed=args.seed,
+                         template=args.template)
     try:
         n_bytes = write_tiny_model(Path(args.out), spec)
     except ValueError as exc:

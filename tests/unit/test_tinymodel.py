@@ -4,6 +4,7 @@ llama.cpp server and in the llama-server binary."""
 from __future__ import annotations
 
 import hashlib
+import json
 import pathlib
 import socket
 import subprocess
@@ -16,7 +17,19 @@ import gguf
 import httpx
 import pytest
 
-from slotkeeper.tinymodel import IM_END, IM_START, TinyModelSpec, write_tiny_model
+from slotkeeper.tinymodel import (
+    ARCHS,
+    IM_END,
+    IM_START,
+    QWEN3_TEMPLATE,
+    THINK_END,
+    THINK_START,
+    THINKING_GRAMMAR,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    TinyModelSpec,
+    write_tiny_model,
+)
 from tests.support import Backend, llama_server_binary
 
 _EXPECTED_KEYS = (
@@ -384,3 +397,238 @@ def test_binary_regenerate_after_restore(
         assert again["timings"]["cache_n"] == expected
     finally:
         backend.stop()
+
+
+# -- jamba, lfm2, gemma3 and the qwen3 template ---------------------------------------------------------------------
+
+_NEW_ARCHS = ("jamba", "lfm2", "gemma3")
+_F16, _F32 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
+
+
+@pytest.fixture(scope="module", params=_NEW_ARCHS)
+def new_arch_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("tinymodel") / f"tiny-{request.param}.gguf"
+    write_tiny_model(path, TinyModelSpec(arch=request.param))
+    return path
+
+
+def _arch_of(path: pathlib.Path) -> str:
+    arch: str = _field(gguf.GGUFReader(path), "general.architecture")
+    return arch
+
+
+def test_default_mamba_bytes_are_pinned(mamba_model: pathlib.Path) -> None:
+    digest = hashlib.sha256(mamba_model.read_bytes()).hexdigest()
+    assert digest == "c9a1eebcd037ed77073896ad886fbb05161d70923dc307fe754b42ae1a82a509"
+
+
+def test_unset_shapes_take_the_arch_defaults() -> None:
+    assert TinyModelSpec() == TinyModelSpec(n_embd=256, n_head=8, n_head_kv=4, n_ff=768, template="chatml")
+    assert TinyModelSpec(arch="mamba").n_embd == 256
+    for arch in _NEW_ARCHS:
+        spec = TinyModelSpec(arch=arch)  # type: ignore[arg-type]
+        assert (spec.n_embd, spec.n_layer, spec.n_head, spec.n_head_kv, spec.n_ff) == (128, 4, 4, 2, 256)
+        assert spec.name == f"tiny-random-{arch}"
+    assert TinyModelSpec(arch="gemma3", n_embd=64).n_embd == 64
+    assert ARCHS == ("llama", "mamba", "jamba", "lfm2", "gemma3")
+
+
+def test_new_arch_is_deterministic_and_small(tmp_path: pathlib.Path, new_arch_model: pathlib.Path) -> None:
+    arch = _arch_of(new_arch_model)
+    again = tmp_path / "again.gguf"
+    size = write_tiny_model(again, TinyModelSpec(arch=arch))  # type: ignore[arg-type]
+    assert size == again.stat().st_size == new_arch_model.stat().st_size
+    assert again.read_bytes() == new_arch_model.read_bytes()
+    assert 1_000_000 < size < 3_000_000
+
+    other = tmp_path / "other.gguf"
+    write_tiny_model(other, TinyModelSpec(arch=arch, seed=4321))  # type: ignore[arg-type]
+    assert other.stat().st_size == size
+    assert other.read_bytes() != new_arch_model.read_bytes()
+
+
+def _expected_new_arch(arch: str, n_vocab: int) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], Any]]]:
+    """Keys (without the arch prefix) and tensors (numpy shape, type) of a default-shaped new-arch model."""
+    n_embd, n_ff, head_dim, n_kv = 128, 256, 32, 2 * 32
+    d_inner, d_state, dt_rank = 2 * n_embd, 16, n_embd // 16
+    keys: dict[str, Any] = {
+        "context_length": 32768, "embedding_length": n_embd, "block_count": 4, "feed_forward_length": n_ff,
+        "attention.head_count": 4, "vocab_size": n_vocab,
+    }
+    tensors: dict[str, tuple[tuple[int, ...], Any]] = {"token_embd.weight": ((n_vocab, n_embd), _F16)}
+    ffn = {"ffn_gate.weight": ((n_ff, n_embd), _F16), "ffn_up.weight": ((n_ff, n_embd), _F16),
+           "ffn_down.weight": ((n_embd, n_ff), _F16), "ffn_norm.weight": ((n_embd,), _F32),
+           "attn_norm.weight": ((n_embd,), _F32)}
+    qkvo = {"attn_q.weight": ((n_embd, n_embd), _F16), "attn_k.weight": ((n_kv, n_embd), _F16),
+            "attn_v.weight": ((n_kv, n_embd), _F16), "attn_output.weight": ((n_embd, n_embd), _F16)}
+    qk_norms = {"attn_q_norm.weight": ((head_dim,), _F32), "attn_k_norm.weight": ((head_dim,), _F32)}
+    if arch == "jamba":
+        keys |= {"attention.head_count_kv": [0, 2, 0, 2], "ssm.conv_kernel": 4, "ssm.inner_size": d_inner,
+                 "ssm.state_size": d_state, "ssm.time_step_rank": dt_rank}
+        tensors["output_norm.weight"] = ((n_embd,), _F32)
+        recurrent = {
+            "ssm_in.weight": ((2 * d_inner, n_embd), _F16), "ssm_conv1d.weight": ((d_inner, 4), _F32),
+            "ssm_conv1d.bias": ((d_inner,), _F32), "ssm_x.weight": ((dt_rank + 2 * d_state, d_inner), _F16),
+            "ssm_dt_norm.weight": ((dt_rank,), _F32), "ssm_dt.weight": ((d_inner, dt_rank), _F16),
+            "ssm_dt.bias": ((d_inner,), _F32), "ssm_b_norm.weight": ((d_state,), _F32),
+            "ssm_c_norm.weight": ((d_state,), _F32), "ssm_a": ((d_inner, d_state), _F32),
+            "ssm_d": ((d_inner,), _F32), "ssm_out.weight": ((n_embd, d_inner), _F16),
+        }
+        layers = [ffn | (qkvo if layer % 2 else recurrent) for layer in range(4)]
+    elif arch == "lfm2":
+        keys |= {"attention.head_count_kv": [0, 2, 0, 2], "shortconv.l_cache": 3, "rope.freq_base": 1e6}
+        tensors["token_embd_norm.weight"] = ((n_embd,), _F32)  # LFM2's output norm
+        conv = {"shortconv.conv.weight": ((n_embd, 3), _F32), "shortconv.in_proj.weight": ((3 * n_embd, n_embd), _F16),
+                "shortconv.out_proj.weight": ((n_embd, n_embd), _F16)}
+        layers = [ffn | (qkvo | qk_norms if layer % 2 else conv) for layer in range(4)]
+    else:
+        keys |= {"attention.head_count_kv": 2, "attention.key_length": head_dim, "attention.value_length": head_dim,
+                 "rope.freq_base": 10000.0, "attention.sliding_window": 64, "attention.sliding_window_pattern": 2}
+        tensors["output_norm.weight"] = ((n_embd,), _F32)
+        post = {"post_attention_norm.weight": ((n_embd,), _F32), "post_ffw_norm.weight": ((n_embd,), _F32)}
+        layers = [ffn | qkvo | qk_norms | post for _ in range(4)]
+    for layer, per_layer in enumerate(layers):
+        tensors |= {f"blk.{layer}.{name}": shape for name, shape in per_layer.items()}
+    return keys, tensors
+
+
+def test_new_arch_reads_back_with_expected_keys_and_tensors(new_arch_model: pathlib.Path) -> None:
+    reader = gguf.GGUFReader(new_arch_model)
+    arch = _field(reader, "general.architecture")
+    n_vocab = len(_field(reader, "tokenizer.ggml.tokens"))
+    keys, tensors = _expected_new_arch(arch, n_vocab)
+
+    assert _field(reader, "general.name") == f"tiny-random-{arch}"
+    assert _field(reader, "general.file_type") == 1
+    for key, value in keys.items():
+        assert _field(reader, f"{arch}.{key}") == pytest.approx(value), key
+    assert _field(reader, f"{arch}.attention.layer_norm_rms_epsilon") > 0
+    assert {f.split(".")[0] for f in reader.fields} <= {"GGUF", "general", "tokenizer", arch}
+    assert "<|im_start|>" in _field(reader, "tokenizer.chat_template")
+
+    got = {t.name: (tuple(int(d) for d in t.data.shape), t.tensor_type) for t in reader.tensors}
+    assert got == tensors
+    # Every name is gguf's own for the arch (blk.N.<name>), as llama.cpp looks them up.
+    arch_enum = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    known = {gguf.TENSOR_NAMES[t].format(bid=layer) for t in gguf.MODEL_TENSORS[arch_enum] for layer in range(4)}
+    for name in got:
+        assert name.removesuffix(".weight").removesuffix(".bias") in known, name
+
+
+def test_qwen3_template_adds_marker_tokens_only_there(tmp_path: pathlib.Path, default_model: pathlib.Path) -> None:
+    path = tmp_path / "qwen3.gguf"
+    write_tiny_model(path, TinyModelSpec(template="qwen3"))
+    reader = gguf.GGUFReader(path)
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type")
+    assert tokens[-6:] == [IM_START, IM_END, THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END]
+    assert types[-4:] == [gguf.TokenType.USER_DEFINED] * 4
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == tokens.index(IM_END)
+    assert _field(reader, "tokenizer.chat_template") == QWEN3_TEMPLATE
+    assert _field(reader, "llama.vocab_size") == len(tokens)
+
+    chatml_tokens = _field(gguf.GGUFReader(default_model), "tokenizer.ggml.tokens")
+    assert tokens[:-4] == chatml_tokens
+    assert THINK_START not in chatml_tokens
+
+
+def test_thinking_grammar_shape() -> None:
+    assert THINKING_GRAMMAR.startswith('root ::= "<think>" ')
+    assert '"</think>"' in THINKING_GRAMMAR
+
+
+def test_qwen3_template_renders_tools_and_drops_earlier_thinking() -> None:
+    jinja2_sandbox = pytest.importorskip("jinja2.sandbox")
+    env = jinja2_sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda value: json.dumps(value, ensure_ascii=False)  # as Hugging Face renders it
+    template = env.from_string(QWEN3_TEMPLATE)
+
+    earlier = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "<think>\nold thought\n</think>\n\na1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2", "reasoning_content": "dropped too"},
+        {"role": "user", "content": "q3"},
+    ]
+    assert template.render(messages=earlier, add_generation_prompt=True) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nq1<|im_end|>\n"
+        "<|im_start|>assistant\na1<|im_end|>\n"
+        "<|im_start|>user\nq2<|im_end|>\n"
+        "<|im_start|>assistant\na2<|im_end|>\n"
+        "<|im_start|>user\nq3<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    calls = [
+        {"role": "user", "content": "what time is it"},
+        {"role": "assistant", "content": None, "reasoning_content": "ask the clock",
+         "tool_calls": [{"type": "function", "function": {"name": "now", "arguments": {"tz": "UTC"}}},
+                        {"type": "function", "function": {"name": "now", "arguments": '{"tz": "CET"}'}}]},
+        {"role": "tool", "content": "12:00"},
+        {"role": "tool", "content": "13:00"},
+        {"role": "assistant", "content": "<think>read both</think>noon"},
+    ]
+    rendered = template.render(messages=calls, tools=[tool], add_generation_prompt=False)
+    system, rest = rendered.split("<|im_end|>\n", 1)
+    assert system.startswith("<|im_start|>system\n# Tools\n")
+    assert f"<tools>\n{json.dumps(tool)}\n</tools>" in system
+    assert "<tool_call>" in system and "</tool_call>" in system
+    assert rest == (
+        "<|im_start|>user\nwhat time is it<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nask the clock\n</think>\n\n"
+        '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "now", "arguments": {"tz": "CET"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n</tool_response>"
+        "<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nread both\n</think>\n\nnoon<|im_end|>\n"
+    )
+
+    with_system = template.render(messages=[{"role": "system", "content": "Be brief."}, *calls[:1]], tools=[tool],
+                                  add_generation_prompt=True)
+    assert with_system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert with_system.count("<|im_start|>system") == 1
+    assert with_system.endswith("<|im_start|>user\nwhat time is it<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (TinyModelSpec(arch="jamba", n_layer=1), "n_layer must be at least 2"),
+        (TinyModelSpec(arch="lfm2", n_layer=1), "n_layer must be at least 2"),
+        (TinyModelSpec(arch="gemma3", n_layer=1), "n_layer must be at least 2"),
+        (TinyModelSpec(arch="jamba", n_embd=200, n_head=5, n_head_kv=5), "divisible by 16"),
+        (TinyModelSpec(arch="gemma3", n_head_kv=3), "divisible by n_head_kv"),
+        (TinyModelSpec(arch="lfm2", n_ff=0), "n_ff"),
+        (TinyModelSpec(template="jinja"), "unsupported template"),  # type: ignore[arg-type]
+        (TinyModelSpec(arch="qwen35"), "unsupported arch"),  # type: ignore[arg-type]
+    ],
+)
+def test_bad_new_spec_raises(tmp_path: pathlib.Path, spec: TinyModelSpec, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        write_tiny_model(tmp_path / "bad.gguf", spec)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_writes_the_same_bytes_as_the_api(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from slotkeeper import cli
+
+    out = tmp_path / "cli.gguf"
+    assert cli.main(["tiny-model", str(out), "--arch", "lfm2", "--template", "qwen3", "--seed", "7"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    api = tmp_path / "api.gguf"
+    write_tiny_model(api, TinyModelSpec(arch="lfm2", template="qwen3", seed=7))
+    assert out.read_bytes() == api.read_bytes()
+
+    default = tmp_path / "default.gguf"
+    assert cli.main(["tiny-model", str(default)]) == 0
+    assert hashlib.sha256(default.read_bytes()).hexdigest() == (
+        "3193c1809d2e2c6947d734a3d7e9c1b70814d75f002ce38d13d27da8d0e2c47b")
+
+    parser = cli._parser()
+    for arch in ARCHS:
+        assert parser.parse_args(["tiny-model", "x.gguf", "--arch", arch]).arch == arch
+    with pytest.raises(SystemExit):
+        parser.parse_args(["tiny-model", "x.gguf", "--arch", "qwen35"])
