@@ -11,6 +11,14 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from slotkeeper.cache.capability import (
+    ArchKind,
+    Capability,
+    arch_kind,
+    build_number,
+    checkpoints_by_build,
+    read_gguf_metadata,
+)
 from slotkeeper.cache.fingerprint import (
     backend_fingerprint,
     local_model_path,
@@ -62,6 +70,34 @@ async def discover(client: UpstreamClient, store: SnapshotStore, alias: str | No
         props=props,
         meta=meta,
     )
+
+
+def capability_of(props: Any, embedded: bool = False) -> Capability:
+    """What restores can give on this backend: the model's architecture (from its GGUF file, when readable from
+    here) and whether the build keeps context checkpoints in slot files (from its build number; a saved file may
+    tell later, see SlotPool). The embedded server reports no build number, but its package version carries it."""
+    build = str(props.get("build_info") or "")
+    if embedded and build_number(build) is None:
+        build = _xllamacpp_build() or build
+    local = local_model_path(props)
+    arch, kind = "", ArchKind.UNKNOWN
+    if local is not None:
+        try:
+            arch, kind = arch_kind(read_gguf_metadata(local))
+        except Exception as exc:  # an unreadable or unusual header: restores are still judged after the fact
+            log.warning("could not read the architecture of %s: %s", local, exc)
+    return Capability(arch, kind, checkpoints_by_build(build))
+
+
+def _xllamacpp_build() -> str | None:
+    """"b11549" for xllamacpp 2026.10.11549: the last part of its version is llama.cpp's build number."""
+    try:
+        from importlib.metadata import version
+
+        last = version("xllamacpp").rsplit(".", 1)[-1]
+    except Exception:  # not installed, or an unusual version string
+        return None
+    return f"b{last}" if last.isdigit() else None
 
 
 def _model_id(props: dict[str, Any]) -> str:

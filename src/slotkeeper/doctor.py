@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from slotkeeper.cache.capability import ADVISED_BUILD
 from slotkeeper.manage import AdminClient, CommandError, human_bytes
 
 # A slot smaller than this cuts long conversations short.
@@ -142,14 +143,21 @@ def _fingerprint_check(backend: dict[str, Any], sessions: list[dict[str, Any]]) 
 
 def _restore_check(current: dict[str, Any]) -> Check:
     good, bad = int(current["restores_effective"]), int(current["restores_ineffective"])
+    restoring = current.get("restoring") or {}
+    strategy, reason = restoring.get("strategy", "restore"), str(restoring.get("reason", ""))
+    build = f"llama.cpp {restoring['build']}: " if restoring.get("build") else ""
+    if strategy == "keep-hot":
+        return Check("restores", "warn", f"{build}{reason}",
+                     f"run llama.cpp {ADVISED_BUILD}: it keeps context checkpoints in slot files "
+                     "(docs/architectures.md)")
     if not current["restore_effective"]:
-        return Check("restores", "fail", f"restoring is switched off: {bad} restore(s) were not reused by the "
-                     "backend", "the model is recurrent or hybrid, or uses sliding-window attention: start "
-                     "llama-server with --swa-full, or use a model with a plain KV cache")
-    if bad:
-        return Check("restores", "warn", f"{good} restore(s) reused, {bad} not reused",
-                     "three in a row switch restoring off; a sliding-window model needs --swa-full")
-    return Check("restores", "ok", f"{good} restore(s) checked, all reused" if good else "no restore checked yet")
+        return Check("restores", "warn", f"{bad} restore(s) reused less than they shared with the request: {reason}",
+                     "see docs/architectures.md for what each model and llama.cpp build can restore")
+    counted = f"{good} restore(s) checked, {bad} not reused" if good or bad else "no restore checked yet"
+    if strategy == "prompt-end":
+        return Check("restores", "warn", f"{counted}; {build}{reason}",
+                     f"run llama.cpp {ADVISED_BUILD} to restore edited and forked histories of this model too")
+    return Check("restores", "ok", f"{counted}; {reason}" if reason else counted)
 
 
 def _save_check(current: dict[str, Any]) -> Check:

@@ -17,7 +17,7 @@ from typing import Any
 
 from slotkeeper.cache.chain import message_chain
 from slotkeeper.cache.pool import SlotLease, SlotPool, TurnEnd
-from slotkeeper.cache.systemprompt import SystemPrompt, system_prompt_of
+from slotkeeper.cache.systemprompt import SystemPrompt, common_prefix_text, system_prompt_of, warmup_prompt_body
 from slotkeeper.dialects.framing import KEEPALIVE, SseDecoder, TimingsScanner, UpstreamEvent
 from slotkeeper.errors import SlotkeeperError, UpstreamError, UpstreamUnavailable
 from slotkeeper.journal import RequestEntry, RequestJournal
@@ -58,7 +58,9 @@ class TurnRecord:
         self.end = end
         t = self.timings or {}
         cache_n = t.get("cache_n")
-        self.lease.release(end, self.n_tokens(), int(cache_n) if isinstance(cache_n, int | float) else None)
+        n_prompt = int(t.get("cache_n", 0) or 0) + int(t.get("prompt_n", 0) or 0)
+        self.lease.release(end, self.n_tokens(), int(cache_n) if isinstance(cache_n, int | float) else None,
+                           n_prompt)
         entry = RequestEntry(
             self.api, self.lease.side, self.key.model, self.key.session_id, self.lease.slot_id, str(self.lease.outcome),
             self.lease.restored_tokens, self.lease.restore_ms, self.lease.save_ms, _int(t.get("cache_n")),
@@ -91,8 +93,10 @@ class TurnService:
         self._check_backend()
         record = TurnRecord(api, key, await self._acquire(key, build, side), journal=self.journal)
         end = TurnEnd.CANCELLED
+        body = build(record.lease.slot_id)
+        record.lease.replay = (path, body)
         try:
-            data = await self.client.post_json(path, build(record.lease.slot_id))
+            data = await self.client.post_json(path, body)
             if isinstance(data, dict) and isinstance(data.get("timings"), dict):
                 record.timings = data["timings"]
             end = TurnEnd.COMPLETED
@@ -117,7 +121,9 @@ class TurnService:
         self._check_backend()
         lease = await self._acquire(key, build, side, warm_now=not warm_in_stream)
         record = TurnRecord(api, key, lease, journal=self.journal)
-        context = self.client.stream(path, build(record.lease.slot_id))
+        body = build(record.lease.slot_id)
+        lease.replay = (path, body)
+        context = self.client.stream(path, body)
         if lease.warm_up:
             return StreamTurn(record, None, context, self.client.base_url,
                               warm_up=lambda progress: self._warm_up(lease, progress))
@@ -199,15 +205,23 @@ class TurnService:
 
     async def _run_warm_up(self, slot_id: int, system: SystemPrompt, progress: ProgressCallback | None) -> int:
         """Send the warm-up request; returns the prompt's token count. With `progress`, the backend reports how far
-        its prefill got (return_progress) and each report is passed on."""
-        path = "/v1/chat/completions"
+        its prefill got (return_progress) and each report is passed on.
+
+        The warm-up evaluates the rendered system part up to where a first user message's own text begins (the
+        common prefix of two renderings), so every new conversation on it strictly extends the snapshot; a backend
+        without /apply-template gets the system part with an empty user message instead."""
+        prefix = await self._system_prefix(system)
+        if prefix is not None:
+            path, body = "/completion", warmup_prompt_body(prefix, slot_id, progress=progress is not None)
+        else:
+            path, body = "/v1/chat/completions", system.warmup_body(slot_id, progress=progress is not None)
         if progress is None:
-            data = await self.client.post_json(path, system.warmup_body(slot_id))
+            data = await self.client.post_json(path, body)
             return _prompt_tokens(data.get("timings") if isinstance(data, dict) else None)
         timings: Any = None
         decoder = SseDecoder()
         try:
-            async with self.client.stream(path, system.warmup_body(slot_id, progress=True)) as response:
+            async with self.client.stream(path, body) as response:
                 async for chunk in response.aiter_raw():
                     for event in decoder.feed(chunk):
                         if not isinstance(event, dict):
@@ -222,6 +236,20 @@ class TurnService:
         except TransportError as exc:
             raise iter_errors_as_unavailable(exc, self.client.base_url) from exc
         return _prompt_tokens(timings)
+
+    async def _system_prefix(self, system: SystemPrompt) -> str | None:
+        """The rendered text every conversation on `system` starts with, from the backend's own chat template."""
+        try:
+            first = await self.client.post_json("/apply-template", system.template_body("a"))
+            second = await self.client.post_json("/apply-template", system.template_body("b"))
+        except SlotkeeperError as exc:
+            log.debug("no /apply-template on the backend (%s): warming up with an empty user message", exc.message)
+            return None
+        texts = [r.get("prompt") if isinstance(r, dict) else None for r in (first, second)]
+        if not isinstance(texts[0], str) or not isinstance(texts[1], str):
+            return None
+        prefix = common_prefix_text(texts[0], texts[1])
+        return prefix or None
 
 
 @dataclass(frozen=True, slots=True)

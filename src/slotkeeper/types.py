@@ -94,6 +94,19 @@ class Snapshot:
     hits: int
     kind: SnapshotKind = SnapshotKind.SESSION
     pinned: bool = False  # never evicted by the disk budget
+    # Tokens of the prompt of the turn saved (0: not known); the rest of n_tokens were generated.
+    n_prompt: int = 0
+
+    @property
+    def owed_tokens(self) -> int:
+        """The tokens a request that sends this snapshot's messages back shares with it, at the most: its prompt.
+        Generated tokens do not count (a reasoning model's client sends back the answer without the thinking)."""
+        return min(self.n_prompt, self.n_tokens) if self.n_prompt > 0 else self.n_tokens
+
+    @property
+    def at_prompt_end(self) -> bool:
+        """The snapshot holds its prompt and nothing generated: any request that extends the prompt extends it."""
+        return 0 < self.n_tokens <= self.n_prompt
 
 
 @dataclass(frozen=True, slots=True)

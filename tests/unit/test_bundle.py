@@ -64,3 +64,14 @@ async def test_something_else_is_not_a_bundle() -> None:
         tar.addfile(info, io.BytesIO(b"hi"))
     with pytest.raises(BadRequest, match=r"expected snapshot\.json, found .notes\.txt."):
         await BundleReader(chunked(other.getvalue(), 100)).meta()
+
+
+def test_a_bundle_carries_the_prompt_token_count_and_reads_one_without_it() -> None:
+    from slotkeeper.cache.bundle import BundleMeta
+    from slotkeeper.types import SnapshotKind
+
+    meta = BundleMeta("m", "s", SnapshotKind.SESSION, "fp", 500, 10, "c", (), 120)
+    data = meta.to_json()
+    assert data["prompt_tokens"] == 120 and BundleMeta.from_json(data) == meta
+    del data["prompt_tokens"]  # a bundle exported before the count was kept
+    assert BundleMeta.from_json(data).n_prompt == 0

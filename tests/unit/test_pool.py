@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from slotkeeper.cache.capability import Strategy
 from slotkeeper.cache.pool import SlotPool, TurnEnd
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore
 from slotkeeper.errors import NotFound, UpstreamError, UpstreamUnavailable
@@ -29,6 +30,7 @@ class FakeClient:
         self.save_error: Exception | None = None
         self.save_tokens = 42
         self.save_delay = 0.0
+        self.restore_default = 7
 
     async def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> SlotActionResult:
         self.calls.append((slot_id, action, filename))
@@ -45,7 +47,7 @@ class FakeClient:
             if self.restore_error is not None:
                 raise self.restore_error
             assert filename is not None
-            return SlotActionResult(self.restore_tokens.get(filename, 7), 256, 1.0)
+            return SlotActionResult(self.restore_tokens.get(filename, self.restore_default), 256, 1.0)
         return SlotActionResult(0, 0, 0.0)
 
     def actions(self, action: str) -> list[tuple[int, str, str | None]]:
@@ -628,11 +630,13 @@ async def test_the_queue_is_bounded(client: FakeClient, store: SnapshotStore) ->
     (await waiting).release(TurnEnd.COMPLETED, 1)
 
 
-@pytest.mark.parametrize(("cache_ns", "disabled"), [
+@pytest.mark.parametrize(("cache_ns", "fell_back"), [
     ([0, 0, 0], True), ([0, 0, 7], False), ([7, 7, 7], False), ([0, 7, 0, 0], False), ([0, 7, 0, 0, 0], True),
 ], ids=["three-misses", "hit-last", "all-hits", "hit-breaks-run", "run-after-hit"])
-async def test_restores_that_do_not_help_switch_restoring_off(client: FakeClient, store: SnapshotStore,
-                                                              cache_ns: list[int], disabled: bool) -> None:
+async def test_restores_that_do_not_help_move_to_the_next_strategy(client: FakeClient, store: SnapshotStore,
+                                                                   cache_ns: list[int], fell_back: bool) -> None:
+    """Three restores in a row that reused less than they owed move the backend to the prompt-end strategy; saving
+    goes on as before (every switch still saves)."""
     pool = make_pool(client, store, min_restore_tokens=0)
     client.save_tokens = 8
     await turn(pool, A)
@@ -641,12 +645,35 @@ async def test_restores_that_do_not_help_switch_restoring_off(client: FakeClient
         lease = await pool.acquire(A)
         assert lease.outcome == CacheOutcome.RESTORED
         lease.release(TurnEnd.COMPLETED, 10, cache_n=cache_n)
-    assert pool.restore_stats.disabled is disabled
-    if disabled:
+    assert (pool.policy.fallback is Strategy.PROMPT_END) is fell_back
+    assert pool.policy.effective_now is not fell_back
+    saves = len(client.actions("save"))
+    assert saves == 2 * len(cache_ns)
+    if fell_back:
         await turn(pool, B)
+        assert len(client.actions("save")) == saves + 1  # saving never stops
         lease = await pool.acquire(A)
+        # A's snapshot holds generated tokens; the prompt-end strategy restores only what a request extends.
         assert lease.outcome == CacheOutcome.COLD
         lease.release(TurnEnd.COMPLETED, 1)
+
+
+async def test_a_reasoning_client_keeps_restores_on(client: FakeClient, store: SnapshotStore) -> None:
+    """The slot holds prompt + thinking + answer; the client sends back a short answer, so the backend reuses the
+    previous prompt only. That is all the restore owed: it counts as effective, however long the answer was."""
+    pool = make_pool(client, store, min_restore_tokens=0)
+    client.save_tokens = client.restore_default = 500  # 100 prompt tokens + 400 generated
+    history = ["a1"]
+    lease = await pool.acquire(A, chain_of(*history))
+    lease.release(TurnEnd.COMPLETED, 500, cache_n=0, n_prompt=100)
+    for round_ in range(10):
+        (await pool.acquire(B, chain_of("b"))).release(TurnEnd.COMPLETED, 500, cache_n=98, n_prompt=100)
+        history += [f"answer {round_}", f"question {round_}"]
+        lease = await pool.acquire(A, chain_of(*history))
+        assert lease.outcome == CacheOutcome.RESTORED and lease.expected_reuse == 100, round_
+        lease.release(TurnEnd.COMPLETED, 500, cache_n=98, n_prompt=100)
+    assert pool.policy.effective == 19 and pool.policy.ineffective == 0 and pool.policy.effective_now
+    assert len(client.actions("save")) == 20  # every switch saved
 
 
 async def test_an_own_snapshot_that_shares_nothing_is_not_restored(client: FakeClient, store: SnapshotStore) -> None:
@@ -661,7 +688,7 @@ async def test_an_own_snapshot_that_shares_nothing_is_not_restored(client: FakeC
     lease = await pool.acquire(A, trimmed)
     assert lease.outcome == CacheOutcome.COLD and client.actions("restore") == []
     lease.release(TurnEnd.COMPLETED, 10, cache_n=0)
-    assert pool.restore_stats.ineffective == 0
+    assert pool.policy.ineffective == 0
 
 
 async def test_expected_reuse_is_the_shared_part(client: FakeClient, store: SnapshotStore) -> None:
@@ -674,7 +701,7 @@ async def test_expected_reuse_is_the_shared_part(client: FakeClient, store: Snap
     edited = await pool.acquire(A, chain_of("a1", "edited"))
     assert edited.outcome == CacheOutcome.RESTORED and 0 < edited.expected_reuse < 100
     edited.release(TurnEnd.COMPLETED, 60, cache_n=edited.expected_reuse)
-    assert pool.restore_stats.effective == 1
+    assert pool.policy.effective == 1
 
 
 async def test_on_a_tie_the_sessions_own_snapshot_wins(client: FakeClient, store: SnapshotStore) -> None:
@@ -714,3 +741,142 @@ async def test_a_side_task_still_prefers_an_empty_slot(client: FakeClient, store
     assert task.slot_id != chat.slot_id and client.actions("save") == []
     task.release(TurnEnd.COMPLETED)
     assert (await turn(pool, B)).outcome is CacheOutcome.HOT
+
+
+# -- strategies per architecture and build ----------------------------------------------------------------------
+
+
+def strategy_pool(client: FakeClient, store: SnapshotStore, kind: str, checkpoints: bool | None) -> SlotPool:
+    from slotkeeper.cache.capability import ArchKind, Capability
+
+    return SlotPool(1, client, store, FP, 4096, save_idle_seconds=-1, min_restore_tokens=0,  # type: ignore[arg-type]
+                    capability=Capability("x", ArchKind(kind), checkpoints))
+
+
+class ReplayClient(FakeClient):
+    """Also answers the prompt-end step (a chat request with max_tokens 0): the slot rolls back to 4 tokens before
+    the prompt's end, and then holds exactly `prompt` tokens."""
+
+    def __init__(self, slot_dir: Path, prompt: int = 100) -> None:
+        super().__init__(slot_dir)
+        self.prompt = prompt
+        self.replays: list[dict[str, object]] = []
+
+    async def post_json(self, path: str, body: dict[str, object], timeout: float | None = None) -> dict[str, object]:
+        self.replays.append(body)
+        self.save_tokens = self.prompt
+        return {"timings": {"cache_n": self.prompt - 4, "prompt_n": 4}}
+
+
+async def chat_turn(pool: SlotPool, k: SessionKey, chain: list, n_prompt: int = 100, generated: int = 40):
+    lease = await pool.acquire(k, chain)
+    lease.replay = ("/v1/chat/completions", {"messages": [], "max_tokens": generated, "stream": True})
+    lease.release(TurnEnd.COMPLETED, n_prompt + generated, cache_n=n_prompt, n_prompt=n_prompt)
+    return lease
+
+
+async def test_prompt_end_saves_hold_the_prompt_and_the_next_turn_restores_them(store: SnapshotStore,
+                                                                              slot_dir: Path) -> None:
+    client = ReplayClient(slot_dir)
+    client.restore_default = 100
+    pool = strategy_pool(client, store, "recurrent", False)
+    await chat_turn(pool, A, chain_of("a1"))
+    client.save_tokens = 140
+    await chat_turn(pool, B, chain_of("b1"))  # saves A: first back to its prompt's end
+    assert client.replays[0]["max_tokens"] == 0 and client.replays[0]["stream"] is False
+    await pool.settle()
+    snap = store.get(A)
+    assert snap is not None and snap.n_tokens == 100 and snap.at_prompt_end
+    assert (pool.prompt_end_steps, pool.prompt_end_tokens) == (1, 4)
+    lease = await pool.acquire(A, chain_of("a1", "answer", "a2"))  # the next turn extends the prompt
+    assert lease.outcome is CacheOutcome.RESTORED and lease.expected_reuse == 100
+    lease.release(TurnEnd.COMPLETED, 150, cache_n=100, n_prompt=110)
+    assert pool.policy.effective == 1
+
+
+async def test_prompt_end_restores_only_what_the_request_extends(store: SnapshotStore, slot_dir: Path) -> None:
+    client = ReplayClient(slot_dir)
+    pool = strategy_pool(client, store, "hybrid", None)
+    await chat_turn(pool, A, chain_of("a1", "x", "a2"))
+    await chat_turn(pool, B, chain_of("b1"))
+    edited = await pool.acquire(A, chain_of("a1", "x", "a2 edited"))  # diverges inside the snapshot
+    assert edited.outcome is CacheOutcome.COLD and client.actions("restore") == []
+    edited.release(TurnEnd.COMPLETED, 10)
+    await chat_turn(pool, B, chain_of("b1", "y", "b2"))
+    again = await pool.acquire(A, chain_of("a1", "x", "a2 edited"))  # the same prompt again: no extension either
+    assert again.outcome is CacheOutcome.COLD
+    again.release(TurnEnd.COMPLETED, 10)
+    assert pool.policy.ineffective == 0
+
+
+@pytest.mark.parametrize(("kind", "restored"), [("dense", False), ("recurrent", True)])
+async def test_a_recurrent_slot_shared_only_up_to_the_system_part_is_no_reuse(store: SnapshotStore, slot_dir: Path,
+                                                                              kind: str, restored: bool) -> None:
+    """A new chat on a known system prompt, while the slot holds another conversation on it: a dense slot keeps the
+    system part for free, a recurrent one cannot roll back that far, so the system snapshot is restored."""
+    from slotkeeper.cache.systemprompt import system_prompt_of
+
+    system = system_prompt_of({"messages": [SYS_MSG, {"role": "user", "content": "hello"}]})
+    assert system is not None
+    client = ReplayClient(slot_dir)
+    pool = strategy_pool(client, store, kind, False)
+    lease = await pool.acquire(A, chain_of("a1"), system=system)
+    assert lease.warm_up  # no system snapshot yet
+    await pool.save_system(lease, 80)
+    lease.release(TurnEnd.COMPLETED, 120, cache_n=80, n_prompt=100)
+    other = await pool.acquire(C, chain_of("c1"), system=system)
+    assert (other.outcome is CacheOutcome.RESTORED) is restored
+    other.release(TurnEnd.COMPLETED, 120)
+
+
+async def test_keep_hot_never_restores_and_still_saves(store: SnapshotStore, slot_dir: Path) -> None:
+    client = ReplayClient(slot_dir)
+    pool = strategy_pool(client, store, "swa", False)
+    await chat_turn(pool, A, chain_of("a1"))
+    await chat_turn(pool, B, chain_of("b1"))
+    lease = await pool.acquire(A, chain_of("a1", "x", "a2"))
+    assert lease.outcome is CacheOutcome.COLD and client.actions("restore") == [] and not lease.warm_up
+    lease.release(TurnEnd.COMPLETED, 10)
+    assert len(client.actions("save")) == 2 and client.replays == []  # saved, without a prompt-end step
+    # A new system prompt is still warmed up (the turn extends the warm slot) and saved; it is never restored.
+    from slotkeeper.cache.systemprompt import system_prompt_of
+
+    system = system_prompt_of({"messages": [SYS_MSG, {"role": "user", "content": "hello"}]})
+    lease = await pool.acquire(C, chain_of("c1"), system=system)
+    assert lease.warm_up and lease.outcome is CacheOutcome.COLD
+    lease.release(TurnEnd.COMPLETED, 10)
+
+
+async def test_a_file_with_checkpoints_switches_to_restoring(store: SnapshotStore, slot_dir: Path) -> None:
+    import struct
+
+    class AppendixClient(ReplayClient):
+        async def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> SlotActionResult:
+            result = await super().slot_action(slot_id, action, filename)
+            if action == "save" and filename is not None:
+                path = self.slot_dir / filename
+                appendix = struct.pack("<III", 0x504B4353, 1, 1) + struct.pack("<Qii", 96, 0, 95)
+                appendix += struct.pack("<Q", 5) + b"state" + struct.pack("<QQ", 0, 0)
+                path.write_bytes(path.read_bytes() + appendix)
+                result = SlotActionResult(result.n_tokens, path.stat().st_size, 1.0)
+            return result
+
+    client = AppendixClient(slot_dir)
+    pool = strategy_pool(client, store, "hybrid", None)
+    assert pool.policy.strategy is Strategy.PROMPT_END
+    await chat_turn(pool, A, chain_of("a1"))
+    await chat_turn(pool, B, chain_of("b1"))
+    await pool.settle()
+    await asyncio.sleep(0)  # the commit's thread hands what it learned to the loop
+    assert pool.policy.capability.checkpoints_in_file is True and pool.policy.strategy is Strategy.RESTORE
+
+
+async def test_a_rolled_back_save_without_checkpoints_says_the_build_has_none(store: SnapshotStore,
+                                                                              slot_dir: Path) -> None:
+    client = ReplayClient(slot_dir)
+    pool = strategy_pool(client, store, "recurrent", None)
+    await chat_turn(pool, A, chain_of("a1"))
+    await chat_turn(pool, B, chain_of("b1"))  # A's prompt-end step rolled back to a checkpoint; the file has none
+    await pool.settle()
+    await asyncio.sleep(0)
+    assert pool.policy.capability.checkpoints_in_file is False and pool.policy.strategy is Strategy.PROMPT_END

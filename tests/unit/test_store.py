@@ -429,3 +429,50 @@ def test_backend_fingerprint() -> None:
     assert backend_fingerprint("file:abc", {**layout, "n_ctx_slot": 8192}) != fp
     assert backend_fingerprint("file:abc", {**layout, "n_slots": 3}) != fp
     assert backend_fingerprint("file:abd", layout) != fp
+
+
+# -- prompt token counts ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n_tokens", "n_prompt", "owed", "at_end"), [
+    (500, 100, 100, False),  # 400 generated tokens: a request owes only the prompt
+    (100, 100, 100, True),  # saved at the prompt's end
+    (90, 100, 90, True),  # a cut-short prefill: fewer tokens than the prompt
+    (500, 0, 500, False),  # not known (an index or bundle from before the count): the whole state
+])
+def test_a_snapshot_owes_its_prompt_not_what_was_generated(store: SnapshotStore, n_tokens: int, n_prompt: int,
+                                                           owed: int, at_end: bool) -> None:
+    k = key()
+    temp = store.temp_name(k, FP)
+    (store.slot_dir / temp).write_bytes(b"x" * 100)
+    chain = [Link(f"{i:032x}", 10 * (i + 1)) for i in range(4)]
+    snap = store.commit(k, temp, FP, n_tokens, chain, n_prompt=n_prompt)
+    assert (snap.n_prompt, snap.owed_tokens, snap.at_prompt_end) == (n_prompt, owed, at_end)
+    assert store.shared_prefix(snap, [*chain, Link("f" * 32, 99)]) == (4, owed)  # a request that extends it
+    assert store.shared_prefix(snap, [*chain[:2], Link("e" * 32, 1)]) == (2, owed * 20 // 40)  # an edited one
+    match = store.best_prefix("m", FP, [*chain, Link("f" * 32, 99)])
+    assert match is not None and match.whole and match.est_tokens == owed
+    match = store.best_prefix("m", FP, chain[:3])
+    assert match is not None and not match.whole
+
+
+def test_an_index_from_before_prompt_counts_gets_the_column(tmp_path: Path, slot_dir: Path) -> None:
+    import sqlite3
+
+    index = tmp_path / "old" / "index.db"
+    index.parent.mkdir()
+    db = sqlite3.connect(index)
+    db.executescript("""CREATE TABLE snapshots (model TEXT NOT NULL, session_id TEXT NOT NULL,
+        kind TEXT NOT NULL DEFAULT 'session', filename TEXT NOT NULL UNIQUE, fingerprint TEXT NOT NULL,
+        n_tokens INTEGER NOT NULL, n_bytes INTEGER NOT NULL, checksum TEXT NOT NULL, created REAL NOT NULL,
+        last_used REAL NOT NULL, hits INTEGER NOT NULL DEFAULT 0, pinned INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (model, session_id, kind));
+        INSERT INTO snapshots VALUES ('m', 's1', 'session', 'f.bin', 'fp', 42, 7, 'c', 1.0, 1.0, 0, 0);""")
+    db.commit()
+    db.close()
+    store = SnapshotStore(slot_dir, index)
+    try:
+        old = store.get(key())
+        assert old is not None and old.n_prompt == 0 and old.owed_tokens == 42
+    finally:
+        store.close()

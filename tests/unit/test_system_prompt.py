@@ -86,3 +86,26 @@ def test_the_warm_up_evaluates_only_the_system_part() -> None:
     assert part.warmup_body(0, progress=True)["return_progress"] is True
     # The warm-up's chain shares the system message with the conversation's.
     assert common_prefix(part.chain(), message_chain(body["messages"], body["tools"])) == 1
+
+
+def test_the_warm_up_prompt_is_what_every_conversation_on_the_system_part_starts_with() -> None:
+    from slotkeeper.cache.systemprompt import common_prefix_text, warmup_prompt_body
+
+    part = system_prompt_of({"messages": [SYSTEM, {"role": "user", "content": "hi"}], "tools": TOOLS})
+    assert part is not None
+    a, b = part.template_body("a"), part.template_body("b")
+    assert a["messages"] == [SYSTEM, {"role": "user", "content": "a"}] and a["tools"] == TOOLS
+    assert b["messages"][-1] == {"role": "user", "content": "b"}
+    rendered = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n"
+    assert common_prefix_text(rendered + "a<|im_end|>\n", rendered + "b<|im_end|>\n") == rendered
+    assert common_prefix_text("abc", "xyz") == ""
+    body = warmup_prompt_body(rendered, 2)
+    assert body == {"prompt": rendered, "n_predict": 0, "id_slot": 2, "cache_prompt": True, "stream": False}
+    assert warmup_prompt_body(rendered, 0, progress=True)["return_progress"] is True
+
+
+def test_instruction_blocks_stay_in_the_warm_up_prompt() -> None:
+    blocks = [{"type": "text", "text": "<system-reminder>r</system-reminder>"}, {"type": "text", "text": "ask"}]
+    part = system_prompt_of({"messages": [SYSTEM, {"role": "user", "content": blocks}]})
+    assert part is not None
+    assert part.template_body("a")["messages"][-1]["content"] == [blocks[0], {"type": "text", "text": "a"}]

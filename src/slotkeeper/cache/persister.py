@@ -43,7 +43,8 @@ def key_of(snapshot: Snapshot) -> SessionKey:
 
 class Persister:
     def __init__(self, client: UpstreamClient, store: SnapshotStore, fingerprint: str, budget: DiskBudget,
-                 events: CacheEvents, occupants: Callable[[], Iterable[SessionKey]]) -> None:
+                 events: CacheEvents, occupants: Callable[[], Iterable[SessionKey]],
+                 inspect: Callable[[Snapshot], None] | None = None) -> None:
         self._client = client
         self._store = store
         self._fingerprint = fingerprint
@@ -51,6 +52,8 @@ class Persister:
         self.events = events
         # The sessions the slots hold now: the budget never evicts their snapshots.
         self._occupants = occupants
+        # Called in the commit's worker thread with each new snapshot (the pool learns from saved files).
+        self._inspect = inspect
         self._writes = PendingWrites()
         self.saves = 0
         self.failed_saves = 0
@@ -59,7 +62,7 @@ class Persister:
     # -- saving ---------------------------------------------------------------------------------------------
 
     async def save(self, slot_id: int, key: SessionKey, chain: Sequence[Link],
-                   kind: SnapshotKind = SnapshotKind.SESSION, *, wait: bool = True) -> float:
+                   kind: SnapshotKind = SnapshotKind.SESSION, *, wait: bool = True, n_prompt: int = 0) -> float:
         """Save the slot's state as `key`'s snapshot; with `wait`, until it is on disk and indexed, else only until
         the backend wrote it. Returns the milliseconds waited, or 0 when the save failed: a failure is logged and
         counted, and costs only the snapshot's freshness (the previous snapshot stays)."""
@@ -83,7 +86,7 @@ class Persister:
                     written.set_result(ok)
             if earlier is not None:  # commits of one snapshot land in the order its saves were made
                 await asyncio.wait({earlier})
-            return await self._commit(slot_id, key, temp, result, chain, kind, started)
+            return await self._commit(slot_id, key, temp, result, chain, kind, started, n_prompt)
 
         # The whole save is one pending write, from before the backend writes the file: a reader of the snapshot
         # (the session back on another slot while its old slot is being saved) waits for it, never reads the
@@ -112,10 +115,10 @@ class Persister:
         return await self._client.slot_action(slot_id, "save", temp)
 
     async def _commit(self, slot_id: int, key: SessionKey, temp: str, result: SlotActionResult,
-                      chain: Sequence[Link], kind: SnapshotKind, started: float) -> bool:
+                      chain: Sequence[Link], kind: SnapshotKind, started: float, n_prompt: int) -> bool:
         keep = self._budget_keep({snapshot_id(key, kind)})
         try:
-            evicted = await asyncio.to_thread(self._commit_now, key, temp, result, chain, kind, keep)
+            evicted = await asyncio.to_thread(self._commit_now, key, temp, result, chain, kind, keep, n_prompt)
         except Exception as exc:  # whatever it is, it must not escape a background task unlogged
             self._failed(slot_id, key, exc.message if isinstance(exc, SnapshotError) else repr(exc))
             return False
@@ -129,13 +132,19 @@ class Persister:
         return True
 
     def _commit_now(self, key: SessionKey, temp: str, result: SlotActionResult, chain: Sequence[Link],
-                    kind: SnapshotKind, keep: set[SnapshotId]) -> int:
+                    kind: SnapshotKind, keep: set[SnapshotId], n_prompt: int) -> int:
         """In a worker thread: commit, then enforce the budget; returns how many snapshots the budget evicted."""
         try:
-            self._store.commit(key, temp, self._fingerprint, result.n_tokens, chain, result.n_bytes, kind)
+            snapshot = self._store.commit(key, temp, self._fingerprint, result.n_tokens, chain, result.n_bytes, kind,
+                                          n_prompt)
         except BaseException:
             self._store.discard_temp(temp)
             raise
+        if self._inspect is not None:
+            try:
+                self._inspect(snapshot)
+            except Exception as exc:  # learning about the build must never fail a save
+                log.warning("inspecting the saved file of %s failed: %s", key, exc)
         return self._enforce_budget_now(keep)
 
     def _failed(self, slot_id: int, key: SessionKey, reason: str) -> None:

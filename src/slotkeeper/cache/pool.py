@@ -16,21 +16,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from slotkeeper.cache.budget import DiskBudget, SnapshotId
+from slotkeeper.cache.capability import ArchKind, Capability, Strategy, has_checkpoint_appendix
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.persister import Persister, key_of, snapshot_id
+from slotkeeper.cache.promptend import Replay, replay_body
+from slotkeeper.cache.proof import RestorePolicy
 from slotkeeper.cache.store import PrefixMatch, SnapshotStore
 from slotkeeper.cache.systemprompt import SystemPrompt
-from slotkeeper.errors import NotFound, Overloaded, UpstreamError
+from slotkeeper.errors import NotFound, Overloaded, SlotkeeperError, UpstreamError
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import UpstreamClient
 
 log = logging.getLogger("slotkeeper.pool")
 
-# A restore that reused less than this share of what it brought in did not help.
-_EFFECTIVE_SHARE = 0.5
-# Restores that did not help, in a row, before restoring is switched off for the backend.
-_INEFFECTIVE_LIMIT = 3
 # System prompts found too short to be worth a snapshot, remembered so they are not warmed up again.
 _SHORT_SYSTEMS_KEPT = 1024
 
@@ -55,6 +54,11 @@ class SlotState:
     n_tokens: int = 0
     # The message chain of the last turn that ran in the slot: what a save of it will cover.
     chain: list[Link] = field(default_factory=list)
+    # The last turn's prompt tokens, and its request (to bring the slot back to the end of that prompt before a
+    # save, on backends that need it: see promptend.py); `at_prompt_end` once it was.
+    n_prompt: int = 0
+    replay: Replay | None = None
+    at_prompt_end: bool = False
     # The running turn's session was deleted: do not attribute (or save) the slot's state when it ends.
     forget_on_release: bool = False
 
@@ -88,23 +92,16 @@ class SlotLease:
     warm_ms: float = 0.0
     # The system snapshot already on disk, for a lease taken only to warm a system prompt up (see `warm_lease`).
     existing: Snapshot | None = None
-    _release: Callable[[SlotLease, TurnEnd, int, int | None], None] | None = field(default=None, repr=False)
+    # The request sent for the turn (set by the caller), kept by the slot to bring it back to the prompt's end.
+    replay: Replay | None = None
+    _release: Callable[[SlotLease, TurnEnd, int, int | None, int], None] | None = field(default=None, repr=False)
 
-    def release(self, end: TurnEnd, n_tokens: int = 0, cache_n: int | None = None) -> None:
-        """Give the slot back; `cache_n` is the backend's reported reuse, checked against what a restore promised."""
+    def release(self, end: TurnEnd, n_tokens: int = 0, cache_n: int | None = None, n_prompt: int = 0) -> None:
+        """Give the slot back; `cache_n` is the backend's reported reuse, checked against what a restore owed, and
+        `n_prompt` the turn's prompt tokens (cached and processed)."""
         if self._release is not None:
             release, self._release = self._release, None
-            release(self, end, n_tokens, cache_n)
-
-
-@dataclass
-class RestoreStats:
-    """Proof of reuse: after each restore, did the next response's cache_n cover what was restored?"""
-
-    effective: int = 0
-    ineffective: int = 0
-    ineffective_in_a_row: int = 0
-    disabled: bool = False
+            release(self, end, n_tokens, cache_n, n_prompt)
 
 
 class SlotPool:
@@ -120,6 +117,7 @@ class SlotPool:
         max_queue: int = 0,
         system_snapshots: bool = True,
         budget: DiskBudget | None = None,
+        capability: Capability | None = None,
     ) -> None:
         self.slots = [SlotState(i) for i in range(n_slots)]
         self._client = client
@@ -137,10 +135,20 @@ class SlotPool:
         # System prompts evaluated into a slot (a new one met by a turn, or an operator's pre-warm), and failures.
         self.warm_ups = 0
         self.failed_warm_ups = 0
-        self.restore_stats = RestoreStats()
+        self.policy = RestorePolicy(capability or Capability("", ArchKind.UNKNOWN, None))
+        # Prompt-end steps made before saves, and the tokens they processed (what that strategy costs).
+        self.prompt_end_steps = 0
+        self.prompt_end_tokens = 0
+        self.prompt_end_ms = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Sessions whose slot a prompt-end step just rolled back to a checkpoint: their next save must carry it.
+        self._rolled_back: dict[SessionKey, bool] = {}
+        # Saved files scanned for checkpoints (0.4 ms per MB when there are none) that could not settle it.
+        self._inspections_left = 16
         self.events = CacheEvents()
         self._persist = Persister(client, store, fingerprint, budget or DiskBudget(), self.events,
-                                  lambda: [s.occupant for s in self.slots if s.occupant is not None])
+                                  lambda: [s.occupant for s in self.slots if s.occupant is not None],
+                                  self._inspect_saved)
 
     # Saves, failed saves and budget evictions: counted by the persister when a save's commit is done.
     @property
@@ -178,6 +186,7 @@ class SlotPool:
         """
         slot = await self._take((lambda: self._choose_side(key)) if side else lambda: self._choose(key), bounded=True)
         previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
+        held = _Held(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end)
         slot.occupant, slot.dirty = (None if side else key), False
         slot.generation += 1
         lease = SlotLease(slot.slot_id, key, CacheOutcome.COLD, side=side, chain=list(chain), system=system,
@@ -188,7 +197,7 @@ class SlotPool:
             return lease
         try:
             if previous is not None and previous_dirty:
-                lease.save_ms = await self._save(slot.slot_id, previous, in_slot, wait=False)
+                lease.save_ms = await self._save(slot.slot_id, previous, held, wait=False)
             if not side:
                 await self._bring_in(slot, lease, in_slot)
         except BaseException:
@@ -246,7 +255,7 @@ class SlotPool:
                 self._waiters.remove(waiter)
                 waiter.future.set_result(slot)
 
-    def _finish(self, lease: SlotLease, end: TurnEnd, n_tokens: int, cache_n: int | None) -> None:
+    def _finish(self, lease: SlotLease, end: TurnEnd, n_tokens: int, cache_n: int | None, n_prompt: int) -> None:
         slot = self.slots[lease.slot_id]
         slot.busy = False
         slot.last_used = time.monotonic()
@@ -258,10 +267,16 @@ class SlotPool:
             keeps_system = end is TurnEnd.COMPLETED and lease.side and lease.system is not None
             slot.chain = slot.chain if keeps_system else []
             slot.forget_on_release = False
+            slot.n_prompt = slot.n_tokens if keeps_system else 0
+            slot.replay, slot.at_prompt_end = None, keeps_system
         elif end in (TurnEnd.COMPLETED, TurnEnd.CANCELLED):
             slot.dirty = not lease.key.is_default
             slot.n_tokens = n_tokens or slot.n_tokens
             slot.chain = lease.chain
+            slot.n_prompt = n_prompt
+            # A cut-short turn is saved as it is: replaying its prompt could mean its whole prefill again.
+            slot.replay = lease.replay if end is TurnEnd.COMPLETED else None
+            slot.at_prompt_end = False
         if end is TurnEnd.COMPLETED and cache_n is not None and lease.expected_reuse > 0:
             self._judge_restore(lease, cache_n)
         self._dispatch()
@@ -274,16 +289,29 @@ class SlotPool:
         """Restore the session's own snapshot; else another session's snapshot that shares more than the system
         part; else the system part's snapshot (or ask for a warm-up when there is none); else nothing."""
         key = lease.key
-        if key.is_default or self.restore_stats.disabled:
+        if key.is_default:
             return
+        if not self.policy.restores_allowed:
+            self.policy.skipped()  # sessions stay hot in their slots; a later turn may try a restore again
+            await self._warm_up_if_new(lease)
+            return
+        strict = self.policy.strategy is Strategy.PROMPT_END
         kept = common_prefix(in_slot, lease.chain)  # what the slot's current content already gives for free
+        if kept < len(in_slot) and self.policy.capability.needs_checkpoints:
+            # A recurrent, hybrid or SWA slot rolls back only to its checkpoints (at the last user message and the
+            # prompt's end): a request that leaves the slot's messages earlier than that reuses nothing of it.
+            kept = 0
         await self._persist.settle([snapshot_id(key)])  # a save of this session that is still being committed
-        own, shared = await asyncio.to_thread(self._own_snapshot, key, lease.chain)
+        own, shared, whole = await asyncio.to_thread(self._own_snapshot, key, lease.chain)
         if own is not None:
-            messages, expected = shared if shared is not None else (len(lease.chain), own.n_tokens)
+            messages, expected = shared if shared is not None else (len(lease.chain), own.owed_tokens)
             # On a tie with what the slot holds, the session's own state wins: it usually shares more than whole
             # messages (the next message often starts with the old one's text).
-            if expected >= max(self._min_restore_tokens, 1) and (shared is None or (messages > 0 and kept <= messages)):
+            usable = not strict or _extends(own, lease.chain, messages, whole)
+            if not usable:
+                self.policy.skipped()  # a chance for a trial of the strategy before the fallback, if there is one
+            if usable and expected >= max(self._min_restore_tokens, 1) and (
+                    shared is None or (messages > 0 and kept <= messages)):
                 await self._restore(slot, lease, own, CacheOutcome.RESTORED, expected)
                 return
         system = lease.system if self._system_snapshots else None
@@ -295,6 +323,9 @@ class SlotPool:
         # restore, is worth a few milliseconds more).
         await self._persist.settle(self._persist.pending_sharing(lease.chain, floor + 1))
         match = await self._best_prefix(key.model, lease.chain, floor + 1)
+        if match is not None and strict and not _extends(match.snapshot, lease.chain, match.messages, match.whole):
+            match = None  # the backend could not roll the snapshot back to what the request shares with it
+            self.policy.skipped()
         if match is not None and match.messages > floor and match.est_tokens >= self._min_restore_tokens:
             await self._restore(slot, lease, match.snapshot, CacheOutcome.PREFIX, match.est_tokens)
             return
@@ -312,12 +343,30 @@ class SlotPool:
         if snapshot.n_tokens >= max(self._min_restore_tokens, 1):
             await self._restore(slot, lease, snapshot, CacheOutcome.RESTORED, snapshot.n_tokens)
 
-    def _own_snapshot(self, key: SessionKey, chain: Sequence[Link]) -> tuple[Snapshot | None, tuple[int, int] | None]:
-        """In a worker thread, in one go: the session's checked snapshot, and what of it the request still shares
-        (a client may have edited or trimmed its history). None for the second when the request has no messages (a
-        raw prompt, taken as sharing it all) or the snapshot has no recorded chain."""
+    async def _warm_up_if_new(self, lease: SlotLease) -> None:
+        """Without restores, a new system prompt is still warmed up and saved: the turn then extends the warmed-up
+        slot (so it costs only the save), and the snapshot is there once restores help (a later build, a file that
+        shows checkpoints)."""
+        system = lease.system if self._system_snapshots else None
+        if system is None or lease.key.is_default:
+            return
+        system_key = SessionKey(lease.key.model, system.digest)
+        await self._persist.settle([snapshot_id(system_key, SnapshotKind.SYSTEM)])
+        known = await asyncio.to_thread(self._store.get, system_key, SnapshotKind.SYSTEM)
+        lease.warm_up = known is None and self._worth_warming(system)
+
+    def _own_snapshot(self, key: SessionKey, chain: Sequence[Link]
+                      ) -> tuple[Snapshot | None, tuple[int, int] | None, bool]:
+        """In a worker thread, in one go: the session's checked snapshot, what of it the request still shares (a
+        client may have edited or trimmed its history), and whether the request has every message it was saved
+        with. None for the second when the request has no messages (a raw prompt, taken as sharing it all) or the
+        snapshot has no recorded chain."""
         own = self._store.checked_snapshot(key, self._fingerprint)
-        return own, (self._store.shared_prefix(own, chain) if own is not None and chain else None)
+        if own is None or not chain:
+            return own, None, True
+        saved = self._store.chain_of(own)
+        shared = self._store.shared_prefix(own, chain)
+        return own, shared, shared is not None and shared[0] == len(saved)
 
     async def _best_prefix(self, model: str, chain: Sequence[Link], min_messages: int) -> PrefixMatch | None:
         """The store's best prefix match; when the session found has a save still being committed, the match is
@@ -340,7 +389,8 @@ class SlotPool:
         self.warm_ups += 1
         slot = self.slots[lease.slot_id]
         slot.chain = system.chain()
-        slot.n_tokens = n_tokens
+        slot.n_tokens = slot.n_prompt = n_tokens
+        slot.replay, slot.at_prompt_end = None, True
         if n_tokens < max(self._min_restore_tokens, 1):
             self._short_systems.append(system.digest)
             log.info("system prompt %s has %d tokens, fewer than --min-restore-tokens: no system snapshot",
@@ -348,7 +398,7 @@ class SlotPool:
             return None
         key = SessionKey(lease.key.model, system.digest)
         # Awaited, commit included: the caller gets the snapshot.
-        lease.save_ms += await self._save(slot.slot_id, key, slot.chain, SnapshotKind.SYSTEM)
+        lease.save_ms += await self._save(slot.slot_id, key, _Held.of(slot), SnapshotKind.SYSTEM)
         return await asyncio.to_thread(self._store.get, key, SnapshotKind.SYSTEM)
 
     def warm_up_failed(self, lease: SlotLease) -> None:
@@ -360,7 +410,7 @@ class SlotPool:
         """Lease a slot to warm `system` up ahead of time (an operator's pre-warm). The lease's `existing` is the
         system snapshot already on disk, if any (then there is nothing to do). Release it like a side request."""
         slot = await self._take(self._choose_side, bounded=True)
-        previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
+        previous, previous_dirty, held = slot.occupant, slot.dirty, _Held.of(slot)
         slot.occupant, slot.dirty = None, False
         slot.generation += 1
         key = SessionKey(model, system.digest)
@@ -371,7 +421,7 @@ class SlotPool:
             lease.existing = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint,
                                                      SnapshotKind.SYSTEM)
             if lease.existing is None and previous is not None and previous_dirty:
-                lease.save_ms = await self._save(slot.slot_id, previous, in_slot, wait=False)
+                lease.save_ms = await self._save(slot.slot_id, previous, held, wait=False)
         except BaseException:
             lease.release(TurnEnd.FAILED)
             raise
@@ -407,35 +457,90 @@ class SlotPool:
         self._persist.used(snapshot)
 
     def _judge_restore(self, lease: SlotLease, cache_n: int) -> None:
-        stats = self.restore_stats
-        # Generated tokens do not always survive being re-rendered in the next turn, so allow a small shortfall.
-        if cache_n >= lease.expected_reuse * _EFFECTIVE_SHARE:
-            stats.effective += 1
-            stats.ineffective_in_a_row = 0
+        """The proof of reuse: the restore owed the tokens the request shares with it (`expected_reuse`)."""
+        if not self.policy.judged(lease.expected_reuse, cache_n):
+            log.warning("restore for %s did not help: %d tokens restored, %d shared with the request, %d reused by "
+                        "the backend", lease.key, lease.restored_tokens, lease.expected_reuse, cache_n)
+
+    def _inspect_saved(self, snapshot: Snapshot) -> None:
+        """In the commit's worker thread: while it is not known whether this build keeps context checkpoints in
+        slot files, look for them in a saved file of a model that needs them. A file without them tells only when
+        the slot surely had some: its prompt-end step had just rolled back to one."""
+        capability = self.policy.capability
+        if not capability.needs_checkpoints or capability.checkpoints_in_file is not None:
             return
-        stats.ineffective += 1
-        stats.ineffective_in_a_row += 1
-        log.warning("restore for %s did not help: %d tokens restored, %d reused by the backend", lease.key,
-                    lease.restored_tokens, cache_n)
-        if stats.ineffective_in_a_row >= _INEFFECTIVE_LIMIT and not stats.disabled:
-            stats.disabled = True
-            log.error(
-                "restores do not help on this backend (%d in a row reused almost nothing): the model is probably "
-                "recurrent or hybrid, or uses sliding-window attention without --swa-full, and llama.cpp does not "
-                "save its context checkpoints. slotkeeper stops restoring snapshots for it; sessions still stay hot "
-                "in their slots. For a sliding-window model, start llama-server with --swa-full.",
-                stats.ineffective_in_a_row,
-            )
+        had_checkpoints = self._rolled_back.pop(key_of(snapshot), False) and snapshot.kind is SnapshotKind.SESSION
+        if not had_checkpoints:
+            if self._inspections_left <= 0:
+                return  # a file without them proves nothing: scanning big files for nothing is not worth it
+            self._inspections_left -= 1
+        try:
+            seen = has_checkpoint_appendix(self._store.slot_dir / snapshot.filename)
+        except OSError:
+            return
+        loop = self._loop
+        if loop is not None and (seen or had_checkpoints):
+            loop.call_soon_threadsafe(self.policy.learned, capability.with_checkpoints(seen))
+
+    def learn_from_disk(self, limit: int = 3) -> None:
+        """In a worker thread at start: look for context checkpoints in the newest snapshots of this backend, so a
+        restart need not wait for a new save to know the build keeps them."""
+        capability = self.policy.capability
+        if not capability.needs_checkpoints or capability.checkpoints_in_file is not None:
+            return
+        mine = [s for s in self._store.list(kind=None) if s.fingerprint == self._fingerprint][:limit]
+        for snapshot in mine:
+            try:
+                if has_checkpoint_appendix(self._store.slot_dir / snapshot.filename):
+                    self.policy.learned(capability.with_checkpoints(True))
+                    return
+            except OSError:
+                continue
 
     # -- saving ---------------------------------------------------------------------------------------------
 
-    async def _save(self, slot_id: int, key: SessionKey, chain: Sequence[Link],
+    async def _save(self, slot_id: int, key: SessionKey, held: _Held,
                     kind: SnapshotKind = SnapshotKind.SESSION, *, wait: bool = True) -> float:
-        """Save the slot's state as `key`'s snapshot, waiting for its commit or not (see persister.py); returns the
-        milliseconds waited (0 when it failed: logged, and it costs only the snapshot's freshness)."""
-        if self.restore_stats.disabled:
-            return 0.0  # nothing would ever restore it
-        return await self._persist.save(slot_id, key, chain, kind, wait=wait)
+        """Save the slot's state (`held`: what it holds) as `key`'s snapshot, waiting for its commit or not (see
+        persister.py); returns the milliseconds waited (0 when it failed: logged, and it costs only the snapshot's
+        freshness). Where the backend needs it, the slot is brought back to its last prompt's end first."""
+        self._loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        n_prompt = held.n_prompt
+        if kind is SnapshotKind.SESSION and self.policy.prompt_end_saves and not held.at_prompt_end and (
+                held.replay is not None):
+            n_prompt = await self._to_prompt_end(slot_id, key, held.replay) or n_prompt
+        waited = await self._persist.save(slot_id, key, held.chain, kind, wait=wait, n_prompt=n_prompt)
+        return (time.perf_counter() - started) * 1000 if waited else 0.0
+
+    async def _to_prompt_end(self, slot_id: int, key: SessionKey, replay: Replay) -> int:
+        """Send the slot's last request again without generating: the backend rolls the slot back to its checkpoint
+        just before the prompt's end and evaluates the last few tokens, so the slot holds exactly that prompt.
+        Returns the prompt's tokens, or 0 when it failed (the state is saved as it is)."""
+        path, body = replay
+        started = time.perf_counter()
+        try:
+            data = await self._client.post_json(path, replay_body(path, body, slot_id))
+        except SlotkeeperError as exc:
+            log.warning("bringing slot %d (%s) back to its prompt's end failed: %s; saving it as it is", slot_id, key,
+                        exc.message)
+            return 0
+        timings = data.get("timings") if isinstance(data, dict) else None
+        if not isinstance(timings, dict):
+            return 0
+        processed = int(timings.get("prompt_n") or 0)
+        if int(timings.get("cache_n") or 0) > 0:
+            self._rolled_back[key] = True
+        self.prompt_end_steps += 1
+        self.prompt_end_tokens += processed
+        self.prompt_end_ms += (time.perf_counter() - started) * 1000
+        slot = self.slots[slot_id]
+        slot.at_prompt_end = True
+        n_prompt = int(timings.get("cache_n") or 0) + processed
+        slot.n_tokens = slot.n_prompt = n_prompt
+        log.debug("slot %d (%s) brought back to its prompt's end: %d tokens, %d processed", slot_id, key, n_prompt,
+                  processed)
+        return n_prompt
 
     def _schedule_idle_save(self, slot: SlotState) -> None:
         if self._save_idle_seconds < 0:
@@ -457,7 +562,7 @@ class SlotPool:
         slot.busy = True
         slot.dirty = False
         try:
-            await self._save(slot.slot_id, key, slot.chain, wait=False)  # the slot is free again once written
+            await self._save(slot.slot_id, key, _Held.of(slot), wait=False)  # the slot is free again once written
         finally:
             slot.busy = False
             self._dispatch()
@@ -491,7 +596,7 @@ class SlotPool:
                 if slot.dirty and slot.occupant is not None:
                     slot.dirty = False
                     # Not waited for here: the next slot's save overlaps this one's commit.
-                    await self._save(slot.slot_id, slot.occupant, slot.chain, wait=False)
+                    await self._save(slot.slot_id, slot.occupant, _Held.of(slot), wait=False)
                     saved += 1
             finally:
                 slot.busy = False
@@ -515,9 +620,10 @@ class SlotPool:
         try:
             held = slot.occupant  # read after taking the slot: nothing else can change it now
             if slot.dirty and held is not None:
-                await self._save(slot.slot_id, held, slot.chain)  # an operator's action: done when it answers
+                await self._save(slot.slot_id, held, _Held.of(slot))  # an operator's action: done when it answers
             await self._client.slot_action(slot.slot_id, "erase")
             slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
+            slot.n_prompt, slot.replay, slot.at_prompt_end = 0, None, False
             slot.forget_on_release = False
         finally:
             slot.busy = False
@@ -543,6 +649,7 @@ class SlotPool:
                             slot.occupant, reason)
                 reset.append(slot.slot_id)
             slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
+            slot.n_prompt, slot.replay, slot.at_prompt_end = 0, None, False
         return reset
 
     def forget(self, key: SessionKey) -> None:
@@ -561,3 +668,25 @@ class SlotPool:
             task.cancel()
         await asyncio.gather(*self._timers, return_exceptions=True)
         await self._persist.settle()
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """What a slot holds, as a save of it needs it: taken before the slot changes hands."""
+
+    chain: list[Link]
+    n_prompt: int = 0
+    replay: Replay | None = None
+    at_prompt_end: bool = False
+
+    @classmethod
+    def of(cls, slot: SlotState) -> _Held:
+        return cls(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end)
+
+
+def _extends(snapshot: Snapshot, chain: Sequence[Link], shared_messages: int, whole: bool) -> bool:
+    """Whether a request strictly extends every token of `snapshot`: the snapshot holds a prompt and nothing
+    generated, and the request has all of its messages and more (a request without messages: taken as one)."""
+    if not snapshot.at_prompt_end:
+        return False
+    return not chain or (whole and len(chain) > shared_messages)

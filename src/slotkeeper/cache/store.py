@@ -49,6 +49,7 @@ CREATE TABLE IF NOT EXISTS snapshots (
     last_used   REAL NOT NULL,
     hits        INTEGER NOT NULL DEFAULT 0,
     pinned      INTEGER NOT NULL DEFAULT 0,
+    n_prompt    INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (model, session_id, kind)
 );
 CREATE TABLE IF NOT EXISTS chains (
@@ -68,7 +69,8 @@ CREATE TABLE IF NOT EXISTS file_identities (
 );
 """
 _COLUMNS = (
-    "model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned"
+    "model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned,"
+    " n_prompt"
 )
 # Our own names: 40 hex digits, a dash and a nonce; temporaries carry `.tmp-<nonce>` before `.bin`.
 _FINAL_NAME = re.compile(r"^[0-9a-f]{40}-[0-9a-f]{8}\.bin$")
@@ -80,11 +82,13 @@ QUARANTINE_DIR = "quarantine"
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """A snapshot whose first `messages` messages equal the request's: restoring it reuses about `est_tokens`."""
+    """A snapshot whose first `messages` messages equal the request's: restoring it reuses about `est_tokens`.
+    `whole`: the request has every message the snapshot was saved with."""
 
     snapshot: Snapshot
     messages: int
     est_tokens: int
+    whole: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +118,8 @@ class SnapshotStore:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")}
         if "pinned" not in columns:  # an index from before pinning
             self._db.execute("ALTER TABLE snapshots ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
+        if "n_prompt" not in columns:  # an index from before prompt token counts (0: not known)
+            self._db.execute("ALTER TABLE snapshots ADD COLUMN n_prompt INTEGER NOT NULL DEFAULT 0")
         self.hashes = HashMemo(fine_timestamps(slot_dir))
 
     def close(self) -> None:
@@ -143,10 +149,12 @@ class SnapshotStore:
 
     def commit(self, key: SessionKey, temp_name: str, fingerprint: str, n_tokens: int,
                chain: Sequence[Link] = (), n_written: int | None = None,
-               kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot:
+               kind: SnapshotKind = SnapshotKind.SESSION, n_prompt: int = 0) -> Snapshot:
         """Make a finished save durable and index it; the previous snapshot of the session is replaced only now.
 
         `n_written` is the size the backend says it wrote; a file of any other size is torn and never indexed.
+        `n_prompt` is the token count of the prompt of the turn saved (0: not known); the tokens after it were
+        generated, and a client may not send them back.
         """
         if n_tokens <= 0:
             self.discard_temp(temp_name)
@@ -177,11 +185,12 @@ class SnapshotStore:
             previous = self._row(key, kind)
             self._db.execute(
                 "INSERT INTO snapshots (model, session_id, kind, filename, fingerprint, n_tokens, n_bytes, checksum,"
-                " created, last_used, hits) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)"
+                " created, last_used, hits, n_prompt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)"
                 " ON CONFLICT(model, session_id, kind) DO UPDATE SET filename=excluded.filename,"
                 " fingerprint=excluded.fingerprint, n_tokens=excluded.n_tokens, n_bytes=excluded.n_bytes,"
-                " checksum=excluded.checksum, last_used=excluded.last_used",
-                (key.model, key.session_id, str(kind), final_name, fingerprint, n_tokens, n_bytes, checksum, now, now),
+                " checksum=excluded.checksum, last_used=excluded.last_used, n_prompt=excluded.n_prompt",
+                (key.model, key.session_id, str(kind), final_name, fingerprint, n_tokens, n_bytes, checksum, now, now,
+                 max(n_prompt, 0)),
             )
             self._db.executemany(
                 "INSERT INTO chains (filename, position, digest, chars) VALUES (?, ?, ?, ?)",
@@ -287,7 +296,8 @@ class SnapshotStore:
                     total_chars = self._db.execute("SELECT MAX(chars) FROM chains WHERE filename=?",
                                                    (snapshot.filename,)).fetchone()[0] or 0
                 share = chain[position].chars / total_chars if total_chars else 0.0
-                return PrefixMatch(snapshot, position + 1, int(snapshot.n_tokens * min(share, 1.0)))
+                whole = chain[position].chars >= total_chars
+                return PrefixMatch(snapshot, position + 1, int(snapshot.owed_tokens * min(share, 1.0)), whole)
         return None
 
     def chain_of(self, snapshot: Snapshot) -> list[Link]:
@@ -299,8 +309,9 @@ class SnapshotStore:
         return [Link(str(digest), int(chars)) for digest, chars in rows]
 
     def shared_prefix(self, snapshot: Snapshot, chain: Sequence[Link]) -> tuple[int, int] | None:
-        """How many leading messages of `chain` the snapshot covers, and about how many of its tokens that is;
-        None when no chain was recorded for it. All of them when the request extends the snapshot's messages."""
+        """How many leading messages of `chain` the snapshot covers, and about how many of its prompt tokens that
+        is (generated tokens are never counted: a client may send back another answer); None when no chain was
+        recorded for it. All of its prompt when the request extends the snapshot's messages."""
         with self._lock:
             rows = self._db.execute(
                 "SELECT digest, chars FROM chains WHERE filename=? ORDER BY position", (snapshot.filename,)
@@ -313,10 +324,10 @@ class SnapshotStore:
                 break
             shared += 1
         if shared == len(rows):
-            return shared, snapshot.n_tokens
+            return shared, snapshot.owed_tokens
         if shared == 0:
             return 0, 0
-        return shared, int(snapshot.n_tokens * rows[shared - 1][1] / max(rows[-1][1], 1))
+        return shared, int(snapshot.owed_tokens * rows[shared - 1][1] / max(rows[-1][1], 1))
 
     def _verified(self, snapshot: Snapshot, fingerprint: str) -> Snapshot | None:
         """The snapshot if the backend may restore it by its name in backend_dir: its RAM copy, or else its file on
@@ -582,6 +593,7 @@ def _unindexed_own_file(name: str, indexed: set[str]) -> bool:
 
 def _snapshot(row: Sequence[Any]) -> Snapshot:
     """An index row (the columns of _COLUMNS, in order) as a Snapshot."""
-    model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned = row
+    (model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned,
+     n_prompt) = row
     return Snapshot(model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits,
-                    SnapshotKind(kind), bool(pinned))
+                    SnapshotKind(kind), bool(pinned), int(n_prompt))

@@ -59,6 +59,17 @@ class SystemPrompt:
             body["return_progress"] = True
         return body
 
+    def template_body(self, marker: str) -> dict[str, Any]:
+        """A /apply-template request for the system part followed by a user message ending in `marker`: two of
+        them with different markers render to a common prefix that every conversation on this system part starts
+        with, up to where its first user message's own text begins (see `warmup_prompt_body`)."""
+        last = {"type": "text", "text": marker}
+        content: Any = [dict(b) for b in self.instructions] + [last] if self.instructions else marker
+        body: dict[str, Any] = {"messages": [dict(m) for m in self.messages] + [{"role": "user", "content": content}]}
+        if self.tools:
+            body["tools"] = [dict(t) for t in self.tools]
+        return body
+
     def chain(self) -> list[Link]:
         """The message chain of the warm-up request, recorded with its snapshot."""
         return message_chain(self.warmup_messages(), list(self.tools) or None)
@@ -95,3 +106,23 @@ def _instruction_blocks(message: object) -> tuple[Mapping[str, Any], ...]:
     if not all(isinstance(b, Mapping) and b.get("type") == "text" for b in blocks):
         return ()
     return tuple(blocks[:-1])
+
+
+def warmup_prompt_body(prompt: str, slot_id: int, *, progress: bool = False) -> dict[str, Any]:
+    """A /completion request that evaluates `prompt` (the rendered common prefix of a system part) into slot
+    `slot_id` and generates nothing. A state of exactly that prefix is one that every new conversation on it
+    strictly extends, which a recurrent or hybrid model on a build without checkpoints in slot files needs."""
+    body: dict[str, Any] = {"prompt": prompt, "n_predict": 0, "id_slot": slot_id, "cache_prompt": True,
+                            "stream": progress}
+    if progress:
+        body["return_progress"] = True
+    return body
+
+
+def common_prefix_text(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return a[:n]

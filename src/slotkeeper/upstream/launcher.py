@@ -34,6 +34,7 @@ class StartedBackend:
     url: str
     model_alias: str | None = None
     server: ServerProcess | None = None
+    embedded: bool = False  # the server is xllamacpp's (its package version names its llama.cpp build)
 
     async def stop(self, timeout: float) -> None:
         if self.server is not None:
@@ -74,7 +75,7 @@ async def start_backend(settings: Settings, slot_dir: Path, ram_dir: Path | None
             log.error("%s", exc)
         await asyncio.shield(server.stop(2.0))
         raise
-    return StartedBackend(server.url, alias, server)
+    return StartedBackend(server.url, alias, server, embedded=settings.mode == "embedded")
 
 
 def embedded_argv(settings: Settings, model: Path, port: int, slot_dir: Path) -> list[str]:

@@ -49,7 +49,7 @@ async def current_session(request: Request) -> dict[str, Any]:
     first = state.pool.slots[0].occupant
     snapshot = await asyncio.to_thread(state.store.get, first) if first is not None else None
     pool = state.pool
-    stats = pool.restore_stats
+    policy = pool.policy
     return {
         "model": state.backend.model_id,
         "session": first.session_id if first is not None else None,
@@ -62,9 +62,20 @@ async def current_session(request: Request) -> dict[str, Any]:
         "warm_ups": pool.warm_ups,
         "failed_warm_ups": pool.failed_warm_ups,
         "evictions": pool.evictions,
-        "restore_effective": not stats.disabled,
-        "restores_effective": stats.effective,
-        "restores_ineffective": stats.ineffective,
+        "restore_effective": policy.effective_now,
+        "restores_effective": policy.effective,
+        "restores_ineffective": policy.ineffective,
+        "restoring": {
+            "strategy": str(policy.strategy),
+            "architecture": policy.capability.arch or None,
+            "kind": str(policy.capability.kind),
+            "checkpoints_in_file": policy.capability.checkpoints_in_file,
+            "build": state.backend.build_info,
+            "reason": policy.reason(),
+            "prompt_end_steps": pool.prompt_end_steps,
+            "prompt_end_tokens": pool.prompt_end_tokens,
+            "prompt_end_ms": round(pool.prompt_end_ms, 1),
+        },
     }
 
 

@@ -150,10 +150,14 @@ _COUNTERS: list[tuple[str, str, Callable[[_Reading], float]]] = [
     ("slotkeeper_failed_saves", "Saves that failed (the previous snapshot was kept).",
      lambda r: r.state.pool.failed_saves),
     ("slotkeeper_restores", "Snapshots restored into a slot.", lambda r: r.state.pool.restores),
-    ("slotkeeper_restores_effective", "Restores the next response reused (timings.cache_n).",
-     lambda r: r.state.pool.restore_stats.effective),
-    ("slotkeeper_restores_ineffective", "Restores the next response did not reuse: the model may not support "
-     "restoring (see docs/troubleshooting.md).", lambda r: r.state.pool.restore_stats.ineffective),
+    ("slotkeeper_restores_effective", "Restores whose next response reused (timings.cache_n) what the request "
+     "shared with the restored state.", lambda r: r.state.pool.policy.effective),
+    ("slotkeeper_restores_ineffective", "Restores whose next response reused less than the request shared with "
+     "the restored state (see docs/architectures.md).", lambda r: r.state.pool.policy.ineffective),
+    ("slotkeeper_prompt_end_steps", "Slots brought back to their last prompt's end before a save (recurrent and "
+     "hybrid models on builds without checkpoints in slot files).", lambda r: r.state.pool.prompt_end_steps),
+    ("slotkeeper_prompt_end_tokens", "Tokens the backend processed for those steps.",
+     lambda r: r.state.pool.prompt_end_tokens),
     ("slotkeeper_evictions", "Snapshots the disk budget evicted since slotkeeper started.",
      lambda r: r.state.pool.evictions),
     ("slotkeeper_warm_ups", "System prompts evaluated into a slot to make a system snapshot (a new prompt met by a "
@@ -162,8 +166,10 @@ _COUNTERS: list[tuple[str, str, Callable[[_Reading], float]]] = [
      lambda r: r.state.pool.failed_warm_ups),
 ]
 _GAUGES: list[tuple[str, str, Callable[[_Reading], float]]] = [
-    ("slotkeeper_restore_effective", "0 once restoring was switched off for this backend.",
-     lambda r: 0 if r.state.pool.restore_stats.disabled else 1),
+    ("slotkeeper_restore_effective", "0 while restores that did not help keep this backend on a fallback "
+     "strategy (tried again later).", lambda r: 1 if r.state.pool.policy.effective_now else 0),
+    ("slotkeeper_restores_possible", "0 where restores cannot help on this backend's model and build (sessions are "
+     "kept hot in their slots).", lambda r: 1 if r.state.pool.policy.restores_allowed else 0),
     ("slotkeeper_queue_length", "Requests waiting for a slot.", lambda r: r.state.pool.queue_length),
     ("slotkeeper_slots", "Slots of the backend.", lambda r: len(r.state.pool.slots)),
     ("slotkeeper_slots_occupied", "Slots holding a session's state.",

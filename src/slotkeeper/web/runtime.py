@@ -10,7 +10,7 @@ import stat
 import time
 from pathlib import Path
 
-from slotkeeper.backend import discover
+from slotkeeper.backend import capability_of, discover
 from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.ramdir import RamDir
@@ -53,10 +53,12 @@ class RunningBackend:
             await started.stop(settings.shutdown_budget.stopping)
             store.close()
             raise
+        capability = await asyncio.to_thread(capability_of, backend.props, started.embedded)
         pool = SlotPool(backend.n_slots, client, store, backend.fingerprint, backend.n_ctx_slot,
                         settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue,
                         settings.system_snapshots, DiskBudget(settings.disk_budget, settings.max_snapshot_age,
-                                                              settings.max_system_snapshots))
+                                                              settings.max_system_snapshots), capability)
+        await asyncio.to_thread(pool.learn_from_disk)
         await pool.enforce_budget()
         service = TurnService(client, pool)
 
@@ -68,6 +70,7 @@ class RunningBackend:
         state = AppState(settings, backend, client, store, pool, service, time.time(), started.server, supervisor)
         log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
                  backend.model_id, started.url, backend.n_slots, backend.n_ctx_slot, backend.fingerprint, slot_dir)
+        log.info("restores (%s strategy): %s", pool.policy.strategy, pool.policy.capability.reason())
         tasks = [asyncio.create_task(watch.run()), asyncio.create_task(_keep_budget(pool))]
         if supervisor is not None:
             tasks.append(asyncio.create_task(supervisor.run()))

@@ -67,7 +67,7 @@ async def import_bundle(request: Request) -> dict[str, Any]:
         if await asyncio.to_thread(file_checksum, path) != meta.checksum:
             raise BadRequest("the bundle's snapshot.bin does not match its checksum (damaged on the way?)")
         snapshot = await asyncio.to_thread(state.store.commit, key, temp, fingerprint, meta.n_tokens, meta.chain,
-                                           meta.n_bytes, meta.kind)
+                                           meta.n_bytes, meta.kind, meta.n_prompt)
     except BaseException:
         await asyncio.to_thread(state.store.discard_temp, temp)
         raise
