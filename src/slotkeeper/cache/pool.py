@@ -20,6 +20,7 @@ from slotkeeper.cache.capability import ArchKind, Capability, Strategy, has_chec
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.persister import Persister, key_of, snapshot_id
+from slotkeeper.cache.planner import Candidate, Plan, Request, Rules, plan
 from slotkeeper.cache.promptend import Replay, replay_body
 from slotkeeper.cache.proof import RestorePolicy
 from slotkeeper.cache.store import PrefixMatch, SnapshotStore
@@ -286,87 +287,68 @@ class SlotPool:
     # -- bringing a state in --------------------------------------------------------------------------------
 
     async def _bring_in(self, slot: SlotState, lease: SlotLease, in_slot: Sequence[Link]) -> None:
-        """Restore the session's own snapshot; else another session's snapshot that shares more than the system
-        part; else the system part's snapshot (or ask for a warm-up when there is none); else nothing."""
+        """Look up what the request could start from and do what the planner says (planner.py): restore the
+        session's own snapshot, another conversation's that shares more than the system part, or the system part's
+        (or warm a new system part up first), or nothing."""
         key = lease.key
-        if key.is_default:
-            return
-        if not self.policy.restores_allowed:
-            self.policy.skipped()  # sessions stay hot in their slots; a later turn may try a restore again
-            await self._warm_up_if_new(lease)
-            return
-        strict = self.policy.strategy is Strategy.PROMPT_END
         kept = common_prefix(in_slot, lease.chain)  # what the slot's current content already gives for free
         if kept < len(in_slot) and self.policy.capability.needs_checkpoints:
             # A recurrent, hybrid or SWA slot rolls back only to its checkpoints (at the last user message and the
             # prompt's end): a request that leaves the slot's messages earlier than that reuses nothing of it.
             kept = 0
-        await self._persist.settle([snapshot_id(key)])  # a save of this session that is still being committed
-        own, shared, whole = await asyncio.to_thread(self._own_snapshot, key, lease.chain)
-        if own is not None:
-            messages, expected = shared if shared is not None else (len(lease.chain), own.owed_tokens)
-            # On a tie with what the slot holds, the session's own state wins: it usually shares more than whole
-            # messages (the next message often starts with the old one's text).
-            usable = not strict or _extends(own, lease.chain, messages, whole)
-            if not usable:
-                self.policy.skipped()  # a chance for a trial of the strategy before the fallback, if there is one
-            if usable and expected >= max(self._min_restore_tokens, 1) and (
-                    shared is None or (messages > 0 and kept <= messages)):
-                await self._restore(slot, lease, own, CacheOutcome.RESTORED, expected)
+        system = lease.system if self._system_snapshots else None
+        request = Request(len(lease.chain), kept, system.n_messages if system is not None else None,
+                          default=key.is_default, worth_warming=system is not None and self._worth_warming(system))
+        rules = Rules(self.policy.strategy, self._min_restore_tokens, self._n_ctx_slot)
+        restoring = not key.is_default and rules.strategy is not Strategy.KEEP_HOT
+        own: Candidate | None = None
+        if restoring:
+            await self._persist.settle([snapshot_id(key)])  # a save of this session that is still being committed
+            own = await asyncio.to_thread(self._own_candidate, key, lease.chain)
+            chosen = plan(request, rules, own)
+            if chosen.restore is not None:  # the own snapshot comes first: nothing found later would change that
+                await self._act(slot, lease, chosen)
                 return
-        system = lease.system if self._system_snapshots else None
-        # Another conversation's state is used only where it shares more than the system part: conversations on one
-        # system prompt share its system snapshot, never each other's.
-        n_system = system.n_messages if system is not None else 0
-        floor = max(kept, n_system)  # a match must share more messages than this to be worth a restore
-        # A save still being committed that the lookup would find: wait for it (a new conversation's prefill, or
-        # restore, is worth a few milliseconds more).
-        await self._persist.settle(self._persist.pending_sharing(lease.chain, floor + 1))
-        match = await self._best_prefix(key.model, lease.chain, floor + 1)
-        if match is not None and strict and not _extends(match.snapshot, lease.chain, match.messages, match.whole):
-            match = None  # the backend could not roll the snapshot back to what the request shares with it
-            self.policy.skipped()
-        if match is not None and match.messages > floor and match.est_tokens >= self._min_restore_tokens:
-            await self._restore(slot, lease, match.snapshot, CacheOutcome.PREFIX, match.est_tokens)
-            return
-        if system is None or own is not None:
-            return
-        system_key = SessionKey(key.model, system.digest)
-        await self._persist.settle([snapshot_id(system_key, SnapshotKind.SYSTEM)])
-        snapshot = await asyncio.to_thread(self._store.checked_snapshot, system_key, self._fingerprint,
-                                           SnapshotKind.SYSTEM)
-        if snapshot is None:
-            lease.warm_up = self._worth_warming(system)
-            return
-        if kept > 0 and kept >= n_system:
-            return  # the slot already holds this system part (another conversation on it was there)
-        if snapshot.n_tokens >= max(self._min_restore_tokens, 1):
-            await self._restore(slot, lease, snapshot, CacheOutcome.RESTORED, snapshot.n_tokens)
+        prefix: Candidate | None = None
+        if restoring:
+            floor = max(kept, request.n_system or 0)  # a match must share more messages than this
+            # A save still being committed that the lookup would find: wait for it (a new conversation's prefill,
+            # or restore, is worth a few milliseconds more).
+            await self._persist.settle(self._persist.pending_sharing(lease.chain, floor + 1))
+            match = await self._best_prefix(key.model, lease.chain, floor + 1)
+            if match is not None:
+                prefix = Candidate(match.snapshot, match.messages, match.est_tokens, match.whole)
+        system_snapshot: Snapshot | None = None
+        if system is not None and own is None and not key.is_default:
+            system_key = SessionKey(key.model, system.digest)
+            await self._persist.settle([snapshot_id(system_key, SnapshotKind.SYSTEM)])
+            # Where nothing is restored, only whether there is one matters: its row, unchecked.
+            lookup = self._store.checked_snapshot if restoring else self._system_row
+            system_snapshot = await asyncio.to_thread(lookup, system_key, self._fingerprint, SnapshotKind.SYSTEM)
+        await self._act(slot, lease, plan(request, rules, own, prefix, system_snapshot))
 
-    async def _warm_up_if_new(self, lease: SlotLease) -> None:
-        """Without restores, a new system prompt is still warmed up and saved: the turn then extends the warmed-up
-        slot (so it costs only the save), and the snapshot is there once restores help (a later build, a file that
-        shows checkpoints)."""
-        system = lease.system if self._system_snapshots else None
-        if system is None or lease.key.is_default:
-            return
-        system_key = SessionKey(lease.key.model, system.digest)
-        await self._persist.settle([snapshot_id(system_key, SnapshotKind.SYSTEM)])
-        known = await asyncio.to_thread(self._store.get, system_key, SnapshotKind.SYSTEM)
-        lease.warm_up = known is None and self._worth_warming(system)
+    async def _act(self, slot: SlotState, lease: SlotLease, chosen: Plan) -> None:
+        if chosen.held_back:
+            self.policy.skipped()  # a chance for a trial of the strategy before a fallback, if there is one
+        lease.warm_up = chosen.warm_up
+        if chosen.restore is not None:
+            await self._restore(slot, lease, chosen.restore.snapshot, chosen.outcome, chosen.owes)
 
-    def _own_snapshot(self, key: SessionKey, chain: Sequence[Link]
-                      ) -> tuple[Snapshot | None, tuple[int, int] | None, bool]:
-        """In a worker thread, in one go: the session's checked snapshot, what of it the request still shares (a
-        client may have edited or trimmed its history), and whether the request has every message it was saved
-        with. None for the second when the request has no messages (a raw prompt, taken as sharing it all) or the
-        snapshot has no recorded chain."""
+    def _system_row(self, key: SessionKey, fingerprint: str, kind: SnapshotKind) -> Snapshot | None:
+        return self._store.get(key, kind)
+
+    def _own_candidate(self, key: SessionKey, chain: Sequence[Link]) -> Candidate | None:
+        """In a worker thread, in one go: the session's checked snapshot and what of it the request still shares (a
+        client may have edited or trimmed its history). A request without messages (a raw prompt), or a snapshot
+        without a recorded chain, is taken as sharing all of it."""
         own = self._store.checked_snapshot(key, self._fingerprint)
-        if own is None or not chain:
-            return own, None, True
-        saved = self._store.chain_of(own)
-        shared = self._store.shared_prefix(own, chain)
-        return own, shared, shared is not None and shared[0] == len(saved)
+        if own is None:
+            return None
+        shared = self._store.shared_prefix(own, chain) if chain else None
+        if shared is None:
+            return Candidate(own, len(chain), own.owed_tokens, True)
+        saved = len(self._store.chain_of(own))
+        return Candidate(own, shared[0], shared[1], shared[0] == saved)
 
     async def _best_prefix(self, model: str, chain: Sequence[Link], min_messages: int) -> PrefixMatch | None:
         """The store's best prefix match; when the session found has a save still being committed, the match is
@@ -682,11 +664,3 @@ class _Held:
     @classmethod
     def of(cls, slot: SlotState) -> _Held:
         return cls(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end)
-
-
-def _extends(snapshot: Snapshot, chain: Sequence[Link], shared_messages: int, whole: bool) -> bool:
-    """Whether a request strictly extends every token of `snapshot`: the snapshot holds a prompt and nothing
-    generated, and the request has all of its messages and more (a request without messages: taken as one)."""
-    if not snapshot.at_prompt_end:
-        return False
-    return not chain or (whole and len(chain) > shared_messages)
