@@ -6,6 +6,7 @@ Refuses a backend that cannot save slots, and checks that its --slot-save-path i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from pathlib import Path
@@ -43,6 +44,8 @@ async def discover(client: UpstreamClient, store: SnapshotStore, alias: str | No
     models: dict[str, Any] = await client.get_json("/v1/models")
     await _check_slot_actions(client)
     await _check_slot_dir(client, store.backend_dir, "--ram-dir" if store.ram is not None else "--slot-dir")
+    if store.ram is not None:
+        await _check_links(client, store.backend_dir, store.slot_dir)
 
     n_slots = int(props.get("total_slots") or len(slots) or 1)
     n_ctx_slot = int(slots[0].get("n_ctx") or props["default_generation_settings"]["n_ctx"])
@@ -98,6 +101,39 @@ def _xllamacpp_build() -> str | None:
     except Exception:  # not installed, or an unusual version string
         return None
     return f"b{last}" if last.isdigit() else None
+
+
+async def _check_links(client: UpstreamClient, ram_dir: Path, slot_dir: Path) -> None:
+    """With a RAM dir, the backend reaches snapshots not kept in RAM through absolute symlinks into the slot dir. A
+    llama-server in a container that mounts the slot dir elsewhere cannot follow them, and every such restore would
+    fail: have it save through one such link (a restore of the probe's empty state could crash older builds) and
+    check that the file landed in the slot dir."""
+    name = f"slotkeeper-probe-{secrets.token_hex(4)}.bin"
+    link, target = ram_dir / name, slot_dir / name
+    try:
+        link.symlink_to(target)
+        try:
+            await client.post_json("/slots/0?action=save", {"filename": name}, timeout=15.0)
+        except UpstreamError as exc:
+            raise BackendNotUsable(_LINKS_UNREACHABLE.format(slot_dir=slot_dir, ram_dir=ram_dir,
+                                                             detail=exc.message)) from exc
+        except SlotkeeperError as exc:
+            log.warning("could not check the links from the RAM dir (the slot stayed busy): %s", exc.message)
+            return
+        if not target.is_file():
+            raise BackendNotUsable(_LINKS_UNREACHABLE.format(slot_dir=slot_dir, ram_dir=ram_dir,
+                                                             detail="the file did not appear there"))
+    finally:
+        for path in (link, target):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+_LINKS_UNREACHABLE = (
+    "the backend cannot write or read snapshots in {slot_dir} through the links in its --slot-save-path {ram_dir} "
+    "({detail}): it must see the slot dir at the same path (mount it so in its container), or run slotkeeper "
+    "without --ram-dir"
+)
 
 
 def _model_id(props: dict[str, Any]) -> str:

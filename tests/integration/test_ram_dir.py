@@ -164,3 +164,34 @@ async def test_a_save_that_fills_the_ram_dir_is_made_again_on_disk(
         await client.aclose()
         store.close()
         backend.stop()
+
+
+class _BackendSeeingAnotherSlotDir(Backend):
+    """llama-server in a mount namespace of its own where the slot dir is an empty tmpfs: a container that mounts
+    the slot dir at another path (or not at all), as far as the RAM dir's links are concerned."""
+
+    hidden: Path = Path("/nonexistent")
+
+    def argv(self) -> list[str]:
+        script = f'mount -t tmpfs tmpfs "{self.hidden}" && exec "$0" "$@"'
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, *super().argv()]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace needs root (CI runs as root)")
+def test_a_backend_that_cannot_follow_the_links_is_refused_at_start(tmp_path: Path, tiny_model: Path,
+                                                                   ram_dir: Path) -> None:
+    """Restores of snapshots not kept in RAM go through links into the slot dir; a backend that cannot follow them
+    would fail every such restore. slotkeeper finds out at start and says what to change."""
+    slot_dir = tmp_path / "disk-slots"
+    slot_dir.mkdir()
+    backend = _BackendSeeingAnotherSlotDir("binary", tiny_model, ram_dir, tmp_path / "backend.log", cache_ram=0)
+    backend.hidden = slot_dir
+    backend.start()
+    try:
+        keeper = Slotkeeper(tmp_path / "cache", tmp_path / "slotkeeper.log", backend, disk_slot_dir=slot_dir)
+        with pytest.raises(RuntimeError, match="exited with code"):
+            keeper.start(timeout=60)
+        assert "must see the slot dir at the same path" in keeper.log_text()
+        assert os.listdir(slot_dir) == [] and not [n for n in os.listdir(ram_dir) if n.startswith("slotkeeper-probe")]
+    finally:
+        backend.stop()

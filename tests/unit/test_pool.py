@@ -152,24 +152,77 @@ async def test_default_session_never_saved_or_restored(client: FakeClient, store
     assert len(client.actions("save")) == 1
 
 
-async def test_restore_refused_quarantines(client: FakeClient, store: SnapshotStore, slot_dir: Path) -> None:
+INVALID = b'{"error":{"code":400,"message":"Unable to restore slot, no available space in KV cache or invalid slot save file","type":"invalid_request_error"}}'  # noqa: E501
+
+
+async def test_a_file_the_backend_refuses_twice_is_quarantined(client: FakeClient, store: SnapshotStore,
+                                                                slot_dir: Path) -> None:
     pool = make_pool(client, store)
     await turn(pool, A)
     await turn(pool, B)
     await pool.settle()
     snap_a = store.get(A)
     assert snap_a is not None
-    client.restore_error = UpstreamError(400, b'{"error":{"message":"bad"}}')
+    client.restore_error = UpstreamError(400, INVALID)
     lease = await pool.acquire(A)
     assert lease.outcome is CacheOutcome.COLD
     assert lease.slot_id == 0
-    assert len(client.actions("restore")) == 1
+    assert len(client.actions("restore")) == 2  # once more into the slot the first attempt emptied
     assert store.get(A) is None
     assert not (slot_dir / snap_a.filename).exists()
     assert any(n.startswith(snap_a.filename) for n in os.listdir(slot_dir / QUARANTINE_DIR))
     assert pool.slots[0].occupant == A and pool.slots[0].busy
     lease.release(TurnEnd.COMPLETED, 5)
-    assert not pool.slots[0].busy
+    assert not pool.slots[0].busy and pool.failed_restores == 1
+
+
+async def test_a_file_refused_once_is_restored_on_the_second_attempt(client: FakeClient, store: SnapshotStore) -> None:
+    """With several slots, "no available space in KV cache" comes with the same message: the first attempt empties
+    the slot, the second then fits."""
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    await turn(pool, B)
+    await pool.settle()
+    real = client.slot_action
+    refused = [UpstreamError(400, INVALID)]
+
+    async def once(slot_id: int, action: str, filename: str | None = None) -> SlotActionResult:
+        if action == "restore" and refused:
+            client.calls.append((slot_id, action, filename))
+            raise refused.pop()
+        return await real(slot_id, action, filename)
+
+    client.slot_action = once  # type: ignore[method-assign]
+    lease = await pool.acquire(A)
+    assert lease.outcome is CacheOutcome.RESTORED and store.get(A) is not None
+    lease.release(TurnEnd.COMPLETED, 5)
+    assert pool.failed_restores == 0
+
+
+@pytest.mark.parametrize("error", [
+    UpstreamError(503, b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'),
+    UpstreamError(500, b'{"error":{"code":500,"message":"boom"}}'),
+    UpstreamError(400, b'{"error":{"code":400,"message":"slot is busy"}}'),
+], ids=["loading", "server-error", "other-400"])
+async def test_a_backend_error_on_restore_keeps_the_snapshot(client: FakeClient, store: SnapshotStore,
+                                                              slot_dir: Path, error: UpstreamError) -> None:
+    """Nothing proves the file bad: the turn runs cold, the failure is counted, the snapshot stays for later."""
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    await turn(pool, B)
+    await pool.settle()
+    snap_a = store.get(A)
+    client.restore_error = error
+    lease = await pool.acquire(A)
+    assert lease.outcome is CacheOutcome.COLD and len(client.actions("restore")) == 1
+    lease.release(TurnEnd.COMPLETED, 5)
+    assert store.get(A) == snap_a and (slot_dir / snap_a.filename).exists()  # type: ignore[union-attr]
+    assert not (slot_dir / QUARANTINE_DIR).exists() and pool.failed_restores == 1
+    client.restore_error = None
+    await turn(pool, B)
+    lease = await pool.acquire(A)
+    assert lease.outcome is CacheOutcome.RESTORED  # restored once the backend is well again
+    lease.release(TurnEnd.COMPLETED, 5)
 
 
 async def test_snapshot_larger_than_slot_not_restored(client: FakeClient, store: SnapshotStore) -> None:

@@ -222,22 +222,22 @@ def test_checked_snapshot_symlink_outside(
     assert any(r.levelno == logging.WARNING and "sess-link" in r.getMessage() for r in caplog.records)
 
 
-def test_checked_snapshot_fingerprint_mismatch(
+def test_a_snapshot_of_another_fingerprint_is_not_restored_here_and_kept(
     store: SnapshotStore, slot_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Another model, build or slot count made it: nothing says the file is bad, so it is not quarantined; it stays
+    for the backend it was made for, and the disk budget ages it out."""
     k = key("sess-fp")
     data = os.urandom(1000)
     snap = save(store, k, data)
     path = slot_dir / snap.filename
     with caplog.at_level(logging.WARNING, logger="slotkeeper.store"):
         assert store.checked_snapshot(k, "fedcba9876543210") is None
-    assert store.get(k) is None
-    assert not path.exists()
-    moved = quarantined(slot_dir)
-    assert len(moved) == 1
-    assert (slot_dir / QUARANTINE_DIR / moved[0]).read_bytes() == data
-    assert any(r.levelno == logging.WARNING and "sess-fp" in r.getMessage() and "fingerprint" in r.getMessage()
-               for r in caplog.records)
+        assert store.checked_snapshot(k, "fedcba9876543210") is None
+    assert store.get(k) == snap and path.read_bytes() == data and quarantined(slot_dir) == []
+    said = [r for r in caplog.records if "sess-fp" in r.getMessage() and "another model" in r.getMessage()]
+    assert len(said) == 1  # once per snapshot
+    assert store.checked_snapshot(k, FP) == snap  # still restorable by its own backend
 
 
 # -- mark_used, list, get, delete -------------------------------------------------------------------------------
@@ -476,3 +476,29 @@ def test_an_index_from_before_prompt_counts_gets_the_column(tmp_path: Path, slot
         assert old is not None and old.n_prompt == 0 and old.owed_tokens == 42
     finally:
         store.close()
+
+
+# -- the quarantine and the disk budget -------------------------------------------------------------------------
+
+
+def test_quarantined_files_age_out_and_count_in_the_disk_budget(store: SnapshotStore, slot_dir: Path) -> None:
+    from slotkeeper.cache.budget import DiskBudget
+    from slotkeeper.cache.store import QUARANTINE_KEEP_SECONDS
+
+    qdir = slot_dir / QUARANTINE_DIR
+    qdir.mkdir(parents=True)
+    now = time.time()
+    ages = {"old": QUARANTINE_KEEP_SECONDS + 60, "older-than-max-age": 7200, "recent": 60, "newest": 1}
+    for name, age in ages.items():
+        (qdir / f"{name}.bin.{int(now - age)}").write_bytes(b"q" * 1000)
+    save(store, key("live"), b"s" * 3000)
+    # No budget: only what is older than a week goes.
+    assert store.trim_quarantine(DiskBudget(), now) == 1
+    assert sorted(p.split(".")[0] for p in os.listdir(qdir)) == ["newest", "older-than-max-age", "recent"]
+    # A max age: older quarantined files go too.
+    assert store.trim_quarantine(DiskBudget(max_age_seconds=3600), now) == 1
+    # A total of 4500 bytes: 3000 of snapshots + 2000 quarantined is over it; the oldest quarantined file goes,
+    # never the snapshot.
+    assert store.enforce_budget(DiskBudget(max_bytes=4500)) == []
+    assert [p.split(".")[0] for p in os.listdir(qdir)] == ["newest"]
+    assert store.get(key("live")) is not None

@@ -171,6 +171,7 @@ class Persister:
         """Evict what the disk budget does not allow, never a snapshot whose session a slot holds (nor `also_keep`).
         Returns how many were evicted; a failure is logged and leaves everything in place."""
         if not self.budget.limited:
+            await asyncio.to_thread(self._trim_quarantine_now)  # quarantined files age out even so
             return 0
         evicted = await asyncio.to_thread(self._enforce_budget_now, self._budget_keep(also_keep))
         self.evictions += evicted
@@ -180,6 +181,12 @@ class Persister:
         keep = set(also_keep or ())
         keep.update(snapshot_id(key) for key in self._occupants())
         return keep
+
+    def _trim_quarantine_now(self) -> None:
+        try:
+            self._store.trim_quarantine(self.budget)
+        except Exception as exc:  # housekeeping: it never fails anything
+            log.error("removing old quarantined files failed: %s", exc)
 
     def _enforce_budget_now(self, keep: set[SnapshotId]) -> int:
         """In a worker thread: the store's budget enforcement; returns how many it evicted."""

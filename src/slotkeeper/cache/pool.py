@@ -27,9 +27,13 @@ from slotkeeper.cache.store import PrefixMatch, SnapshotStore
 from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.errors import NotFound, Overloaded, SlotkeeperError, UpstreamError
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
-from slotkeeper.upstream.client import UpstreamClient
+from slotkeeper.upstream.client import SlotActionResult, UpstreamClient
 
 log = logging.getLogger("slotkeeper.pool")
+
+# What llama-server says when it cannot restore a file: an invalid file, or (with several slots) no room in the KV
+# cache for it.
+_INVALID_FILE = "invalid slot save file"
 
 # System prompts found too short to be worth a snapshot, remembered so they are not warmed up again.
 _SHORT_SYSTEMS_KEPT = 1024
@@ -133,6 +137,8 @@ class SlotPool:
         self._waiters: deque[_Waiter] = deque()
         self._timers: set[asyncio.Task[None]] = set()
         self.restores = 0
+        # Restores the backend refused or broke off (the turn ran without the snapshot).
+        self.failed_restores = 0
         # System prompts evaluated into a slot (a new one met by a turn, or an operator's pre-warm), and failures.
         self.warm_ups = 0
         self.failed_warm_ups = 0
@@ -419,14 +425,10 @@ class SlotPool:
                         snapshot.session_id, snapshot.n_tokens, self._n_ctx_slot)
             return
         started = time.perf_counter()
-        try:
-            result = await self._client.slot_action(slot.slot_id, "restore", snapshot.filename)
-        except UpstreamError as exc:
-            # A failed restore empties the slot; the file passed our checks, so the backend disagrees with it.
-            slot.chain = []
-            await asyncio.to_thread(self._store.quarantine, snapshot, f"backend refused the restore: {exc.message}")
+        result = await self._restore_or_none(slot, snapshot)
+        slot.chain = []  # a restore replaces the slot's content, a failed one empties it
+        if result is None:
             return
-        slot.chain = []
         lease.restore_ms = (time.perf_counter() - started) * 1000
         lease.outcome = outcome
         lease.restored_tokens = result.n_tokens
@@ -437,6 +439,29 @@ class SlotPool:
         self.events.restored(lease.restore_ms, snapshot.n_bytes, result.n_tokens)
         slot.n_tokens = result.n_tokens
         self._persist.used(snapshot)
+
+    async def _restore_or_none(self, slot: SlotState, snapshot: Snapshot) -> SlotActionResult | None:
+        """The backend's restore of `snapshot` into the slot, or None when it failed (the turn then runs cold).
+
+        Only a file the backend refuses as invalid twice, the second time into the slot the first attempt emptied
+        (so lack of room in the KV cache is ruled out), is quarantined: the file passed our own checks, and any other
+        failure (a busy or loading backend, a 500) says nothing about it."""
+        for attempt in (1, 2):
+            try:
+                return await self._client.slot_action(slot.slot_id, "restore", snapshot.filename)
+            except UpstreamError as exc:
+                refused_file = exc.status_code == 400 and _INVALID_FILE in exc.message
+                if refused_file and attempt == 1:
+                    continue
+                self.failed_restores += 1
+                if refused_file:
+                    await asyncio.to_thread(self._store.quarantine, snapshot,
+                                            f"backend refused the restore twice: {exc.message}")
+                else:
+                    log.warning("restoring %s/%s into slot %d failed (%s); the turn runs without it, and the "
+                                "snapshot is kept", snapshot.model, snapshot.session_id, slot.slot_id, exc.message)
+                return None
+        return None
 
     def _judge_restore(self, lease: SlotLease, cache_n: int) -> None:
         """The proof of reuse: the restore owed the tokens the request shares with it (`expected_reuse`)."""

@@ -78,6 +78,8 @@ _TEMP_NAME = re.compile(r"^[0-9a-f]{40}\.tmp-[0-9a-f]{8}\.bin$")
 # A sidecar a patched llama-server may write next to a slot file (context checkpoints): it lives and dies with it.
 SIDECAR_SUFFIXES = (".ckpt",)
 QUARANTINE_DIR = "quarantine"
+# How long a quarantined file is kept for a person to look at when the budget sets no max age.
+QUARANTINE_KEEP_SECONDS = 7 * 86400
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +123,7 @@ class SnapshotStore:
         if "n_prompt" not in columns:  # an index from before prompt token counts (0: not known)
             self._db.execute("ALTER TABLE snapshots ADD COLUMN n_prompt INTEGER NOT NULL DEFAULT 0")
         self.hashes = HashMemo(fine_timestamps(slot_dir))
+        self._not_here: set[str] = set()  # snapshots of another fingerprint already reported
 
     def close(self) -> None:
         with self._lock:
@@ -332,10 +335,18 @@ class SnapshotStore:
     def _verified(self, snapshot: Snapshot, fingerprint: str) -> Snapshot | None:
         """The snapshot if the backend may restore it by its name in backend_dir: its RAM copy, or else its file on
         disk (then reached through a symlink from the RAM dir), is intact and of this backend."""
-        if (self.ram is not None and snapshot.fingerprint == fingerprint
-                and self.ram.intact_copy(snapshot.filename, snapshot.n_bytes, snapshot.checksum)):
+        if snapshot.fingerprint != fingerprint:
+            # Made by another model, build or slot layout: not restorable here, but not bad either. It stays for
+            # the backend it was made for, and the disk budget ages it out.
+            if snapshot.filename not in self._not_here:
+                self._not_here.add(snapshot.filename)
+                log.warning("snapshot %s/%s was made by another model or slot layout (fingerprint %s, this "
+                            "backend's %s): it is not restored here, and kept", snapshot.model,
+                            snapshot.session_id, snapshot.fingerprint, fingerprint)
+            return None
+        if self.ram is not None and self.ram.intact_copy(snapshot.filename, snapshot.n_bytes, snapshot.checksum):
             return snapshot
-        reason = self._problem(snapshot, self.slot_dir / snapshot.filename, fingerprint)
+        reason = self._problem(snapshot, self.slot_dir / snapshot.filename)
         if reason is not None:
             self.quarantine(snapshot, reason)
             return None
@@ -347,9 +358,7 @@ class SnapshotStore:
                 return None
         return snapshot
 
-    def _problem(self, snapshot: Snapshot, path: Path, fingerprint: str) -> str | None:
-        if snapshot.fingerprint != fingerprint:
-            return f"fingerprint mismatch (file {snapshot.fingerprint}, backend {fingerprint})"
+    def _problem(self, snapshot: Snapshot, path: Path) -> str | None:
         try:
             st, identity = read_identity(path)
         except FileNotFoundError:
@@ -442,12 +451,50 @@ class SnapshotStore:
         return True
 
     def enforce_budget(self, budget: DiskBudget, protected: Collection[SnapshotId] = ()) -> Sequence[Eviction]:
-        """Evict what the budget does not allow (see budget.py); returns what was evicted."""
+        """Evict what the budget does not allow (see budget.py); returns what was evicted. Quarantined files count
+        in the total and age out first (`trim_quarantine`)."""
         now = time.time()
+        self.trim_quarantine(budget, now)
         if not budget.limited or not self._over_budget(budget, now):
             return []
         evictions = choose_evictions(self.list(kind=None), budget, protected, now)
         return [e for e in evictions if self.evict(e.snapshot, e.reason)]
+
+    def trim_quarantine(self, budget: DiskBudget, now: float | None = None) -> int:
+        """Remove quarantined files older than the budget's max age (a week without one), then, oldest first, as many
+        as it takes for the snapshots and the quarantine together to fit the budget's total. Returns how many."""
+        now = time.time() if now is None else now
+        found = []
+        try:
+            with os.scandir(self.slot_dir / QUARANTINE_DIR) as entries:
+                for entry in entries:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    moved = entry.name.rsplit(".", 1)[-1]  # "<file>.<unix time it was moved aside>"
+                    found.append((int(moved) if moved.isdigit() else st.st_mtime, st.st_size, Path(entry.path)))
+        except FileNotFoundError:
+            return 0
+        keep_for = budget.max_age_seconds if budget.max_age_seconds > 0 else QUARANTINE_KEEP_SECONDS
+        found.sort()
+        removed = [f for f in found if now - f[0] > keep_for]
+        if budget.max_bytes > 0:
+            rest = [f for f in found if f not in removed]
+            with self._lock:
+                total = self._db.execute("SELECT COALESCE(SUM(n_bytes), 0) FROM snapshots").fetchone()[0]
+            total += sum(f[1] for f in rest)
+            for f in rest:
+                if total <= budget.max_bytes:
+                    break
+                removed.append(f)
+                total -= f[1]
+        for _, _, path in removed:
+            unlink_quietly(path)
+        if removed:
+            log.info("removed %d quarantined file(s) (older than %.0f s, or over the disk budget)", len(removed),
+                     keep_for)
+        return len(removed)
 
     def _over_budget(self, budget: DiskBudget, now: float) -> bool:
         """Whether any limit is broken at all, by one aggregate query per limit. Every save enforces the budget and

@@ -150,6 +150,8 @@ _COUNTERS: list[tuple[str, str, Callable[[_Reading], float]]] = [
     ("slotkeeper_failed_saves", "Saves that failed (the previous snapshot was kept).",
      lambda r: r.state.pool.failed_saves),
     ("slotkeeper_restores", "Snapshots restored into a slot.", lambda r: r.state.pool.restores),
+    ("slotkeeper_failed_restores", "Restores the backend refused or broke off (the turn ran without the snapshot).",
+     lambda r: r.state.pool.failed_restores),
     ("slotkeeper_restores_effective", "Restores whose next response reused (timings.cache_n) what the request "
      "shared with the restored state.", lambda r: r.state.pool.policy.effective),
     ("slotkeeper_restores_ineffective", "Restores whose next response reused less than the request shared with "
