@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from slotkeeper.cache.budget import DiskBudget, SnapshotId
-from slotkeeper.cache.capability import ArchKind, Capability, Strategy, has_checkpoint_appendix
+from slotkeeper.cache.capability import ArchKind, Capability, Strategy
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
+from slotkeeper.cache.evidence import CheckpointEvidence
 from slotkeeper.cache.persister import Persister, key_of, snapshot_id
 from slotkeeper.cache.planner import Candidate, Plan, Request, Rules, plan
 from slotkeeper.cache.promptend import Replay, replay_body
@@ -147,15 +148,11 @@ class SlotPool:
         self.prompt_end_steps = 0
         self.prompt_end_tokens = 0
         self.prompt_end_ms = 0.0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        # Sessions whose slot a prompt-end step just rolled back to a checkpoint: their next save must carry it.
-        self._rolled_back: dict[SessionKey, bool] = {}
-        # Saved files scanned for checkpoints (0.4 ms per MB when there are none) that could not settle it.
-        self._inspections_left = 16
+        self._evidence = CheckpointEvidence(self.policy, store.slot_dir)
         self.events = CacheEvents()
         self._persist = Persister(client, store, fingerprint, budget or DiskBudget(), self.events,
                                   lambda: [s.occupant for s in self.slots if s.occupant is not None],
-                                  self._inspect_saved)
+                                  self._evidence.inspect)
 
     # Saves, failed saves and budget evictions: counted by the persister when a save's commit is done.
     @property
@@ -469,40 +466,10 @@ class SlotPool:
             log.warning("restore for %s did not help: %d tokens restored, %d shared with the request, %d reused by "
                         "the backend", lease.key, lease.restored_tokens, lease.expected_reuse, cache_n)
 
-    def _inspect_saved(self, snapshot: Snapshot) -> None:
-        """In the commit's worker thread: while it is not known whether this build keeps context checkpoints in
-        slot files, look for them in a saved file of a model that needs them. A file without them tells only when
-        the slot surely had some: its prompt-end step had just rolled back to one."""
-        capability = self.policy.capability
-        if not capability.needs_checkpoints or capability.checkpoints_in_file is not None:
-            return
-        had_checkpoints = self._rolled_back.pop(key_of(snapshot), False) and snapshot.kind is SnapshotKind.SESSION
-        if not had_checkpoints:
-            if self._inspections_left <= 0:
-                return  # a file without them proves nothing: scanning big files for nothing is not worth it
-            self._inspections_left -= 1
-        try:
-            seen = has_checkpoint_appendix(self._store.slot_dir / snapshot.filename)
-        except OSError:
-            return
-        loop = self._loop
-        if loop is not None and (seen or had_checkpoints):
-            loop.call_soon_threadsafe(self.policy.learned, capability.with_checkpoints(seen))
-
-    def learn_from_disk(self, limit: int = 3) -> None:
-        """In a worker thread at start: look for context checkpoints in the newest snapshots of this backend, so a
-        restart need not wait for a new save to know the build keeps them."""
-        capability = self.policy.capability
-        if not capability.needs_checkpoints or capability.checkpoints_in_file is not None:
-            return
-        mine = [s for s in self._store.list(kind=None) if s.fingerprint == self._fingerprint][:limit]
-        for snapshot in mine:
-            try:
-                if has_checkpoint_appendix(self._store.slot_dir / snapshot.filename):
-                    self.policy.learned(capability.with_checkpoints(True))
-                    return
-            except OSError:
-                continue
+    def learn_from_disk(self) -> None:
+        """In a worker thread at start: what the newest snapshots of this backend tell about its build."""
+        mine = (s for s in self._store.list(kind=None) if s.fingerprint == self._fingerprint)
+        self._evidence.from_files(mine)
 
     # -- saving ---------------------------------------------------------------------------------------------
 
@@ -511,7 +478,7 @@ class SlotPool:
         """Save the slot's state (`held`: what it holds) as `key`'s snapshot, waiting for its commit or not (see
         persister.py); returns the milliseconds waited (0 when it failed: logged, and it costs only the snapshot's
         freshness). Where the backend needs it, the slot is brought back to its last prompt's end first."""
-        self._loop = asyncio.get_running_loop()
+        self._evidence.saving()
         started = time.perf_counter()
         n_prompt = held.n_prompt
         if kind is SnapshotKind.SESSION and self.policy.prompt_end_saves and not held.at_prompt_end and (
@@ -537,7 +504,7 @@ class SlotPool:
             return 0
         processed = int(timings.get("prompt_n") or 0)
         if int(timings.get("cache_n") or 0) > 0:
-            self._rolled_back[key] = True
+            self._evidence.rolled_back(key)
         self.prompt_end_steps += 1
         self.prompt_end_tokens += processed
         self.prompt_end_ms += (time.perf_counter() - started) * 1000
