@@ -11,99 +11,12 @@ import json
 import os
 import sys
 import urllib.parse
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, BinaryIO, TextIO
+from typing import Any, TextIO
 
-import httpx
-
-DEFAULT_URL = "http://127.0.0.1:11434"
-
-
-class CommandError(Exception):
-    """A problem the command reports on stderr as `slotkeeper: MESSAGE` before exiting with status 1."""
-
-
-@dataclass
-class AdminClient:
-    """The few HTTP calls the commands make, with slotkeeper's errors turned into CommandError."""
-
-    url: str
-    admin_key: str | None = None
-    timeout: float = 30.0
-
-    def call(self, method: str, path: str, params: dict[str, str] | None = None) -> Any:
-        try:
-            response = httpx.request(method, self.url + path, params=params, headers=self._headers(),
-                                     timeout=self.timeout)
-        except httpx.TransportError as exc:
-            raise self._unreachable(exc) from exc
-        return self._checked(method, path, response)
-
-    def stream_lines(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """POST `body` and yield the NDJSON answer's objects as they arrive (no read timeout: prefills are long)."""
-        timeout = httpx.Timeout(self.timeout, read=None)
-        try:
-            with httpx.stream("POST", self.url + path, json=body, headers=self._headers(), timeout=timeout) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    self._checked("POST", path, response)
-                for line in response.iter_lines():
-                    if line.strip():
-                        yield json.loads(line)
-        except httpx.TransportError as exc:
-            raise self._unreachable(exc) from exc
-
-    def download(self, path: str, params: dict[str, str], out: BinaryIO) -> int:
-        """GET `path` into `out`; returns the bytes written."""
-        written = 0
-        try:
-            with httpx.stream("GET", self.url + path, params=params, headers=self._headers(),
-                              timeout=httpx.Timeout(self.timeout, read=None)) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    self._checked("GET", path, response)
-                for chunk in response.iter_bytes():
-                    out.write(chunk)
-                    written += len(chunk)
-        except httpx.TransportError as exc:
-            raise self._unreachable(exc) from exc
-        return written
-
-    def upload(self, path: str, params: dict[str, str], source: BinaryIO) -> Any:
-        """POST the contents of `source` in chunks (a bundle can be gigabytes)."""
-        def chunks() -> Iterator[bytes]:
-            while chunk := source.read(1024 * 1024):
-                yield chunk
-
-        try:
-            response = httpx.post(self.url + path, params=params, content=chunks(), headers=self._headers(),
-                                  timeout=httpx.Timeout(self.timeout, read=None, write=None))
-        except httpx.TransportError as exc:
-            raise self._unreachable(exc) from exc
-        return self._checked("POST", path, response)
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
-
-    def _unreachable(self, exc: httpx.TransportError) -> CommandError:
-        return CommandError(
-            f"cannot reach slotkeeper at {self.url} ({exc or type(exc).__name__}): is `slotkeeper serve` "
-            "running there? Give its address with --url or SLOTKEEPER_URL"
-        )
-
-    def _checked(self, method: str, path: str, response: httpx.Response) -> Any:
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-        if response.status_code == 401:
-            raise CommandError(f"{self.url} refused the admin key: give it with --admin-key or SLOTKEEPER_ADMIN_KEY")
-        if response.status_code >= 400:
-            raise CommandError(_error_message(body) or f"{method} {path} answered HTTP {response.status_code}")
-        return body
+from slotkeeper.admin_client import DEFAULT_URL, AdminClient, CommandError
+from slotkeeper.doctor import run_doctor
+from slotkeeper.formatting import human_bytes, print_json, since, table
 
 
 def add_commands(sub: Any) -> None:
@@ -192,8 +105,6 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
                          args.admin_key or os.environ.get("SLOTKEEPER_ADMIN_KEY") or None)
     try:
         if args.command == "doctor":
-            from slotkeeper.doctor import run_doctor
-
             return run_doctor(client, args.json, out)
         if args.command == "prewarm":
             return _prewarm(client, args, out, err)
@@ -208,7 +119,7 @@ def _ls(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     data = client.call("GET", "/api/sessions", {"kind": args.kind})
     sessions = [s for s in data["sessions"] if args.model is None or s["model"] == args.model]
     if args.json:
-        _print_json({"slot_dir": data["slot_dir"], "sessions": sessions}, out)
+        print_json({"slot_dir": data["slot_dir"], "sessions": sessions}, out)
         return 0
     if not sessions:
         print(f"no saved sessions in {data['slot_dir']}", file=out)
@@ -228,7 +139,7 @@ def _show(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     totals = next((t for t in recent.get("session_totals", [])
                    if t["session"] == data["session"] and t["model"] == data["model"]), None)
     if args.json:
-        _print_json({**data, "activity": totals}, out)
+        print_json({**data, "activity": totals}, out)
         return 0
     rows: list[list[Any]] = [["session", data["session"]], ["model", data["model"]]]
     if data.get("file") is None:
@@ -252,7 +163,7 @@ def _rm(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     params = {**(_model_param(args) or {}), **({"kind": "system"} if args.system else {})}
     results = [client.call("DELETE", "/api/sessions/" + _quote(s), params or None) for s in args.session]
     if args.json:
-        _print_json({"deleted": results}, out)
+        print_json({"deleted": results}, out)
         return 0
     for r in results:
         what = "system snapshot " if r.get("kind") == "system" else ""
@@ -264,7 +175,7 @@ def _clear(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     params = {**(_model_param(args) or {}), **({"slot": str(args.slot)} if args.slot is not None else {})}
     data = client.call("POST", "/api/sessions/clear", params or None)
     if args.json:
-        _print_json(data, out)
+        print_json(data, out)
         return 0
     if args.slot is not None:
         held = data.get("held")
@@ -293,7 +204,7 @@ def _prewarm(client: AdminClient, args: argparse.Namespace, out: TextIO, err: Te
     if result is None:
         raise CommandError("the pre-warm ended without a result (did slotkeeper stop?)")
     if args.json:
-        _print_json(result, out)
+        print_json(result, out)
         return 0
     what = {"saved": "saved as a system snapshot", "exists": "already had a system snapshot",
             "too-short": "is shorter than --min-restore-tokens: not worth a snapshot"}[str(result["status"])]
@@ -366,7 +277,7 @@ def _pin(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     params = {**(_model_param(args) or {}), **({"kind": "system"} if args.system else {})}
     results = [client.call("POST", f"/api/sessions/{_quote(s)}/{args.action}", params or None) for s in args.session]
     if args.json:
-        _print_json({args.action + "ned": results}, out)
+        print_json({args.action + "ned": results}, out)
         return 0
     for r in results:
         print(f"{r['kind']} snapshot {r['session']} ({r['model']}) is {'pinned' if r['pinned'] else 'not pinned'}",
@@ -377,7 +288,7 @@ def _pin(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
 def _disk(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     data = client.call("GET", "/api/sessions/disk")
     if args.json:
-        _print_json(data, out)
+        print_json(data, out)
         return 0
     budget = data["budget"]
     rows = [[kind, u["count"], human_bytes(u["bytes"]), u["pinned"]] for kind, u in data["snapshots"].items()]
@@ -420,7 +331,7 @@ def _import(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     with source:
         result = client.upload("/api/sessions/import", params, source)
     if args.json:
-        _print_json(result, out)
+        print_json(result, out)
         return 0
     print(f"imported {result['kind']} snapshot {result['imported']} ({result['model']}, {result['tokens']} tokens, "
           f"{human_bytes(result['bytes'])})", file=out)
@@ -431,62 +342,9 @@ _SESSION_ACTIONS = {"ls": _ls, "show": _show, "rm": _rm, "clear": _clear, "pin":
                     "disk": _disk, "export": _export, "import": _import}
 
 
-# -- output helpers -----------------------------------------------------------------------------------------------
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain text table: columns padded to their widest cell, numbers right-aligned."""
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [all(isinstance(row[i], int | float) for row in rows) and bool(rows) for i in range(len(headers))]
-
-    def line(values: Sequence[str]) -> str:
-        parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)]
-        return "  ".join(parts).rstrip()
-
-    return "\n".join([line(list(headers)), *(line(r) for r in cells)])
-
-
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"  # pragma: no cover - the loop always returns
-
-
-def since(iso: str) -> str:
-    """'12 s ago', '5 min ago', '3.2 h ago', '4.0 d ago' for an ISO 8601 time."""
-    seconds = max(0.0, (datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds())
-    if seconds < 60:
-        return f"{seconds:.0f} s ago"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f} min ago"
-    if seconds < 86400:
-        return f"{seconds / 3600:.1f} h ago"
-    return f"{seconds / 86400:.1f} d ago"
-
-
-def _print_json(data: Any, out: TextIO) -> None:
-    print(json.dumps(data, indent=2, ensure_ascii=False), file=out)
-
-
 def _quote(session: str) -> str:
     return urllib.parse.quote(session, safe="")
 
 
 def _model_param(args: argparse.Namespace) -> dict[str, str] | None:
     return {"model": args.model} if args.model else None
-
-
-def _error_message(body: Any) -> str | None:
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-    return None

@@ -1,6 +1,6 @@
 """Anthropic-compatible routes: /v1/messages (under session and slot control) and /v1/messages/count_tokens.
 
-HTTP wiring only: the translation lives in dialects/anthropic.py; errors render in Anthropic's shape (web/errors.py).
+HTTP wiring only: the translation lives in dialects/anthropic/; errors render in Anthropic's shape (web/errors.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Ollama-compatible routes (/, /api/version, /api/tags, /api/show, /api/ps, /api/chat, /api/generate, ...).
 
-HTTP wiring only: requests are validated and translated by dialects/ollama.py and run through the TurnService.
+HTTP wiring only: requests are validated and translated by dialects/ollama/ and run through the TurnService.
 """
 
 from __future__ import annotations
