@@ -16,6 +16,7 @@ import pytest
 from slotkeeper.cache import store as store_mod
 from slotkeeper.cache.pool import TurnEnd
 from slotkeeper.cache.store import SnapshotStore, file_checksum
+from slotkeeper.errors import UpstreamError
 from slotkeeper.types import CacheOutcome, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult
 from tests.unit.test_pool import FP, A, B, C, FakeClient, make_pool, turn
@@ -276,5 +277,35 @@ async def test_a_session_back_while_the_backend_still_writes_its_save_restores_t
         assert client.actions("restore")[-1][2] == newer.filename
         a_lease.release(TurnEnd.COMPLETED, 10)
         (await b_lease).release(TurnEnd.COMPLETED, 10)
+    finally:
+        await pool.aclose()
+
+
+async def test_a_save_the_backend_refuses_keeps_the_order_of_the_sessions_commits(
+        client: FakeClient, store: SnapshotStore, gate: Gate) -> None:
+    """An idle save's commit is held; the session's next save is refused by the backend. That failed save must not
+    end the session's pending writes while the first commit still runs: readers keep waiting for it, and a third
+    save commits after it, so the newest state is the one kept."""
+    pool = make_pool(client, store, save_idle_seconds=0.02)
+    try:
+        await turn(pool, A)
+        await until(lambda: gate.started == 1)  # the first save's commit is held
+        client.save_error = UpstreamError(500, b'{"error":{"message":"the backend refused"}}')
+        await turn(pool, A, n_tokens=20)
+        await until(lambda: pool.failed_saves == 1)  # the second save, refused by the backend
+        assert not await pool.settle(A, timeout=0.05)  # the first commit is still running: readers wait for it
+        client.save_error = None
+        await turn(pool, A, n_tokens=30)
+        await until(lambda: len(client.actions("save")) == 3)
+        await asyncio.sleep(0.05)
+        assert gate.started == 1  # the third commit waits for the first
+        newest = client.actions("save")[2][2]
+        assert newest is not None
+        newest_sum = file_checksum(store.slot_dir / newest)
+        gate.open()
+        assert await pool.settle()
+        snap = store.get(A)
+        assert snap is not None and snap.checksum == newest_sum
+        assert pool.saves == 2 and pool.failed_saves == 1
     finally:
         await pool.aclose()
