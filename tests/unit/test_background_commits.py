@@ -197,7 +197,7 @@ async def test_flush_and_close_wait_for_pending_commits(client: FakeClient, stor
     await asyncio.sleep(0.05)
     assert not flushing.done()
     gate.open()
-    assert await asyncio.wait_for(flushing, 2) == 1
+    assert await asyncio.wait_for(flushing, 2) == (1, 0)
     assert store.get(A) is not None and store.get(B) is not None and pool.saves == 2
 
     await turn(pool, A)  # restores A (B was saved by the flush)

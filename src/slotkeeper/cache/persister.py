@@ -66,6 +66,17 @@ class Persister:
         """Save the slot's state as `key`'s snapshot; with `wait`, until it is on disk and indexed, else only until
         the backend wrote it. Returns the milliseconds waited, or 0 when the save failed: a failure is logged and
         counted, and costs only the snapshot's freshness (the previous snapshot stays)."""
+        started = time.perf_counter()
+        commit = await self.start_save(slot_id, key, chain, kind, n_prompt=n_prompt)
+        if commit is None or (wait and not await asyncio.shield(commit)):
+            return 0.0
+        return (time.perf_counter() - started) * 1000
+
+    async def start_save(self, slot_id: int, key: SessionKey, chain: Sequence[Link],
+                         kind: SnapshotKind = SnapshotKind.SESSION, *, n_prompt: int = 0) -> asyncio.Task[bool] | None:
+        """Have the backend write the slot's state, and commit it as `key`'s snapshot in the background. Returns the
+        commit's task (its result: whether the save succeeded, failures logged and counted), or None when the
+        backend's write failed. The commit goes on if the caller stops waiting for it."""
         temp = self._store.temp_name(key, self._fingerprint, kind)
         started = time.perf_counter()
         written: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -92,11 +103,7 @@ class Persister:
         # (the session back on another slot while its old slot is being saved) waits for it, never reads the
         # snapshot the save replaces. Shielded: a caller that gives up waiting does not stop the save.
         done = self._writes.start(sid, write, chain, at_once=True)
-        if not await asyncio.shield(written):
-            return 0.0
-        if wait and not await asyncio.shield(done):
-            return 0.0
-        return (time.perf_counter() - started) * 1000
+        return done if await asyncio.shield(written) else None
 
     async def _backend_save(self, slot_id: int, key: SessionKey, temp: str) -> SlotActionResult:
         """Have the backend write the slot into `temp`: into the RAM dir when there is one with room; a save there

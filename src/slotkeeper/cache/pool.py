@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from slotkeeper.cache.budget import DiskBudget, SnapshotId
 from slotkeeper.cache.capability import ArchKind, Capability, Strategy, has_checkpoint_appendix
@@ -59,8 +60,10 @@ class SlotState:
     n_prompt: int = 0
     replay: Replay | None = None
     at_prompt_end: bool = False
-    # The running turn's session was deleted: do not attribute (or save) the slot's state when it ends.
-    forget_on_release: bool = False
+    # The slot's session was deleted while the slot was busy (a turn, or a save of it, running): the lease
+    # generation it was deleted in. When the turn or save of that generation gives the slot back, the slot's state
+    # is not attributed (or saved) any more; a later lease never sees it (it has a newer generation).
+    forgotten_in: int | None = None
 
 
 @dataclass(eq=False)
@@ -261,12 +264,12 @@ class SlotPool:
         slot.last_used = time.monotonic()
         if lease.existing is not None:
             pass  # a pre-warm that found its snapshot on disk did not touch the slot
-        elif end is TurnEnd.FAILED or slot.forget_on_release or lease.side:
+        elif end is TurnEnd.FAILED or slot.forgotten_in == slot.generation or lease.side:
             slot.occupant, slot.dirty, slot.n_tokens = None, False, 0
             # A completed pre-warm leaves its system part in the slot, for the next conversation on it.
             keeps_system = end is TurnEnd.COMPLETED and lease.side and lease.system is not None
             slot.chain = slot.chain if keeps_system else []
-            slot.forget_on_release = False
+            slot.forgotten_in = None
             slot.n_prompt = slot.n_tokens if keeps_system else 0
             slot.replay, slot.at_prompt_end = None, keeps_system
         elif end in (TurnEnd.COMPLETED, TurnEnd.CANCELLED):
@@ -504,14 +507,22 @@ class SlotPool:
         """Save the slot's state (`held`: what it holds) as `key`'s snapshot, waiting for its commit or not (see
         persister.py); returns the milliseconds waited (0 when it failed: logged, and it costs only the snapshot's
         freshness). Where the backend needs it, the slot is brought back to its last prompt's end first."""
-        self._loop = asyncio.get_running_loop()
         started = time.perf_counter()
+        commit = await self._start_save(slot_id, key, held, kind)
+        if commit is None or (wait and not await asyncio.shield(commit)):
+            return 0.0
+        return (time.perf_counter() - started) * 1000
+
+    async def _start_save(self, slot_id: int, key: SessionKey, held: _Held,
+                          kind: SnapshotKind = SnapshotKind.SESSION) -> asyncio.Task[bool] | None:
+        """`_save` until the backend wrote the slot's state; returns the commit going on in the background (its
+        result: whether the save succeeded), or None when the backend's write failed."""
+        self._loop = asyncio.get_running_loop()
         n_prompt = held.n_prompt
         if kind is SnapshotKind.SESSION and self.policy.prompt_end_saves and not held.at_prompt_end and (
                 held.replay is not None):
             n_prompt = await self._to_prompt_end(slot_id, key, held.replay) or n_prompt
-        waited = await self._persist.save(slot_id, key, held.chain, kind, wait=wait, n_prompt=n_prompt)
-        return (time.perf_counter() - started) * 1000 if waited else 0.0
+        return await self._persist.start_save(slot_id, key, held.chain, kind, n_prompt=n_prompt)
 
     async def _to_prompt_end(self, slot_id: int, key: SessionKey, replay: Replay) -> int:
         """Send the slot's last request again without generating: the backend rolls the slot back to its checkpoint
@@ -564,8 +575,15 @@ class SlotPool:
         try:
             await self._save(slot.slot_id, key, _Held.of(slot), wait=False)  # the slot is free again once written
         finally:
-            slot.busy = False
-            self._dispatch()
+            self._give_back(slot)
+
+    def _give_back(self, slot: SlotState) -> None:
+        """Free a slot taken for a save (not leased): if its session was deleted meanwhile, the slot no longer holds
+        it (its state stays in the slot, attributed to nobody)."""
+        slot.busy = False
+        if slot.forgotten_in == slot.generation:
+            slot.occupant, slot.dirty, slot.forgotten_in = None, False, None
+        self._dispatch()
 
     async def pin(self, snapshot: Snapshot) -> Snapshot | None:
         """Keep a snapshot from the disk budget; returns it as indexed now (None if it is gone)."""
@@ -586,23 +604,27 @@ class SlotPool:
 
     # -- operator actions -----------------------------------------------------------------------------------
 
-    async def flush(self) -> int:
+    async def flush(self) -> Flushed:
         """Save every changed slot (waiting for running turns), and wait until every save started so far is
-        committed; returns how many slots were saved. Used at shutdown."""
-        saved = 0
+        committed; returns how many of those slots were saved, and how many failed. Used at shutdown."""
+        commits: list[asyncio.Task[bool]] = []
+        failed = 0
         for slot in self.slots:
             await self._take(lambda s=slot: None if s.busy else s)  # type: ignore[misc]
             try:
                 if slot.dirty and slot.occupant is not None:
                     slot.dirty = False
                     # Not waited for here: the next slot's save overlaps this one's commit.
-                    await self._save(slot.slot_id, slot.occupant, _Held.of(slot), wait=False)
-                    saved += 1
+                    commit = await self._start_save(slot.slot_id, slot.occupant, _Held.of(slot))
+                    if commit is None:
+                        failed += 1
+                    else:
+                        commits.append(commit)
             finally:
-                slot.busy = False
-                self._dispatch()
+                self._give_back(slot)
         await self._persist.settle()
-        return saved
+        saved = sum(1 for c in commits if c.done() and not c.cancelled() and c.exception() is None and c.result())
+        return Flushed(saved, failed + len(commits) - saved)
 
     async def clear(self) -> list[int]:
         """Save changed slots, then erase every slot, one after the other; returns the slot ids erased."""
@@ -624,7 +646,7 @@ class SlotPool:
             await self._client.slot_action(slot.slot_id, "erase")
             slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
             slot.n_prompt, slot.replay, slot.at_prompt_end = 0, None, False
-            slot.forget_on_release = False
+            slot.forgotten_in = None
         finally:
             slot.busy = False
             self._dispatch()
@@ -658,16 +680,24 @@ class SlotPool:
             if slot.occupant == key:
                 slot.dirty = False
                 if slot.busy:
-                    slot.forget_on_release = True
+                    slot.forgotten_in = slot.generation
                 else:
                     slot.occupant = None
 
-    async def aclose(self) -> None:
-        """Stop the idle-save timers and wait for the commits still running (the store closes after this)."""
+    async def aclose(self, timeout: float | None = None) -> bool:
+        """Stop the idle-save timers and wait for the commits still running (the store closes after this), for at
+        most `timeout` seconds; True when none is left running."""
         for task in list(self._timers):
             task.cancel()
         await asyncio.gather(*self._timers, return_exceptions=True)
-        await self._persist.settle()
+        return await self._persist.settle(timeout=timeout)
+
+
+class Flushed(NamedTuple):
+    """What a flush did: the changed slots it saved, and those whose save failed (logged as each one failed)."""
+
+    saved: int
+    failed: int
 
 
 @dataclass(frozen=True, slots=True)
