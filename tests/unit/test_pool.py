@@ -12,7 +12,7 @@ import pytest
 from slotkeeper.cache.capability import Strategy
 from slotkeeper.cache.pool import SlotPool, TurnEnd
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore
-from slotkeeper.errors import NotFound, UpstreamError, UpstreamUnavailable
+from slotkeeper.errors import NotFound, SlotkeeperError, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import CacheOutcome, IdSource, SessionKey
 from slotkeeper.upstream.client import SlotActionResult
 
@@ -446,6 +446,33 @@ async def test_a_session_deleted_while_its_slot_is_cleared_does_not_haunt_the_sl
     # The erase ended the slot's story: the next session in it is attributed and saved as usual.
     await turn(pool, B)
     assert pool.slots[0].occupant == B and pool.slots[0].dirty
+
+
+@pytest.mark.parametrize("failure", ["backend", "zero-tokens"])
+async def test_clear_keeps_a_slot_whose_save_failed(client: FakeClient, store: SnapshotStore, failure: str) -> None:
+    """Clearing a slot whose changed state cannot be saved does not erase it: the state stays in the slot (still
+    changed, still its session's), and the clear says so; a clear of every slot erases the others."""
+    pool = make_pool(client, store, n_slots=2)
+    await turn(pool, A)
+    await turn(pool, B)
+    if failure == "backend":
+        client.save_error = UpstreamError(500, b'{"error":{"message":"disk full"}}')
+    else:
+        client.save_tokens = 0
+    with pytest.raises(SlotkeeperError, match=r"saving slot 0 \(m/A\) failed, so it was not erased"):
+        await pool.clear_slot(0)
+    assert client.actions("erase") == []
+    assert pool.slots[0].occupant == A and pool.slots[0].dirty and not pool.slots[0].busy
+    with pytest.raises(SlotkeeperError, match=r"slot\(s\) 0, 1 were not erased"):
+        await pool.clear()
+    assert client.actions("erase") == []
+    pool.slots[1].dirty = False  # as if B's state were on disk: only A's save is tried, and fails
+    with pytest.raises(SlotkeeperError, match=r"slot\(s\) 0 were not erased.*; erased: 1$"):
+        await pool.clear()
+    assert [c[0] for c in client.actions("erase")] == [1]
+    client.save_error, client.save_tokens = None, 42
+    assert await pool.clear_slot(0) == A  # saved now, then erased
+    assert store.get(A) is not None and pool.slots[0].occupant is None
 
 
 async def test_clear_slot_refuses_a_slot_that_does_not_exist(client: FakeClient, store: SnapshotStore) -> None:

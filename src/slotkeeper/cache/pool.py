@@ -25,7 +25,7 @@ from slotkeeper.cache.promptend import Replay, replay_body
 from slotkeeper.cache.proof import RestorePolicy
 from slotkeeper.cache.store import PrefixMatch, SnapshotStore
 from slotkeeper.cache.systemprompt import SystemPrompt
-from slotkeeper.errors import NotFound, Overloaded, SlotkeeperError, UpstreamError
+from slotkeeper.errors import NotFound, Overloaded, SaveFailed, SlotkeeperError, UpstreamError
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import UpstreamClient
 
@@ -627,22 +627,35 @@ class SlotPool:
         return Flushed(saved, failed + len(commits) - saved)
 
     async def clear(self) -> list[int]:
-        """Save changed slots, then erase every slot, one after the other; returns the slot ids erased."""
+        """Save changed slots, then erase every slot, one after the other; returns the slot ids erased. A slot whose
+        save fails is left as it is, the others are erased, and then SaveFailed says which."""
+        erased, kept = [], []
         for slot in self.slots:
-            await self.clear_slot(slot.slot_id)
-        return [slot.slot_id for slot in self.slots]
+            try:
+                await self.clear_slot(slot.slot_id)
+            except SaveFailed:
+                kept.append(slot.slot_id)
+                continue
+            erased.append(slot.slot_id)
+        if kept:
+            raise SaveFailed(f"slot(s) {_ids(kept)} were not erased: saving their changed state failed (see the "
+                             f"log); erased: {_ids(erased) or 'none'}")
+        return erased
 
     async def clear_slot(self, slot_id: int) -> SessionKey | None:
         """Wait for the slot to be free, save its occupant if changed, then erase it; no other slot is touched.
-        Returns the session the slot held (None when it held none)."""
+        Returns the session the slot held (None when it held none). When the save fails, the slot is not erased
+        (it keeps its unsaved state) and SaveFailed is raised."""
         if not 0 <= slot_id < len(self.slots):
             raise NotFound(f"no slot {slot_id}: the backend has {len(self.slots)} slot(s), numbered from 0")
         slot = self.slots[slot_id]
         await self._take(lambda: None if slot.busy else slot)
         try:
             held = slot.occupant  # read after taking the slot: nothing else can change it now
-            if slot.dirty and held is not None:
-                await self._save(slot.slot_id, held, _Held.of(slot))  # an operator's action: done when it answers
+            # An operator's action: done when it answers, commit included. 0 ms waited: the save failed.
+            if slot.dirty and held is not None and not await self._save(slot.slot_id, held, _Held.of(slot)):
+                raise SaveFailed(f"saving slot {slot_id} ({held}) failed, so it was not erased: it keeps its "
+                                 "unsaved state (see the log for why)")
             await self._client.slot_action(slot.slot_id, "erase")
             slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
             slot.n_prompt, slot.replay, slot.at_prompt_end = 0, None, False
@@ -712,6 +725,10 @@ class _Held:
     @classmethod
     def of(cls, slot: SlotState) -> _Held:
         return cls(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end)
+
+
+def _ids(slot_ids: Sequence[int]) -> str:
+    return ", ".join(str(i) for i in slot_ids)
 
 
 def _extends(snapshot: Snapshot, chain: Sequence[Link], shared_messages: int, whole: bool) -> bool:
