@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 from slotkeeper.cache.budget import DiskBudget, SnapshotId
 from slotkeeper.cache.capability import ArchKind, Capability, Strategy, has_checkpoint_appendix
@@ -590,6 +590,28 @@ class SlotPool:
         key = key_of(snapshot)
         await self._persist.settle([snapshot_id(key, snapshot.kind)])
         return await asyncio.to_thread(self._store.set_pinned, key, True, snapshot.kind)
+
+    async def open_snapshot(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION
+                            ) -> tuple[Snapshot, list[Link], BinaryIO] | None:
+        """`key`'s checked snapshot, its message chain and its file opened for reading (for an export), once the
+        snapshot's pending writes are done; None when there is none. A commit or an eviction that removes the file
+        between the look-up and the open is met by waiting and looking it up once more."""
+        for _ in range(2):
+            await self._persist.settle([snapshot_id(key, kind)])
+            snapshot = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint, kind)
+            if snapshot is None:
+                return None
+            try:
+                slot_file = await asyncio.to_thread((self._store.slot_dir / snapshot.filename).open, "rb")
+            except FileNotFoundError:
+                continue
+            try:
+                chain = await asyncio.to_thread(self._store.chain_of, snapshot)
+            except BaseException:
+                slot_file.close()
+                raise
+            return snapshot, chain, slot_file
+        return None
 
     async def settle(self, key: SessionKey | None = None, kind: SnapshotKind = SnapshotKind.SESSION,
                      timeout: float | None = None) -> bool:

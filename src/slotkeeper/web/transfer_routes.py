@@ -31,12 +31,10 @@ async def export(session_id: str, request: Request) -> Response:
     state = app_state(request, request.query_params.get("model"))
     kind = one_kind(request)
     key = SessionKey(state.backend.model_id, session_id)
-    await state.pool.settle(key, kind)
-    snapshot = await asyncio.to_thread(state.store.checked_snapshot, key, state.backend.fingerprint, kind)
-    if snapshot is None:
+    found = await state.pool.open_snapshot(key, kind)
+    if found is None:
         raise NotFound(f"no {kind} snapshot '{session_id}' to export")
-    chain = await asyncio.to_thread(state.store.chain_of, snapshot)
-    slot_file = (state.store.slot_dir / snapshot.filename).open("rb")
+    snapshot, chain, slot_file = found
     name = urllib.parse.quote(f"{session_id}.slotkeeper.tar", safe="")
     return StreamingResponse(iterate_in_threadpool(write_bundle(meta_of(snapshot, chain), slot_file)),
                              media_type=BUNDLE_TYPE,
