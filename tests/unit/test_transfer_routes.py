@@ -3,22 +3,26 @@ real SnapshotStore: what they answer when a save of the session lands, or the sn
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import tarfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from slotkeeper.cache.bundle import BundleMeta, write_bundle
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.errors import SlotkeeperError
-from slotkeeper.types import BackendInfo
+from slotkeeper.types import BackendInfo, SnapshotKind
 from slotkeeper.web import transfer_routes
 from slotkeeper.web.errors import error_response
 from slotkeeper.web.state import AppState, Backends
@@ -53,6 +57,10 @@ def bundle_file(data: bytes) -> tuple[dict[str, Any], bytes]:
         slot_file = tar.extractfile("snapshot.bin")
         assert meta is not None and slot_file is not None
         return json.loads(meta.read()), slot_file.read()
+
+
+def file_checksum_of(data: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 def commit_a_new_save(store: SnapshotStore) -> str:
@@ -95,3 +103,37 @@ async def test_export_while_the_snapshot_changes_under_it(client: FakeClient, st
     else:
         assert response.status_code == 404, response.text
         assert response.json()["error"]["message"] == "no session snapshot 'A' to export"
+
+
+async def test_an_idle_save_that_starts_during_an_import_does_not_land_over_it(
+        slot_dir: Path, store: SnapshotStore) -> None:
+    """A's changed state is in a slot; an import of A (replace=true) is uploading when A's idle save starts. The
+    import is what A's snapshot is afterwards, and the slot no longer counts as A's."""
+    client = FakeClient(slot_dir)
+    pool = make_pool(client, store, save_idle_seconds=0.05)
+    try:
+        data = os.urandom(1000)
+        meta = BundleMeta("m", "A", SnapshotKind.SESSION, FP, 60, len(data), file_checksum_of(data), ())
+        bundle = b"".join(write_bundle(meta, io.BytesIO(data)))
+        await turn(pool, A)
+        client.save_delay = 0.3  # the idle save's backend write takes a while
+
+        async def upload() -> AsyncIterator[bytes]:
+            yield bundle[:1024]  # the metadata: the route looks the snapshot up, then copies the file
+            for _ in range(200):
+                if client.actions("save"):
+                    break
+                await asyncio.sleep(0.01)
+            assert client.actions("save"), "the idle save never started"
+            yield bundle[1024:]
+
+        async with http(app_for(pool, client, store)) as web:
+            response = await web.post("/api/sessions/import", params={"replace": "true"}, content=upload())
+        assert response.status_code == 200, response.text
+        assert await pool.settle()
+        snap = store.get(A)
+        assert snap is not None and snap.checksum == meta.checksum and snap.n_tokens == 60
+        assert pool.saves == 1  # the idle save was committed, before the import
+        assert pool.slots[0].occupant is None
+    finally:
+        await pool.aclose()

@@ -154,6 +154,27 @@ class Persister:
                 log.warning("inspecting the saved file of %s failed: %s", key, exc)
         return self._enforce_budget_now(keep)
 
+    async def commit_import(self, key: SessionKey, temp: str, n_tokens: int, chain: Sequence[Link], n_bytes: int,
+                            kind: SnapshotKind, n_prompt: int) -> Snapshot:
+        """Make an uploaded file (`temp`, checked) `key`'s snapshot, as one of the snapshot's writes: after the saves
+        of it started before (none of them lands over it), before any started later. Raises what the commit raises
+        (the temp file is then discarded). The commit goes on if the caller stops waiting for it."""
+        committed: asyncio.Future[Snapshot] = asyncio.get_running_loop().create_future()
+
+        async def write() -> bool:
+            try:
+                snapshot = await asyncio.to_thread(self._store.commit, key, temp, self._fingerprint, n_tokens, chain,
+                                                   n_bytes, kind, n_prompt)
+            except Exception as exc:
+                await asyncio.to_thread(self._store.discard_temp, temp)
+                committed.set_exception(exc)
+                return False
+            committed.set_result(snapshot)
+            return True
+
+        self._writes.start(snapshot_id(key, kind), write, chain)
+        return await asyncio.shield(committed)
+
     def _failed(self, slot_id: int, key: SessionKey, reason: str) -> None:
         self.failed_saves += 1
         log.error("saving slot %d as %s failed: %s", slot_id, key, reason)

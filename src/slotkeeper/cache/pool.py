@@ -613,6 +613,15 @@ class SlotPool:
             return snapshot, chain, slot_file
         return None
 
+    async def import_snapshot(self, key: SessionKey, temp: str, n_tokens: int, chain: Sequence[Link], n_bytes: int,
+                              kind: SnapshotKind = SnapshotKind.SESSION, n_prompt: int = 0) -> Snapshot:
+        """Make an uploaded file (`temp`, checked) `key`'s snapshot. The slots stop attributing the session first,
+        so that no older state of it in a slot is saved over the import, and the commit lands after the saves of
+        it already started (persister.py)."""
+        if kind is SnapshotKind.SESSION:
+            self.forget(key)
+        return await self._persist.commit_import(key, temp, n_tokens, chain, n_bytes, kind, n_prompt)
+
     async def settle(self, key: SessionKey | None = None, kind: SnapshotKind = SnapshotKind.SESSION,
                      timeout: float | None = None) -> bool:
         """Wait for the saves started so far (of `key`'s snapshot of `kind`, or of every snapshot) to be committed

@@ -64,11 +64,11 @@ async def import_bundle(request: Request) -> dict[str, Any]:
         await reader.copy_file_to(path, meta.n_bytes)
         if await asyncio.to_thread(file_checksum, path) != meta.checksum:
             raise BadRequest("the bundle's snapshot.bin does not match its checksum (damaged on the way?)")
-        snapshot = await asyncio.to_thread(state.store.commit, key, temp, fingerprint, meta.n_tokens, meta.chain,
-                                           meta.n_bytes, meta.kind, meta.n_prompt)
     except BaseException:
         await asyncio.to_thread(state.store.discard_temp, temp)
         raise
-    state.pool.forget(key)  # a slot holding an older state of the session must not overwrite the import
+    # In order with the session's saves (one may have started during the upload), and no slot saves it after.
+    snapshot = await state.pool.import_snapshot(key, temp, meta.n_tokens, meta.chain, meta.n_bytes, meta.kind,
+                                                meta.n_prompt)
     return {"imported": session, "model": snapshot.model, "kind": str(snapshot.kind), "tokens": snapshot.n_tokens,
             "bytes": snapshot.n_bytes, "file": snapshot.filename}
