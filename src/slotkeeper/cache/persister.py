@@ -169,6 +169,9 @@ class Persister:
                 await asyncio.to_thread(self._store.discard_temp, temp)
                 committed.set_exception(exc)
                 return False
+            except BaseException:
+                committed.cancel()  # the write was cancelled: its caller must not wait forever
+                raise
             committed.set_result(snapshot)
             return True
 
