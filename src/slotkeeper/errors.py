@@ -11,6 +11,7 @@
     ├── UpstreamError               (the backend's status)   a non-2xx answer from the backend, body kept
     ├── UpstreamUnavailable         502  the backend could not be reached or broke the connection
     ├── Overloaded                  503  the queue for slots is full
+    ├── SaveFailed                  500  an operator's clear could not save a slot's changed state (kept unerased)
     └── SnapshotError               (never reaches a client) a snapshot file could not be used or written
 
 Cache problems (SnapshotError) are caught where they happen and turned into a cold prefill; they never fail a request.
@@ -98,6 +99,10 @@ class Overloaded(SlotkeeperError):
 
     status_code = 503
     error_type = "overloaded_error"
+
+
+class SaveFailed(SlotkeeperError):
+    """A slot's changed state could not be saved, so an operator's clear left the slot as it was."""
 
 
 class SnapshotError(SlotkeeperError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -16,8 +17,13 @@ import pytest
 from slotkeeper.cache import store as store_mod
 from slotkeeper.cache.pool import TurnEnd
 from slotkeeper.cache.store import SnapshotStore, file_checksum
+from slotkeeper.config import Settings
+from slotkeeper.errors import UpstreamError
 from slotkeeper.types import CacheOutcome, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult
+from slotkeeper.upstream.launcher import StartedBackend
+from slotkeeper.web.runtime import RunningBackend
+from slotkeeper.web.state import AppState
 from tests.unit.test_pool import FP, A, B, C, FakeClient, make_pool, turn
 
 
@@ -196,7 +202,7 @@ async def test_flush_and_close_wait_for_pending_commits(client: FakeClient, stor
     await asyncio.sleep(0.05)
     assert not flushing.done()
     gate.open()
-    assert await asyncio.wait_for(flushing, 2) == 1
+    assert await asyncio.wait_for(flushing, 2) == (1, 0)
     assert store.get(A) is not None and store.get(B) is not None and pool.saves == 2
 
     await turn(pool, A)  # restores A (B was saved by the flush)
@@ -278,3 +284,75 @@ async def test_a_session_back_while_the_backend_still_writes_its_save_restores_t
         (await b_lease).release(TurnEnd.COMPLETED, 10)
     finally:
         await pool.aclose()
+
+
+async def test_a_save_the_backend_refuses_keeps_the_order_of_the_sessions_commits(
+        client: FakeClient, store: SnapshotStore, gate: Gate) -> None:
+    """An idle save's commit is held; the session's next save is refused by the backend. That failed save must not
+    end the session's pending writes while the first commit still runs: readers keep waiting for it, and a third
+    save commits after it, so the newest state is the one kept."""
+    pool = make_pool(client, store, save_idle_seconds=0.02)
+    try:
+        await turn(pool, A)
+        await until(lambda: gate.started == 1)  # the first save's commit is held
+        client.save_error = UpstreamError(500, b'{"error":{"message":"the backend refused"}}')
+        await turn(pool, A, n_tokens=20)
+        await until(lambda: pool.failed_saves == 1)  # the second save, refused by the backend
+        assert not await pool.settle(A, timeout=0.05)  # the first commit is still running: readers wait for it
+        client.save_error = None
+        await turn(pool, A, n_tokens=30)
+        await until(lambda: len(client.actions("save")) == 3)
+        await asyncio.sleep(0.05)
+        assert gate.started == 1  # the third commit waits for the first
+        newest = client.actions("save")[2][2]
+        assert newest is not None
+        newest_sum = file_checksum(store.slot_dir / newest)
+        gate.open()
+        assert await pool.settle()
+        snap = store.get(A)
+        assert snap is not None and snap.checksum == newest_sum
+        assert pool.saves == 2 and pool.failed_saves == 1
+    finally:
+        await pool.aclose()
+
+
+class ClosingClient(FakeClient):
+    async def aclose(self) -> None:
+        pass
+
+
+def running_backend(pool: Any, client: FakeClient, store: SnapshotStore, shutdown_timeout: float) -> RunningBackend:
+    state = AppState(Settings(shutdown_timeout=shutdown_timeout), None, client, store, pool, None,  # type: ignore[arg-type]
+                     0.0)
+    return RunningBackend(state, StartedBackend("http://127.0.0.1:1"), [])
+
+
+async def test_shutdown_keeps_its_bound_while_a_commit_hangs(slot_dir: Path, store: SnapshotStore, gate: Gate,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A commit that does not finish (a slow disk) does not hold the shutdown past its share of shutdown_timeout."""
+    client = ClosingClient(slot_dir)
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    backend = running_backend(pool, client, store, shutdown_timeout=1.0)  # half of it, 0.5 s, for the saves
+    started = asyncio.get_running_loop().time()
+    with caplog.at_level(logging.INFO, logger="slotkeeper"):
+        await asyncio.wait_for(backend.stop(), 3)
+    assert asyncio.get_running_loop().time() - started < 1.0
+    gate.open()  # the commit then fails on the closed index
+    assert gate.started == 1
+    assert "are cut short" in caplog.text
+
+
+async def test_shutdown_counts_the_saves_that_succeeded(slot_dir: Path, store: SnapshotStore,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    client = ClosingClient(slot_dir)
+    pool = make_pool(client, store, n_slots=2)
+    await turn(pool, A)
+    await turn(pool, B)
+    client.save_tokens = 0  # the backend writes empty states: both commits fail
+    backend = running_backend(pool, client, store, shutdown_timeout=30.0)
+    with caplog.at_level(logging.INFO, logger="slotkeeper"):
+        await asyncio.wait_for(backend.stop(), 10)
+    assert pool.failed_saves == 2
+    assert "shutdown: saved 0 changed slot(s)" in caplog.text
+    assert "shutdown: saving 2 changed slot(s) failed" in caplog.text

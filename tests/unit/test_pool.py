@@ -12,7 +12,7 @@ import pytest
 from slotkeeper.cache.capability import Strategy
 from slotkeeper.cache.pool import SlotPool, TurnEnd
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore
-from slotkeeper.errors import NotFound, UpstreamError, UpstreamUnavailable
+from slotkeeper.errors import NotFound, SlotkeeperError, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import CacheOutcome, IdSource, SessionKey
 from slotkeeper.upstream.client import SlotActionResult
 
@@ -148,7 +148,7 @@ async def test_default_session_never_saved_or_restored(client: FakeClient, store
     assert len(client.actions("save")) == 1
     assert client.actions("restore") == []
     assert store.get(default) is None
-    assert await pool.flush() == 0
+    assert await pool.flush() == (0, 0)
     assert len(client.actions("save")) == 1
 
 
@@ -247,7 +247,7 @@ async def test_release_failed_empties_slot(client: FakeClient, store: SnapshotSt
     assert slot.occupant is None and not slot.dirty and slot.n_tokens == 0
     await turn(pool, B)
     assert client.actions("save") == []
-    assert await pool.flush() == 1  # only B
+    assert await pool.flush() == (1, 0)  # only B
     assert store.get(A) is None and store.get(B) is not None
 
 
@@ -425,10 +425,10 @@ async def test_flush_saves_dirty_slots(client: FakeClient, store: SnapshotStore)
     la.release(TurnEnd.COMPLETED)
     lb.release(TurnEnd.COMPLETED)
     lc.release(TurnEnd.FAILED)
-    assert await pool.flush() == 2
+    assert await pool.flush() == (2, 0)
     assert store.get(A) is not None and store.get(B) is not None and store.get(C) is None
     assert all(not s.dirty and not s.busy for s in pool.slots)
-    assert await pool.flush() == 0
+    assert await pool.flush() == (0, 0)
     assert len(client.actions("save")) == 2
 
 
@@ -501,6 +501,33 @@ async def test_a_session_deleted_while_its_slot_is_cleared_does_not_haunt_the_sl
     assert pool.slots[0].occupant == B and pool.slots[0].dirty
 
 
+@pytest.mark.parametrize("failure", ["backend", "zero-tokens"])
+async def test_clear_keeps_a_slot_whose_save_failed(client: FakeClient, store: SnapshotStore, failure: str) -> None:
+    """Clearing a slot whose changed state cannot be saved does not erase it: the state stays in the slot (still
+    changed, still its session's), and the clear says so; a clear of every slot erases the others."""
+    pool = make_pool(client, store, n_slots=2)
+    await turn(pool, A)
+    await turn(pool, B)
+    if failure == "backend":
+        client.save_error = UpstreamError(500, b'{"error":{"message":"disk full"}}')
+    else:
+        client.save_tokens = 0
+    with pytest.raises(SlotkeeperError, match=r"saving slot 0 \(m/A\) failed, so it was not erased"):
+        await pool.clear_slot(0)
+    assert client.actions("erase") == []
+    assert pool.slots[0].occupant == A and pool.slots[0].dirty and not pool.slots[0].busy
+    with pytest.raises(SlotkeeperError, match=r"slot\(s\) 0, 1 were not erased"):
+        await pool.clear()
+    assert client.actions("erase") == []
+    pool.slots[1].dirty = False  # as if B's state were on disk: only A's save is tried, and fails
+    with pytest.raises(SlotkeeperError, match=r"slot\(s\) 0 were not erased.*; erased: 1$"):
+        await pool.clear()
+    assert [c[0] for c in client.actions("erase")] == [1]
+    client.save_error, client.save_tokens = None, 42
+    assert await pool.clear_slot(0) == A  # saved now, then erased
+    assert store.get(A) is not None and pool.slots[0].occupant is None
+
+
 async def test_clear_slot_refuses_a_slot_that_does_not_exist(client: FakeClient, store: SnapshotStore) -> None:
     pool = make_pool(client, store, n_slots=2)
     for slot_id in (2, -1):
@@ -515,7 +542,7 @@ async def test_forget_stops_later_save(client: FakeClient, store: SnapshotStore)
     pool.forget(A)
     assert pool.slots[0].occupant is None and not pool.slots[0].dirty
     await turn(pool, B)
-    assert await pool.flush() == 1
+    assert await pool.flush() == (1, 0)
     assert store.get(A) is None
     assert next(c[2] for c in client.actions("save")).startswith(B.file_stem(FP))
 
@@ -606,6 +633,36 @@ async def test_forget_during_a_running_turn_stops_its_save(client: FakeClient, s
     assert client.actions("save") == []
     assert pool.slots[0].occupant is None and not pool.slots[0].dirty
     await pool.aclose()
+
+
+async def test_a_session_deleted_while_its_idle_save_runs_does_not_take_the_next_sessions_turn(
+        client: FakeClient, store: SnapshotStore) -> None:
+    """DELETE /api/sessions/A while A's idle save runs: once the save is done the slot no longer holds A, and the
+    next session's completed turn in that slot is attributed to it and saved."""
+    pool = make_pool(client, store, save_idle_seconds=0.02)
+    try:
+        await turn(pool, A)
+        client.save_delay = 0.2
+        for _ in range(100):
+            if client.actions("save"):
+                break
+            await asyncio.sleep(0.01)
+        assert pool.slots[0].busy  # the idle save: the backend is writing A's state
+        pool.forget(A)
+        for _ in range(100):
+            if not pool.slots[0].busy:
+                break
+            await asyncio.sleep(0.01)
+        client.save_delay = 0.0
+        assert pool.slots[0].occupant is None  # deleted: no longer hot
+        lease = await pool.acquire(B)
+        assert lease.outcome is CacheOutcome.COLD
+        lease.release(TurnEnd.COMPLETED, 10)
+        assert pool.slots[0].occupant == B and pool.slots[0].dirty
+        assert (await pool.flush()).saved == 1
+        assert store.get(B) is not None
+    finally:
+        await pool.aclose()
 
 
 async def test_a_new_arrival_does_not_jump_the_queue(client: FakeClient, store: SnapshotStore) -> None:

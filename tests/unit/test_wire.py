@@ -332,3 +332,30 @@ async def test_a_timeout_on_a_kept_connection_is_not_sent_again() -> None:
             await client.request("POST", "/slow", body=b"{}", timeout=0.2)
         assert len(server.requests) == 2 and server.accepted == 1
         await client.aclose()
+
+
+async def test_a_request_cancelled_while_it_waits_for_the_spare_sends_nothing() -> None:
+    """A caller cancelled while its request waits for the spare connection being opened (a shutdown flush given
+    up) is cancelled: the request is not sent on a new connection after all. The spare is kept for the next one."""
+    async with raw_server(fixed(200, b"{}")) as (server, url):
+        client = WireClient(url)
+        go = asyncio.Event()
+
+        async def slow_spare() -> object:
+            await go.wait()
+            return await client._connect(None)
+
+        client._opening = asyncio.create_task(slow_spare())  # type: ignore[assignment]
+        client._opening.add_done_callback(client._spare_opened)  # type: ignore[arg-type]
+        request = asyncio.create_task(read_all(client))
+        await asyncio.sleep(0.05)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        go.set()
+        await asyncio.sleep(0.1)
+        assert server.requests == []
+        assert client._idle is not None and not client._idle.closed  # the spare, opened after all
+        assert await read_all(client) == (200, b"{}")
+        assert server.accepted == 1 and len(server.requests) == 1
+        await client.aclose()

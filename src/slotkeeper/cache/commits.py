@@ -24,7 +24,7 @@ log = logging.getLogger("slotkeeper.pool")
 
 class PendingWrites:
     """The running background writes, by snapshot; only the newest of each snapshot is kept (it waits for the
-    earlier ones before it starts)."""
+    earlier ones before it starts, or with `at_once` before it finishes, whether it succeeded or not)."""
 
     def __init__(self) -> None:
         self._tasks: dict[SnapshotId, asyncio.Task[bool]] = {}
@@ -54,7 +54,14 @@ class PendingWrites:
         async def run() -> bool:
             if earlier is not None and not at_once:
                 await asyncio.wait({earlier})
-            return await write()
+            try:
+                return await write()
+            finally:
+                # Never done before an earlier write of the snapshot (a write that failed early, at once): the
+                # snapshot's entry, which readers wait on and the next write orders itself after, stays until
+                # every write of it is done.
+                if earlier is not None and not earlier.done():
+                    await asyncio.wait({earlier})
 
         task = asyncio.get_running_loop().create_task(run(), name=f"write {snapshot[0]}/{snapshot[1]}")
         self._tasks[snapshot] = task

@@ -66,6 +66,17 @@ class Persister:
         """Save the slot's state as `key`'s snapshot; with `wait`, until it is on disk and indexed, else only until
         the backend wrote it. Returns the milliseconds waited, or 0 when the save failed: a failure is logged and
         counted, and costs only the snapshot's freshness (the previous snapshot stays)."""
+        started = time.perf_counter()
+        commit = await self.start_save(slot_id, key, chain, kind, n_prompt=n_prompt)
+        if commit is None or (wait and not await asyncio.shield(commit)):
+            return 0.0
+        return (time.perf_counter() - started) * 1000
+
+    async def start_save(self, slot_id: int, key: SessionKey, chain: Sequence[Link],
+                         kind: SnapshotKind = SnapshotKind.SESSION, *, n_prompt: int = 0) -> asyncio.Task[bool] | None:
+        """Have the backend write the slot's state, and commit it as `key`'s snapshot in the background. Returns the
+        commit's task (its result: whether the save succeeded, failures logged and counted), or None when the
+        backend's write failed. The commit goes on if the caller stops waiting for it."""
         temp = self._store.temp_name(key, self._fingerprint, kind)
         started = time.perf_counter()
         written: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -92,11 +103,7 @@ class Persister:
         # (the session back on another slot while its old slot is being saved) waits for it, never reads the
         # snapshot the save replaces. Shielded: a caller that gives up waiting does not stop the save.
         done = self._writes.start(sid, write, chain, at_once=True)
-        if not await asyncio.shield(written):
-            return 0.0
-        if wait and not await asyncio.shield(done):
-            return 0.0
-        return (time.perf_counter() - started) * 1000
+        return done if await asyncio.shield(written) else None
 
     async def _backend_save(self, slot_id: int, key: SessionKey, temp: str) -> SlotActionResult:
         """Have the backend write the slot into `temp`: into the RAM dir when there is one with room; a save there
@@ -146,6 +153,30 @@ class Persister:
             except Exception as exc:  # learning about the build must never fail a save
                 log.warning("inspecting the saved file of %s failed: %s", key, exc)
         return self._enforce_budget_now(keep)
+
+    async def commit_import(self, key: SessionKey, temp: str, n_tokens: int, chain: Sequence[Link], n_bytes: int,
+                            kind: SnapshotKind, n_prompt: int) -> Snapshot:
+        """Make an uploaded file (`temp`, checked) `key`'s snapshot, as one of the snapshot's writes: after the saves
+        of it started before (none of them lands over it), before any started later. Raises what the commit raises
+        (the temp file is then discarded). The commit goes on if the caller stops waiting for it."""
+        committed: asyncio.Future[Snapshot] = asyncio.get_running_loop().create_future()
+
+        async def write() -> bool:
+            try:
+                snapshot = await asyncio.to_thread(self._store.commit, key, temp, self._fingerprint, n_tokens, chain,
+                                                   n_bytes, kind, n_prompt)
+            except Exception as exc:
+                await asyncio.to_thread(self._store.discard_temp, temp)
+                committed.set_exception(exc)
+                return False
+            except BaseException:
+                committed.cancel()  # the write was cancelled: its caller must not wait forever
+                raise
+            committed.set_result(snapshot)
+            return True
+
+        self._writes.start(snapshot_id(key, kind), write, chain)
+        return await asyncio.shield(committed)
 
     def _failed(self, slot_id: int, key: SessionKey, reason: str) -> None:
         self.failed_saves += 1

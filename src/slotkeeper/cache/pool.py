@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import BinaryIO, NamedTuple
 
 from slotkeeper.cache.budget import DiskBudget, SnapshotId
 from slotkeeper.cache.capability import ArchKind, Capability, Strategy
@@ -26,7 +27,7 @@ from slotkeeper.cache.promptend import Replay, replay_body
 from slotkeeper.cache.proof import RestorePolicy
 from slotkeeper.cache.store import PrefixMatch, SnapshotStore
 from slotkeeper.cache.systemprompt import SystemPrompt
-from slotkeeper.errors import NotFound, Overloaded, SlotkeeperError, UpstreamError
+from slotkeeper.errors import NotFound, Overloaded, SaveFailed, SlotkeeperError, UpstreamError
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult, UpstreamClient
 
@@ -65,8 +66,10 @@ class SlotState:
     n_prompt: int = 0
     replay: Replay | None = None
     at_prompt_end: bool = False
-    # The running turn's session was deleted: do not attribute (or save) the slot's state when it ends.
-    forget_on_release: bool = False
+    # The slot's session was deleted while the slot was busy (a turn, or a save of it, running): the lease
+    # generation it was deleted in. When the turn or save of that generation gives the slot back, the slot's state
+    # is not attributed (or saved) any more; a later lease never sees it (it has a newer generation).
+    forgotten_in: int | None = None
 
 
 @dataclass(eq=False)
@@ -265,12 +268,12 @@ class SlotPool:
         slot.last_used = time.monotonic()
         if lease.existing is not None:
             pass  # a pre-warm that found its snapshot on disk did not touch the slot
-        elif end is TurnEnd.FAILED or slot.forget_on_release or lease.side:
+        elif end is TurnEnd.FAILED or slot.forgotten_in == slot.generation or lease.side:
             slot.occupant, slot.dirty, slot.n_tokens = None, False, 0
             # A completed pre-warm leaves its system part in the slot, for the next conversation on it.
             keeps_system = end is TurnEnd.COMPLETED and lease.side and lease.system is not None
             slot.chain = slot.chain if keeps_system else []
-            slot.forget_on_release = False
+            slot.forgotten_in = None
             slot.n_prompt = slot.n_tokens if keeps_system else 0
             slot.replay, slot.at_prompt_end = None, keeps_system
         elif end in (TurnEnd.COMPLETED, TurnEnd.CANCELLED):
@@ -478,14 +481,22 @@ class SlotPool:
         """Save the slot's state (`held`: what it holds) as `key`'s snapshot, waiting for its commit or not (see
         persister.py); returns the milliseconds waited (0 when it failed: logged, and it costs only the snapshot's
         freshness). Where the backend needs it, the slot is brought back to its last prompt's end first."""
-        self._evidence.saving()
         started = time.perf_counter()
+        commit = await self._start_save(slot_id, key, held, kind)
+        if commit is None or (wait and not await asyncio.shield(commit)):
+            return 0.0
+        return (time.perf_counter() - started) * 1000
+
+    async def _start_save(self, slot_id: int, key: SessionKey, held: _Held,
+                          kind: SnapshotKind = SnapshotKind.SESSION) -> asyncio.Task[bool] | None:
+        """`_save` until the backend wrote the slot's state; returns the commit going on in the background (its
+        result: whether the save succeeded), or None when the backend's write failed."""
+        self._evidence.saving()
         n_prompt = held.n_prompt
         if kind is SnapshotKind.SESSION and self.policy.prompt_end_saves and not held.at_prompt_end and (
                 held.replay is not None):
             n_prompt = await self._to_prompt_end(slot_id, key, held.replay) or n_prompt
-        waited = await self._persist.save(slot_id, key, held.chain, kind, wait=wait, n_prompt=n_prompt)
-        return (time.perf_counter() - started) * 1000 if waited else 0.0
+        return await self._persist.start_save(slot_id, key, held.chain, kind, n_prompt=n_prompt)
 
     async def _to_prompt_end(self, slot_id: int, key: SessionKey, replay: Replay) -> int:
         """Send the slot's last request again without generating: the backend rolls the slot back to its checkpoint
@@ -538,14 +549,52 @@ class SlotPool:
         try:
             await self._save(slot.slot_id, key, _Held.of(slot), wait=False)  # the slot is free again once written
         finally:
-            slot.busy = False
-            self._dispatch()
+            self._give_back(slot)
+
+    def _give_back(self, slot: SlotState) -> None:
+        """Free a slot taken for a save (not leased): if its session was deleted meanwhile, the slot no longer holds
+        it (its state stays in the slot, attributed to nobody)."""
+        slot.busy = False
+        if slot.forgotten_in == slot.generation:
+            slot.occupant, slot.dirty, slot.forgotten_in = None, False, None
+        self._dispatch()
 
     async def pin(self, snapshot: Snapshot) -> Snapshot | None:
         """Keep a snapshot from the disk budget; returns it as indexed now (None if it is gone)."""
         key = key_of(snapshot)
         await self._persist.settle([snapshot_id(key, snapshot.kind)])
         return await asyncio.to_thread(self._store.set_pinned, key, True, snapshot.kind)
+
+    async def open_snapshot(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION
+                            ) -> tuple[Snapshot, list[Link], BinaryIO] | None:
+        """`key`'s checked snapshot, its message chain and its file opened for reading (for an export), once the
+        snapshot's pending writes are done; None when there is none. A commit or an eviction that removes the file
+        between the look-up and the open is met by waiting and looking it up once more."""
+        for _ in range(2):
+            await self._persist.settle([snapshot_id(key, kind)])
+            snapshot = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint, kind)
+            if snapshot is None:
+                return None
+            try:
+                slot_file = await asyncio.to_thread((self._store.slot_dir / snapshot.filename).open, "rb")
+            except FileNotFoundError:
+                continue
+            try:
+                chain = await asyncio.to_thread(self._store.chain_of, snapshot)
+            except BaseException:
+                slot_file.close()
+                raise
+            return snapshot, chain, slot_file
+        return None
+
+    async def import_snapshot(self, key: SessionKey, temp: str, n_tokens: int, chain: Sequence[Link], n_bytes: int,
+                              kind: SnapshotKind = SnapshotKind.SESSION, n_prompt: int = 0) -> Snapshot:
+        """Make an uploaded file (`temp`, checked) `key`'s snapshot. The slots stop attributing the session first,
+        so that no older state of it in a slot is saved over the import, and the commit lands after the saves of
+        it already started (persister.py)."""
+        if kind is SnapshotKind.SESSION:
+            self.forget(key)
+        return await self._persist.commit_import(key, temp, n_tokens, chain, n_bytes, kind, n_prompt)
 
     async def settle(self, key: SessionKey | None = None, kind: SnapshotKind = SnapshotKind.SESSION,
                      timeout: float | None = None) -> bool:
@@ -560,45 +609,62 @@ class SlotPool:
 
     # -- operator actions -----------------------------------------------------------------------------------
 
-    async def flush(self) -> int:
+    async def flush(self) -> Flushed:
         """Save every changed slot (waiting for running turns), and wait until every save started so far is
-        committed; returns how many slots were saved. Used at shutdown."""
-        saved = 0
+        committed; returns how many of those slots were saved, and how many failed. Used at shutdown."""
+        commits: list[asyncio.Task[bool]] = []
+        failed = 0
         for slot in self.slots:
             await self._take(lambda s=slot: None if s.busy else s)  # type: ignore[misc]
             try:
                 if slot.dirty and slot.occupant is not None:
                     slot.dirty = False
                     # Not waited for here: the next slot's save overlaps this one's commit.
-                    await self._save(slot.slot_id, slot.occupant, _Held.of(slot), wait=False)
-                    saved += 1
+                    commit = await self._start_save(slot.slot_id, slot.occupant, _Held.of(slot))
+                    if commit is None:
+                        failed += 1
+                    else:
+                        commits.append(commit)
             finally:
-                slot.busy = False
-                self._dispatch()
+                self._give_back(slot)
         await self._persist.settle()
-        return saved
+        saved = sum(1 for c in commits if c.done() and not c.cancelled() and c.exception() is None and c.result())
+        return Flushed(saved, failed + len(commits) - saved)
 
     async def clear(self) -> list[int]:
-        """Save changed slots, then erase every slot, one after the other; returns the slot ids erased."""
+        """Save changed slots, then erase every slot, one after the other; returns the slot ids erased. A slot whose
+        save fails is left as it is, the others are erased, and then SaveFailed says which."""
+        erased, kept = [], []
         for slot in self.slots:
-            await self.clear_slot(slot.slot_id)
-        return [slot.slot_id for slot in self.slots]
+            try:
+                await self.clear_slot(slot.slot_id)
+            except SaveFailed:
+                kept.append(slot.slot_id)
+                continue
+            erased.append(slot.slot_id)
+        if kept:
+            raise SaveFailed(f"slot(s) {_ids(kept)} were not erased: saving their changed state failed (see the "
+                             f"log); erased: {_ids(erased) or 'none'}")
+        return erased
 
     async def clear_slot(self, slot_id: int) -> SessionKey | None:
         """Wait for the slot to be free, save its occupant if changed, then erase it; no other slot is touched.
-        Returns the session the slot held (None when it held none)."""
+        Returns the session the slot held (None when it held none). When the save fails, the slot is not erased
+        (it keeps its unsaved state) and SaveFailed is raised."""
         if not 0 <= slot_id < len(self.slots):
             raise NotFound(f"no slot {slot_id}: the backend has {len(self.slots)} slot(s), numbered from 0")
         slot = self.slots[slot_id]
         await self._take(lambda: None if slot.busy else slot)
         try:
             held = slot.occupant  # read after taking the slot: nothing else can change it now
-            if slot.dirty and held is not None:
-                await self._save(slot.slot_id, held, _Held.of(slot))  # an operator's action: done when it answers
+            # An operator's action: done when it answers, commit included. 0 ms waited: the save failed.
+            if slot.dirty and held is not None and not await self._save(slot.slot_id, held, _Held.of(slot)):
+                raise SaveFailed(f"saving slot {slot_id} ({held}) failed, so it was not erased: it keeps its "
+                                 "unsaved state (see the log for why)")
             await self._client.slot_action(slot.slot_id, "erase")
             slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
             slot.n_prompt, slot.replay, slot.at_prompt_end = 0, None, False
-            slot.forget_on_release = False
+            slot.forgotten_in = None
         finally:
             slot.busy = False
             self._dispatch()
@@ -632,16 +698,24 @@ class SlotPool:
             if slot.occupant == key:
                 slot.dirty = False
                 if slot.busy:
-                    slot.forget_on_release = True
+                    slot.forgotten_in = slot.generation
                 else:
                     slot.occupant = None
 
-    async def aclose(self) -> None:
-        """Stop the idle-save timers and wait for the commits still running (the store closes after this)."""
+    async def aclose(self, timeout: float | None = None) -> bool:
+        """Stop the idle-save timers and wait for the commits still running (the store closes after this), for at
+        most `timeout` seconds; True when none is left running."""
         for task in list(self._timers):
             task.cancel()
         await asyncio.gather(*self._timers, return_exceptions=True)
-        await self._persist.settle()
+        return await self._persist.settle(timeout=timeout)
+
+
+class Flushed(NamedTuple):
+    """What a flush did: the changed slots it saved, and those whose save failed (logged as each one failed)."""
+
+    saved: int
+    failed: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -656,3 +730,7 @@ class _Held:
     @classmethod
     def of(cls, slot: SlotState) -> _Held:
         return cls(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end)
+
+
+def _ids(slot_ids: Sequence[int]) -> str:
+    return ", ".join(str(i) for i in slot_ids)

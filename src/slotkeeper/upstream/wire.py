@@ -403,13 +403,28 @@ class WireClient:
         opening, self._opening = self._opening, None
         if opening is not None:
             try:
-                conn = await opening
-            except (TransportError, asyncio.CancelledError):
-                pass
-            else:
+                # Not `await opening`: that would cancel the spare with the caller, and leave no way to tell the
+                # caller's cancellation (which must go on up) from the spare's (aclose), which is not an answer.
+                await asyncio.wait({opening})
+            except asyncio.CancelledError:
+                self._keep_spare(opening)
+                raise
+            if not opening.cancelled() and opening.exception() is None:
+                conn = opening.result()
                 if not conn.closed:
                     return conn, True
         return await self._connect(timeout), False
+
+    def _keep_spare(self, task: asyncio.Task[_Connection]) -> None:
+        """The request that took the spare being opened was cancelled while it waited: keep the spare for the next
+        request (once it is open), or close it."""
+        if self._opening is None and not self._closed:
+            self._opening = task
+            if task.done():
+                self._spare_opened(task)
+        else:
+            task.cancel()
+            task.add_done_callback(_close_opened)
 
     def _open_spare(self) -> None:
         if not self._spare or self._closed or self._opening is not None or self._idle is not None:
@@ -453,3 +468,9 @@ class WireClient:
             lines.append(f"Content-Length: {len(body or b'')}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         return head + body if body else head
+
+
+def _close_opened(task: asyncio.Task[_Connection]) -> None:
+    """Close the connection of a spare nobody takes any more, should it have opened before it could be cancelled."""
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()

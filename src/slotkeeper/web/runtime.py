@@ -77,23 +77,31 @@ class RunningBackend:
         return cls(state, started, tasks)
 
     async def stop(self) -> None:
-        """Save every changed slot (within half the shutdown bound), then stop what was started."""
+        """Save every changed slot (within half the shutdown bound, commits included), then stop what was started."""
         state, budget = self.state, self.state.settings.shutdown_budget
         # The supervisor goes first, so that stopping the server below is not taken for a crash.
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget.saving
         try:
-            saved = await asyncio.wait_for(state.pool.flush(), budget.saving)
-            log.info("shutdown: saved %d changed slot(s)", saved)
+            flushed = await asyncio.wait_for(state.pool.flush(), budget.saving)
+            log.info("shutdown: saved %d changed slot(s)", flushed.saved)
+            if flushed.failed:
+                log.warning("shutdown: saving %d changed slot(s) failed; they lose their latest turns (see the "
+                            "errors above)", flushed.failed)
         except TimeoutError:
             log.warning("shutdown: saving the changed slots took more than %.0f s (half of shutdown_timeout); "
                         "the slots not saved by then lose their latest turns", budget.saving)
-        await state.pool.aclose()
+        committed = await state.pool.aclose(max(0.0, deadline - loop.time()))
+        if not committed:
+            log.warning("shutdown: the saves still being committed after %.0f s (half of shutdown_timeout) are cut "
+                        "short; their sessions keep their previous snapshots", budget.saving)
         await state.client.aclose()
         await self._started.stop(budget.stopping)
         state.store.close()
-        if state.store.ram is not None and self._started.server is not None:
+        if committed and state.store.ram is not None and self._started.server is not None:
             # Every save was committed (pool.aclose) and the server that read it is gone: all of it is on disk.
             await asyncio.to_thread(state.store.ram.remove_all)
 

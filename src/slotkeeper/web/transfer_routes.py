@@ -31,12 +31,10 @@ async def export(session_id: str, request: Request) -> Response:
     state = app_state(request, request.query_params.get("model"))
     kind = one_kind(request)
     key = SessionKey(state.backend.model_id, session_id)
-    await state.pool.settle(key, kind)
-    snapshot = await asyncio.to_thread(state.store.checked_snapshot, key, state.backend.fingerprint, kind)
-    if snapshot is None:
+    found = await state.pool.open_snapshot(key, kind)
+    if found is None:
         raise NotFound(f"no {kind} snapshot '{session_id}' to export")
-    chain = await asyncio.to_thread(state.store.chain_of, snapshot)
-    slot_file = (state.store.slot_dir / snapshot.filename).open("rb")
+    snapshot, chain, slot_file = found
     name = urllib.parse.quote(f"{session_id}.slotkeeper.tar", safe="")
     return StreamingResponse(iterate_in_threadpool(write_bundle(meta_of(snapshot, chain), slot_file)),
                              media_type=BUNDLE_TYPE,
@@ -66,11 +64,11 @@ async def import_bundle(request: Request) -> dict[str, Any]:
         await reader.copy_file_to(path, meta.n_bytes)
         if await asyncio.to_thread(file_checksum, path) != meta.checksum:
             raise BadRequest("the bundle's snapshot.bin does not match its checksum (damaged on the way?)")
-        snapshot = await asyncio.to_thread(state.store.commit, key, temp, fingerprint, meta.n_tokens, meta.chain,
-                                           meta.n_bytes, meta.kind, meta.n_prompt)
     except BaseException:
         await asyncio.to_thread(state.store.discard_temp, temp)
         raise
-    state.pool.forget(key)  # a slot holding an older state of the session must not overwrite the import
+    # In order with the session's saves (one may have started during the upload), and no slot saves it after.
+    snapshot = await state.pool.import_snapshot(key, temp, meta.n_tokens, meta.chain, meta.n_bytes, meta.kind,
+                                                meta.n_prompt)
     return {"imported": session, "model": snapshot.model, "kind": str(snapshot.kind), "tokens": snapshot.n_tokens,
             "bytes": snapshot.n_bytes, "file": snapshot.filename}
