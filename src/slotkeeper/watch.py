@@ -29,6 +29,7 @@ class BackendWatch:
         self.health = health
         self._interval = interval
         self._tasks: TaskIds | None = None  # each slot's id_task at the last reading of /slots
+        self._tasks_recoveries = 0  # health.recoveries then: after a recovery the watch did not see, it is stale
 
     async def run(self) -> None:
         while True:
@@ -48,7 +49,16 @@ class BackendWatch:
         tasks = await self._task_ids()
         if changes != self.health.changes:
             return
-        previous, self._tasks = self._tasks, tasks if tasks is not None else self._tasks
+        # After a recovery the watch did not make (the supervisor's restart), the last reading is of the old process.
+        previous = self._tasks if self._tasks_recoveries == self.health.recoveries else None
+        self._judge(observed, held, previous, tasks)
+        if tasks is not None:
+            self._tasks, self._tasks_recoveries = tasks, self.health.recoveries
+
+    def _judge(self, observed: dict[int, int], held: set[int], previous: TaskIds | None,
+               tasks: TaskIds | None) -> None:
+        """Decide on one answered probe: whether the backend is another process than at the last reading, and so
+        whether what the slots held is gone."""
         other_process = tasks is not None and _restarted(previous or {}, tasks, held)
         if not self.health.up:
             lost = self.health.lost or other_process or (tasks is None and self.health.refused)

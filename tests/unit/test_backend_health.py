@@ -227,3 +227,20 @@ async def test_a_crash_the_supervisor_saw_loses_the_slots_even_if_slots_cannot_b
     backend.get_json = no_slots  # type: ignore[method-assign]
     await s.watch.check()
     assert s.health.up and s.pool.slots[0].occupant is None and not s.pool.slots[0].dirty
+
+
+async def test_a_turn_on_the_server_the_supervisor_restarted_is_kept(
+        backend: FlakyBackend, store: SnapshotStore) -> None:
+    """The old process's task ids say nothing of the new one: after the supervisor's restart, a turn the new process
+    ran (with a lower task id than the old reading) is not taken for another restart."""
+    s = stack(backend, store)
+    backend.next_task = 50
+    await s.turn()
+    await s.watch.check()  # reads task id 50 on slot 0
+    s.health.mark_down("llama-server exited with signal SIGKILL", lost=True)
+    s.pool.reset_slots(s.pool.generations(), "llama-server exited")
+    backend.restart()
+    s.health.mark_up()  # the supervisor saw it answer /health
+    await s.turn(B)  # task 1 of the new process
+    await s.watch.check()
+    assert s.pool.slots[0].occupant == B and s.pool.slots[0].dirty

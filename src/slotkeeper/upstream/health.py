@@ -47,6 +47,8 @@ class BackendHealth:
         self.refused = False
         # Bumped on every change: a probe that took an await decides nothing if the state changed meanwhile.
         self.changes = 0
+        # Bumped each time it comes back: what was read of the backend before then may be of another process.
+        self.recoveries = 0
         self._failures_to_down = failures_to_down
         self._failures = 0
         self._back = asyncio.Event()
@@ -92,6 +94,7 @@ class BackendHealth:
         self.lost = self.refused = False
         self._failures = 0
         self.changes += 1
+        self.recoveries += 1
         self._back.set()
 
     async def wait_up(self, timeout: float | None = None,
