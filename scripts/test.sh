@@ -8,7 +8,9 @@ SLOTKEEPER_LLAMA_SERVER="$(bash .ci/build-llama-server.sh)"
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq >&2
-    if apt-cache policy chromium | grep -q 'Candidate: [0-9]'; then
+    # Read whole before matching: with pipefail, `grep -q` closing the pipe early fails apt-cache with SIGPIPE.
+    policy="$(apt-cache policy chromium)"
+    if grep -q 'Candidate: [0-9]' <<<"$policy"; then
       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >&2
     else
       echo "scripts/test.sh: no chromium package available; the dashboard test will fail in CI" >&2

@@ -108,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, metavar="N", help="largest request body (default 32 MiB)")
     serve.add_argument("--upstream-read-timeout", type=float, metavar="S",
                        help="give up on a backend that sends nothing for S seconds (default 600)")
+    serve.add_argument("--backend-wait-seconds", type=float, metavar="S",
+                       help="a request that arrives while the backend is down waits up to S seconds for it to come "
+                       "back (default 30; 0: fail at once)")
     serve.add_argument("--slot-op-timeout", type=float, metavar="S",
                        help="give up on a slot save, restore or erase after S seconds (default 120)")
     serve.add_argument("--start-timeout", type=float, metavar="S",

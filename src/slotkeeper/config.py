@@ -92,6 +92,9 @@ class Settings:
     slot_op_timeout: float = 120.0
     # Seconds of silence from the backend before a generation is given up.
     upstream_read_timeout: float = 600.0
+    # Seconds a request that arrives while the backend is down (restarting, or not answering) waits for it to come
+    # back before it fails in its client's dialect; 0 fails it at once.
+    backend_wait_seconds: float = 30.0
     log_level: str = "info"
     # One JSON object per log line (the request line's fields as keys) instead of text.
     log_json: bool = False
@@ -201,6 +204,8 @@ class Settings:
             raise ValueError("--max-system-snapshots must be 0 (no limit) or more")
         if self.shutdown_timeout <= 0 or self.start_timeout <= 0:
             raise ValueError("--shutdown-timeout and --start-timeout must be more than 0 seconds")
+        if self.backend_wait_seconds < 0:
+            raise ValueError("--backend-wait-seconds must be 0 (fail at once) or more")
 
     def _validate_backends(self) -> None:
         if self.upstream is not None or self.launch_command or self.model is not None:
@@ -420,6 +425,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "save_idle_seconds": float,
     "slot_op_timeout": float,
     "upstream_read_timeout": float,
+    "backend_wait_seconds": float,
     "start_timeout": float,
     "shutdown_timeout": float,
     "launch_command": _command,
@@ -445,7 +451,7 @@ _FILE_TYPES: dict[str, tuple[type, ...]] = {
     **{name: (int,) for name in ("port", "ctx_size", "parallel", "min_restore_tokens", "max_queue", "cache_ram_mib",
                                  "max_body_bytes")},
     **{name: (int, float) for name in ("save_idle_seconds", "slot_op_timeout", "upstream_read_timeout",
-                                       "start_timeout", "shutdown_timeout")},
+                                       "backend_wait_seconds", "start_timeout", "shutdown_timeout")},
     "launch_command": (list, str),
     "session_headers": (list, str),
     "allowed_hosts": (list, str),

@@ -19,15 +19,18 @@ from slotkeeper.cache.chain import message_chain
 from slotkeeper.cache.pool import SlotLease, SlotPool, TurnEnd
 from slotkeeper.cache.systemprompt import SystemPrompt, common_prefix_text, system_prompt_of, warmup_prompt_body
 from slotkeeper.dialects.framing import KEEPALIVE, SseDecoder, TimingsScanner, UpstreamEvent
-from slotkeeper.errors import SlotkeeperError, UpstreamError, UpstreamUnavailable
+from slotkeeper.errors import SlotkeeperError, UpstreamError
 from slotkeeper.journal import RequestEntry, RequestJournal
 from slotkeeper.types import SessionKey, Snapshot
 from slotkeeper.upstream.client import UpstreamClient, iter_errors_as_unavailable
+from slotkeeper.upstream.health import BackendHealth
 from slotkeeper.upstream.wire import TransportError, WireResponse
 
 log = logging.getLogger("slotkeeper.turn")
 
 BodyBuilder = Callable[[int], Mapping[str, Any]]
+# Whether the client hung up (Starlette's Request.is_disconnected): a request waiting for the backend stops then.
+HungUp = Callable[[], Awaitable[bool]]
 
 
 @dataclass
@@ -73,24 +76,29 @@ class TurnRecord:
 
 
 class TurnService:
-    def __init__(self, client: UpstreamClient, pool: SlotPool) -> None:
+    def __init__(self, client: UpstreamClient, pool: SlotPool, health: BackendHealth | None = None,
+                 backend_wait: float = 30.0) -> None:
         self.client = client
         self.pool = pool
         self.journal = RequestJournal()
-        # Set by the backend watch: while the backend is known to be down, fail at once instead of queueing.
-        self.backend_down = False
+        # While the backend is down (BackendHealth), a request waits up to `backend_wait` seconds for it to come
+        # back before it fails in its client's dialect; 0 fails it at once.
+        self.health = health if health is not None else BackendHealth(client.base_url)
+        self.backend_wait = backend_wait
 
-    def _check_backend(self) -> None:
-        if self.backend_down:
-            raise UpstreamUnavailable(f"the backend at {self.client.base_url} is not answering; try again shortly")
+    async def _backend_up(self, hung_up: HungUp | None) -> None:
+        if not self.health.up:
+            log.debug("waiting up to %g s for the backend at %s", self.backend_wait, self.client.base_url)
+        await self.health.wait_up(self.backend_wait, hung_up)
 
     async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
-                    side: bool = False) -> tuple[Any, TurnRecord]:
+                    side: bool = False, hung_up: HungUp | None = None) -> tuple[Any, TurnRecord]:
         """A non-streaming turn: returns the backend's JSON answer and the record of what the cache did.
 
         A side request (a title or tag task) runs without becoming its session's state (see SlotPool.acquire).
+        While the backend is down the turn waits for it (bounded; `hung_up` says when the client went away).
         """
-        self._check_backend()
+        await self._backend_up(hung_up)
         record = TurnRecord(api, key, await self._acquire(key, build, side), journal=self.journal)
         end = TurnEnd.CANCELLED
         body = build(record.lease.slot_id)
@@ -111,14 +119,16 @@ class TurnService:
             record.finish(end)
 
     async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
-                          side: bool = False, warm_in_stream: bool = False) -> StreamTurn:
+                          side: bool = False, warm_in_stream: bool = False,
+                          hung_up: HungUp | None = None) -> StreamTurn:
         """Lease a slot and open the backend's stream; an error answer is raised before any byte reaches the client.
 
         With `warm_in_stream` (a dialect that can send keep-alives), a warm-up of a new system prompt runs inside
         the stream instead, as keep-alive events, so a long one does not keep the client waiting for any byte; the
-        backend's answer to the turn itself (an error included) then arrives as events.
+        backend's answer to the turn itself (an error included) then arrives as events. The backend is waited for as
+        in `unary`.
         """
-        self._check_backend()
+        await self._backend_up(hung_up)
         lease = await self._acquire(key, build, side, warm_now=not warm_in_stream)
         record = TurnRecord(api, key, lease, journal=self.journal)
         body = build(record.lease.slot_id)
@@ -165,7 +175,7 @@ class TurnService:
 
         Raises the backend's error when the warm-up fails; nothing is saved then.
         """
-        self._check_backend()
+        await self._backend_up(None)
         started = time.perf_counter()
         held = await self.pool.warm_lease(model, system)
         end = TurnEnd.FAILED

@@ -1,31 +1,35 @@
-"""Watches the backend for lost slot states: /health going away and coming back, or slots that show no task.
+"""Watches the backend: probes /health into the BackendHealth, and tells a restarted server (its slots hold nothing)
+from one that was only slow (its slots still hold their state) by the task ids its /slots shows.
 
-llama-server restarted underneath us holds nothing, so nothing it held may be trusted as "hot" any more.
+llama.cpp numbers tasks from 0 in each process, and a slot that ran no task since the process started shows no
+`id_task` (the binary and the embedded server alike). So a slot whose `id_task` went missing or back is a sign of
+another process; the same ids, or higher ones, are the same process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from typing import Any
 
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.errors import SlotkeeperError
 from slotkeeper.upstream.client import UpstreamClient
+from slotkeeper.upstream.health import BackendHealth, Probe
 
 log = logging.getLogger("slotkeeper.watch")
 
+TaskIds = dict[int, int | None]
+
 
 class BackendWatch:
-    def __init__(self, client: UpstreamClient, pool: SlotPool, on_change: Callable[[bool], None] | None = None,
-                 interval: float = 1.0) -> None:
+    def __init__(self, client: UpstreamClient, pool: SlotPool, health: BackendHealth, interval: float = 1.0) -> None:
         self._client = client
         self._pool = pool
-        self._on_change = on_change
+        self.health = health
         self._interval = interval
-        self.up = True
-        self.outages = 0
-        self._changes = 0
+        self._tasks: TaskIds | None = None  # each slot's id_task at the last reading of /slots
+        self._tasks_recoveries = 0  # health.recoveries then: after a recovery the watch did not see, it is stale
 
     async def run(self) -> None:
         while True:
@@ -34,42 +38,83 @@ class BackendWatch:
 
     async def check(self) -> None:
         observed = self._pool.generations()  # taken before any await: a reset applies only to slots unchanged since
-        changes = self._changes  # and a health reading decides nothing if the state changed while it was taken
-        healthy = await self._client.healthy()
-        if changes != self._changes:
+        changes = self.health.changes  # and a reading decides nothing if the health changed while it was taken
+        held = self._held()
+        probe = await self._client.probe()
+        if changes != self.health.changes:
             return
-        if not healthy:
-            if self.up:
-                log.warning("the backend at %s is not answering /health", self._client.base_url)
-                self.mark_down()
+        self.health.probed(probe)
+        if probe is not Probe.OK:
             return
-        if not self.up:
-            log.warning("the backend is back; it may have restarted, so no slot state it held is trusted")
-            self.mark_up(observed, "the backend was unreachable")
+        tasks = await self._task_ids()
+        if changes != self.health.changes:
             return
+        # After a recovery the watch did not make (the supervisor's restart), the last reading is of the old process.
+        previous = self._tasks if self._tasks_recoveries == self.health.recoveries else None
+        self._judge(observed, held, previous, tasks)
+        if tasks is not None:
+            self._tasks, self._tasks_recoveries = tasks, self.health.recoveries
+
+    def _judge(self, observed: dict[int, int], held: set[int], previous: TaskIds | None,
+               tasks: TaskIds | None) -> None:
+        """Decide on one answered probe: whether the backend is another process than at the last reading, and so
+        whether what the slots held is gone."""
+        other_process = tasks is not None and _restarted(previous or {}, tasks, held)
+        if not self.health.up:
+            lost = self.health.lost or other_process or (tasks is None and self.health.refused)
+            self.recovered(observed, lost, "the backend restarted" if other_process else "the backend was away")
+            if lost:
+                return
+        elif other_process:
+            log.warning("the backend at %s restarted (its slots show other tasks than before); no slot state it "
+                        "held is trusted", self._client.base_url)
+            self._pool.reset_slots(observed, "the backend restarted")
+            return
+        if tasks is not None:
+            # A slot that never ran a task since the server started holds nothing (a restart between two probes).
+            fresh = {i for i, task in tasks.items() if task is None}
+            self._pool.reset_slots({i: g for i, g in observed.items() if i in fresh}, "the backend restarted")
+
+    def recovered(self, observed: dict[int, int], lost: bool, reason: str) -> None:
+        """The backend answers again: when what its slots held is gone (`lost`), forget it for the slots unused since
+        `observed`; otherwise keep every slot's state (and its unsaved changes). Then serve again."""
+        if self.health.up:
+            return
+        if lost:
+            log.warning("the backend is back (%s): no slot state it held is trusted, sessions restore from disk",
+                        reason)
+            self._pool.reset_slots(observed, reason)
+        else:
+            log.warning("the backend is back, the same server process as before: the slots keep their state and "
+                        "their unsaved turns")
+        self.health.mark_up()
+
+    def _held(self) -> set[int]:
+        """The slots the pool counts as holding a turn, which ran a task on the backend: each shows an id_task."""
+        return {slot.slot_id for slot in self._pool.slots if slot.occupant is not None and not slot.busy}
+
+    async def _task_ids(self) -> TaskIds | None:
         try:
             slots = await self._client.get_json("/slots", timeout=2.0)
         except SlotkeeperError:
-            return
-        # A slot that never ran a task since the server started shows no id_task: the server restarted.
-        fresh = {int(s["id"]) for s in slots if isinstance(s, dict) and "id_task" not in s}
-        if fresh:
-            self._pool.reset_slots({i: g for i, g in observed.items() if i in fresh}, "the backend restarted")
+            return None
+        if not isinstance(slots, list):
+            return None
+        return {int(s["id"]): _task_id(s) for s in slots if isinstance(s, dict) and "id" in s}
 
-    def mark_down(self) -> None:
-        """The backend is gone (seen here, or told by the supervisor of a server we started): requests fail fast."""
-        if self.up:
-            self.up = False
-            self.outages += 1
-            self._changes += 1
-            if self._on_change is not None:
-                self._on_change(False)
 
-    def mark_up(self, observed: dict[int, int], reason: str) -> None:
-        """The backend answers again: forget what the slots unused since `observed` held, and serve again."""
-        if not self.up:
-            self.up = True
-            self._changes += 1
-            if self._on_change is not None:
-                self._on_change(True)
-            self._pool.reset_slots(observed, reason)
+def _task_id(slot: dict[str, Any]) -> int | None:
+    task = slot.get("id_task")
+    return int(task) if isinstance(task, int) and task >= 0 else None
+
+
+def _restarted(before: TaskIds, now: TaskIds, held: set[int]) -> bool:
+    """Whether `now` comes from another process than `before`: a slot that ran a task (at the last reading, or a slot
+    in `held`) shows none, or an older one."""
+    if any(slot_id in now and now[slot_id] is None for slot_id in held):
+        return True
+    for slot_id, task in before.items():
+        later = now.get(slot_id)
+        if task is not None and (later is None or later < task):
+            return True
+    return False

@@ -1,5 +1,6 @@
-"""The supervisor's rules with a stand-in process: backoff growth and reset, down/up callbacks, counting, failed
-restarts retried, and cancellation (a stop on purpose is never taken for a crash)."""
+"""The supervisor's rules with a stand-in process: backoff growth and reset, the backend's health marked down (slots
+lost) at a crash and up once restarted, counting, failed restarts retried, and cancellation (a stop on purpose is
+never taken for a crash)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from slotkeeper.upstream.health import BackendHealth
 from slotkeeper.upstream.process import ServerStartError
 from slotkeeper.upstream.supervisor import Backoff, Supervisor
 
@@ -61,10 +63,28 @@ class FakeServer:
         self.stops += 1
 
 
+class RecordingHealth(BackendHealth):
+    """Notes every change of the backend's health in `events`."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__("http://fake")
+        self.events = events
+
+    def mark_down(self, reason: str, *, lost: bool = False) -> None:
+        if self.up:
+            self.events.append(f"down: {reason}" + (" (lost)" if lost else ""))
+        super().mark_down(reason, lost=lost)
+
+    def mark_up(self) -> None:
+        if not self.up:
+            self.events.append("up")
+        super().mark_up()
+
+
 def supervise(server: FakeServer, events: list[str], backoff: Backoff) -> Supervisor:
     fake: Any = server
-    return Supervisor(fake, ready_timeout=5, on_down=lambda reason: events.append(f"down: {reason}"),
-                      on_up=lambda: events.append("up"), backoff=backoff)
+    return Supervisor(fake, ready_timeout=5, health=RecordingHealth(events),
+                      on_lost=lambda reason: events.append("slots lost"), backoff=backoff)
 
 
 async def until(predicate: Any, timeout: float = 5.0) -> None:
@@ -80,11 +100,11 @@ async def test_a_crash_is_reported_restarted_and_counted() -> None:
     task = asyncio.create_task(supervisor.run())
     server.crash()
     await until(lambda: supervisor.restarts == 1)
-    assert events == ["down: fake-server exited with signal SIGKILL", "up"]
+    assert events == ["down: fake-server exited with signal SIGKILL (lost)", "slots lost", "up"]
     assert (server.spawns, supervisor.last_exit) == (1, "signal SIGKILL")
     server.crash()
     await until(lambda: supervisor.restarts == 2)
-    assert events[2:] == ["down: fake-server exited with signal SIGKILL", "up"]
+    assert events[3:] == ["down: fake-server exited with signal SIGKILL (lost)", "slots lost", "up"]
     task.cancel()
 
 
@@ -96,7 +116,8 @@ async def test_failed_restarts_are_retried_with_growing_delays() -> None:
     server.crash()
     await until(lambda: supervisor.restarts == 1)
     task.cancel()
-    assert events == ["down: fake-server exited with signal SIGKILL", "up"]  # one outage, however many attempts
+    # one outage, however many attempts
+    assert events == ["down: fake-server exited with signal SIGKILL (lost)", "slots lost", "up"]
     assert (server.spawns, server.stops) == (3, 2)  # two failed starts stopped, the third came up
     first, second, third = (t - crashed for t in server.spawn_times)
     assert first >= 0.05 and second - first >= 0.1 and third - second >= 0.2

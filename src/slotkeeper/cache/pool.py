@@ -30,6 +30,7 @@ from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.errors import NotFound, Overloaded, SaveFailed, SlotkeeperError, UpstreamError
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult, UpstreamClient
+from slotkeeper.upstream.health import BackendHealth
 
 log = logging.getLogger("slotkeeper.pool")
 
@@ -127,9 +128,12 @@ class SlotPool:
         system_snapshots: bool = True,
         budget: DiskBudget | None = None,
         capability: Capability | None = None,
+        health: BackendHealth | None = None,
     ) -> None:
         self.slots = [SlotState(i) for i in range(n_slots)]
         self._client = client
+        # Whether the backend is up: an idle save waits for it, and one that failed while it was away is tried again.
+        self._health = health
         self._store = store
         self._fingerprint = fingerprint
         self._n_ctx_slot = n_ctx_slot
@@ -536,20 +540,29 @@ class SlotPool:
 
     async def _idle_save(self, slot: SlotState, generation: int) -> None:
         await asyncio.sleep(self._save_idle_seconds)
+        if self._health is not None:
+            await self._health.wait_up()  # a save sent to a backend that is away would fail and lose the turn
         if slot.busy or slot.generation != generation or not slot.dirty or slot.occupant is None:
             return
         await self._save_held(slot)
 
     async def _save_held(self, slot: SlotState) -> None:
-        """Take an idle slot, save its dirty occupant, and give the slot back."""
+        """Take an idle slot, save its dirty occupant, and give the slot back. A save that failed because the
+        backend went away leaves the slot changed, saved once the backend is back (or forgotten, if it restarted)."""
         key = slot.occupant
         assert key is not None
         slot.busy = True
         slot.dirty = False
+        generation = slot.generation
+        saved = 0.0
         try:
-            await self._save(slot.slot_id, key, _Held.of(slot), wait=False)  # the slot is free again once written
+            saved = await self._save(slot.slot_id, key, _Held.of(slot), wait=False)  # free again once written
         finally:
             self._give_back(slot)
+        if (not saved and self._health is not None and not self._health.up and slot.generation == generation
+                and slot.occupant == key and not slot.busy):
+            slot.dirty = True
+            self._schedule_idle_save(slot)
 
     def _give_back(self, slot: SlotState) -> None:
         """Free a slot taken for a save (not leased): if its session was deleted meanwhile, the slot no longer holds

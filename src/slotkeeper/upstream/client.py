@@ -13,6 +13,7 @@ from typing import Any
 
 from slotkeeper import __version__
 from slotkeeper.errors import UpstreamError, UpstreamUnavailable
+from slotkeeper.upstream.health import Probe
 from slotkeeper.upstream.wire import ConnectFailed, TimedOut, TransportError, WireClient, WireResponse
 
 
@@ -44,11 +45,15 @@ class UpstreamClient:
         return _json_or_raise(status, content)
 
     async def healthy(self) -> bool:
+        return await self.probe() is Probe.OK
+
+    async def probe(self, timeout: float = 2.0) -> Probe:
+        """GET /health once, and say how it went (see BackendHealth for what counts as down)."""
         try:
-            status, _ = await self._request("GET", "/health", None, 2.0)
-        except UpstreamUnavailable:
-            return False
-        return status == 200
+            status, _ = await self._request("GET", "/health", None, timeout)
+        except UpstreamUnavailable as exc:
+            return Probe.REFUSED if isinstance(exc.__cause__, ConnectFailed) else Probe.NO_ANSWER
+        return Probe.OK if status == 200 else Probe.NOT_READY
 
     async def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> SlotActionResult:
         """POST /slots/{id}?action=save|restore|erase. Raises UpstreamError on a non-2xx answer."""

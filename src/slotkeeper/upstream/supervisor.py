@@ -1,5 +1,6 @@
 """Keeps a server process that slotkeeper started running: when it exits on its own (a crash, an OOM kill, a kill -9),
-the service is told the backend is down, and the process is started again with a growing delay until /health answers.
+the BackendHealth is marked down (requests wait for it) and what the slots held is forgotten; the process is started
+again with a growing delay until /health answers, and the health is marked up.
 
 Stopping on purpose is not a crash: cancel the supervisor's task first, then stop the process.
 """
@@ -12,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from slotkeeper.upstream.health import BackendHealth
 from slotkeeper.upstream.process import ServerProcess, ServerStartError, describe_exit
 
 log = logging.getLogger("slotkeeper.supervisor")
@@ -33,12 +35,13 @@ class Backoff:
 class Supervisor:
     """Watches one ServerProcess; `restarts` counts the restarts that came up healthy."""
 
-    def __init__(self, server: ServerProcess, *, ready_timeout: float, on_down: Callable[[str], None],
-                 on_up: Callable[[], None], backoff: Backoff | None = None) -> None:
+    def __init__(self, server: ServerProcess, *, ready_timeout: float, health: BackendHealth,
+                 on_lost: Callable[[str], None], backoff: Backoff | None = None) -> None:
+        """`on_lost(reason)` is called when the process exited: what its slots held is gone with it."""
         self.server = server
         self._ready_timeout = ready_timeout
-        self._on_down = on_down
-        self._on_up = on_up
+        self._health = health
+        self._on_lost = on_lost
         self._backoff = backoff or Backoff()
         self._failures = 0
         self.restarts = 0
@@ -53,7 +56,9 @@ class Supervisor:
             self.last_exit = describe_exit(code)
             log.error("%s (pid %s) exited with %s after %.0f s; slotkeeper restarts it (its output is in %s)",
                       self.server.name, self.server.pid, self.last_exit, ran, self.server.log_path)
-            self._on_down(f"{self.server.name} exited with {self.last_exit}")
+            reason = f"{self.server.name} exited with {self.last_exit}"
+            self._health.mark_down(reason, lost=True)
+            self._on_lost(reason)
             await self._restart()
 
     async def _restart(self) -> None:
@@ -73,5 +78,5 @@ class Supervisor:
             self.restarts += 1
             log.warning("%s is back (pid %s) after %d restart(s); the slots' old contents are gone, sessions restore "
                         "from disk", self.server.name, self.server.pid, self.restarts)
-            self._on_up()
+            self._health.mark_up()  # unless the watch saw it first
             return

@@ -55,6 +55,9 @@ async def backend_info(request: Request) -> dict[str, Any]:
         "version": __version__,
         "url": backend.url,
         "up": await state.client.healthy(),
+        # What slotkeeper goes by (BackendHealth): False while it counts the backend as down and requests wait.
+        "serving": state.service.health.up,
+        "outages": state.service.health.outages,
         "mode": settings.mode,
         "server": _server_info(state),
         "model": backend.model_id,

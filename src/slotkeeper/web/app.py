@@ -15,6 +15,7 @@ from starlette.routing import Match
 from slotkeeper import __version__
 from slotkeeper.config import Settings
 from slotkeeper.errors import MethodNotAllowed, NotFound, SlotkeeperError
+from slotkeeper.runtime import RunningBackend
 from slotkeeper.web import (
     activity,
     admin,
@@ -28,7 +29,6 @@ from slotkeeper.web import (
 )
 from slotkeeper.web.errors import error_response
 from slotkeeper.web.openapi import SlotkeeperAPI
-from slotkeeper.web.runtime import RunningBackend
 from slotkeeper.web.security import Guard
 from slotkeeper.web.state import Backends, backends
 

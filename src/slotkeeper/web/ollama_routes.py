@@ -82,8 +82,8 @@ async def chat(request: Request) -> Response:
     key = _session(request, state, body, upstream["messages"])
     side = is_side_task(request.headers, body.get("messages"), req.stream)
     shape = AnswerShape("chat", req.model)
-    return await _run(state, "ollama.chat", key, "/v1/chat/completions", upstream, shape, req.stream, side, opts,
-                      started)
+    return await _run(request, state, "ollama.chat", key, "/v1/chat/completions", upstream, shape, req.stream, side,
+                      opts, started)
 
 
 @router.post("/api/generate", openapi_extra=json_body(GenerateRequest), responses=answers(JSON_TYPE, NDJSON))
@@ -102,7 +102,8 @@ async def generate(request: Request) -> Response:
     key = _session(request, state, body, messages)
     side = is_side_task(request.headers, messages, req.stream)
     shape = AnswerShape("generate", req.model)
-    return await _run(state, "ollama.generate", key, path, upstream, shape, req.stream, side, opts, started)
+    return await _run(request, state, "ollama.generate", key, path, upstream, shape, req.stream, side, opts,
+                      started)
 
 
 @router.post("/api/embed", openapi_extra=json_body(ollama.EmbedRequest))
@@ -157,7 +158,7 @@ async def blob_exists(digest: str) -> Response:
 # -- running a turn ---------------------------------------------------------------------------------------------------
 
 
-async def _run(state: AppState, api: str, key: SessionKey, path: str, upstream: Mapping[str, Any],
+async def _run(request: Request, state: AppState, api: str, key: SessionKey, path: str, upstream: Mapping[str, Any],
                shape: AnswerShape, stream: bool, side: bool, opts: Sampling, started: int) -> Response:
     def build(slot_id: int) -> dict[str, Any]:
         return openai.upstream_body(upstream, slot_id)
@@ -166,10 +167,10 @@ async def _run(state: AppState, api: str, key: SessionKey, path: str, upstream: 
     # and a CR or LF in one would split it).
     noted = {"X-Slotkeeper-Ignored-Options": ",".join(map(header_safe, opts.ignored))} if opts.ignored else {}
     if not stream:
-        data, record = await state.service.unary(api, key, path, build, side=side)
+        data, record = await state.service.unary(api, key, path, build, side=side, hung_up=request.is_disconnected)
         answer = ollama.unary_answer(shape, data, _now(), time.perf_counter_ns() - started, _load_ns(record))
         return JSONResponse(answer, headers={**record.headers(), **noted}, media_type=JSON)
-    turn = await state.service.open_stream(api, key, path, build, side=side)
+    turn = await state.service.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected)
     return TurnStreamResponse(turn, _ndjson(turn, shape, started), media_type=NDJSON, headers=noted)
 
 

@@ -90,9 +90,9 @@ async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping
         return openai.upstream_body(body, slot_id)
 
     if stream:
-        turn = await state.service.open_stream(api, key, path, build, side=side)
+        turn = await state.service.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected)
         return TurnStreamResponse.passthrough(turn, openai.error_event)
-    data, record = await state.service.unary(api, key, path, build, side=side)
+    data, record = await state.service.unary(api, key, path, build, side=side, hung_up=request.is_disconnected)
     return JSONResponse(data, headers=record.headers())
 
 

@@ -1,4 +1,4 @@
-"""One backend brought up and down: its store, server (launched, embedded or attached), pool, service, watch,
+"""One backend brought up and down: its store, server (launched, embedded or attached), health, pool, service, watch,
 supervisor and housekeeping tasks. slotkeeper runs one of these per model."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from slotkeeper.cache.store import SnapshotStore, make_private_dir
 from slotkeeper.config import Settings
 from slotkeeper.service import TurnService
 from slotkeeper.upstream.client import UpstreamClient
+from slotkeeper.upstream.health import BackendHealth
 from slotkeeper.upstream.launcher import StartedBackend, start_backend
 from slotkeeper.upstream.supervisor import Supervisor
 from slotkeeper.watch import BackendWatch
@@ -54,19 +55,16 @@ class RunningBackend:
             store.close()
             raise
         capability = await asyncio.to_thread(capability_of, backend.props, started.embedded)
+        health = BackendHealth(client.base_url)  # the one answer to "is the backend up?"
         pool = SlotPool(backend.n_slots, client, store, backend.fingerprint, backend.n_ctx_slot,
                         settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue,
                         settings.system_snapshots, DiskBudget(settings.disk_budget, settings.max_snapshot_age,
-                                                              settings.max_system_snapshots), capability)
+                                                              settings.max_system_snapshots), capability, health)
         await asyncio.to_thread(pool.learn_from_disk)
         await pool.enforce_budget()
-        service = TurnService(client, pool)
-
-        def backend_changed(up: bool) -> None:
-            service.backend_down = not up
-
-        watch = BackendWatch(client, pool, backend_changed)
-        supervisor = _supervisor(started, watch, pool, settings)
+        service = TurnService(client, pool, health, settings.backend_wait_seconds)
+        watch = BackendWatch(client, pool, health)
+        supervisor = _supervisor(started, health, pool, settings)
         state = AppState(settings, backend, client, store, pool, service, time.time(), started.server, supervisor)
         log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
                  backend.model_id, started.url, backend.n_slots, backend.n_ctx_slot, backend.fingerprint, slot_dir)
@@ -134,18 +132,15 @@ async def _keep_budget(pool: SlotPool, interval: float = 60.0) -> None:
         await pool.enforce_budget()
 
 
-def _supervisor(started: StartedBackend, watch: BackendWatch, pool: SlotPool, settings: Settings) -> Supervisor | None:
+def _supervisor(started: StartedBackend, health: BackendHealth, pool: SlotPool,
+                settings: Settings) -> Supervisor | None:
     """A supervisor for the server slotkeeper started (none in attach mode): a crash marks the backend down and
     forgets what every slot held; the restarted server marks it up again."""
     server = started.server
     if server is None:
         return None
 
-    def down(reason: str) -> None:
-        watch.mark_down()
+    def lost(reason: str) -> None:
         pool.reset_slots(pool.generations(), reason)
 
-    def up() -> None:
-        watch.mark_up(pool.generations(), f"{server.name} was restarted")
-
-    return Supervisor(server, ready_timeout=settings.start_timeout, on_down=down, on_up=up)
+    return Supervisor(server, ready_timeout=settings.start_timeout, health=health, on_lost=lost)
