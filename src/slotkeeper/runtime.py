@@ -12,9 +12,10 @@ from pathlib import Path
 
 from slotkeeper.backend import capability_of, discover
 from slotkeeper.cache.budget import DiskBudget
+from slotkeeper.cache.files import make_private_dir
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.ramdir import RamDir
-from slotkeeper.cache.store import SnapshotStore, make_private_dir
+from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.config import Settings
 from slotkeeper.service import TurnService
 from slotkeeper.upstream.client import UpstreamClient
@@ -28,8 +29,10 @@ log = logging.getLogger("slotkeeper")
 
 
 class RunningBackend:
-    def __init__(self, state: AppState, started: StartedBackend, tasks: list[asyncio.Task[None]]) -> None:
+    def __init__(self, state: AppState, store: SnapshotStore, started: StartedBackend,
+                 tasks: list[asyncio.Task[None]]) -> None:
         self.state = state
+        self._store = store
         self._started = started
         self._tasks = tasks
 
@@ -65,14 +68,14 @@ class RunningBackend:
         service = TurnService(client, pool, health, settings.backend_wait_seconds)
         watch = BackendWatch(client, pool, health)
         supervisor = _supervisor(started, health, pool, settings)
-        state = AppState(settings, backend, client, store, pool, service, time.time(), started.server, supervisor)
+        state = AppState(settings, backend, client, pool, service, time.time(), started.server, supervisor)
         log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
                  backend.model_id, started.url, backend.n_slots, backend.n_ctx_slot, backend.fingerprint, slot_dir)
         log.info("restores (%s strategy): %s", pool.policy.strategy, pool.policy.capability.reason())
         tasks = [asyncio.create_task(watch.run()), asyncio.create_task(_keep_budget(pool))]
         if supervisor is not None:
             tasks.append(asyncio.create_task(supervisor.run()))
-        return cls(state, started, tasks)
+        return cls(state, store, started, tasks)
 
     async def stop(self) -> None:
         """Save every changed slot (within half the shutdown bound, commits included), then stop what was started."""
@@ -98,10 +101,10 @@ class RunningBackend:
                         "short; their sessions keep their previous snapshots", budget.saving)
         await state.client.aclose()
         await self._started.stop(budget.stopping)
-        state.store.close()
-        if committed and state.store.ram is not None and self._started.server is not None:
+        self._store.close()
+        if committed and self._store.ram is not None and self._started.server is not None:
             # Every save was committed (pool.aclose) and the server that read it is gone: all of it is on disk.
-            await asyncio.to_thread(state.store.ram.remove_all)
+            await asyncio.to_thread(self._store.ram.remove_all)
 
 
 def open_ram_dir(settings: Settings, slot_dir: Path) -> RamDir | None:

@@ -43,7 +43,7 @@ def app_for(pool: SlotPool, client: FakeClient, store: SnapshotStore) -> FastAPI
         return error_response(request.url.path, exc)
 
     backend = BackendInfo("http://127.0.0.1:1", "m", "", len(pool.slots), 4096, "", FP)
-    app.state.backends = Backends([AppState(None, backend, client, store, pool, None, 0.0)])  # type: ignore[arg-type]
+    app.state.backends = Backends([AppState(None, backend, client, pool, None, 0.0)])  # type: ignore[arg-type]
     return app
 
 

@@ -105,3 +105,8 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_private_dir(path: Path) -> None:
+    """The directory, made (with its parents) readable by this user only if it is new."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO, NamedTuple
+from typing import NamedTuple
 
 from slotkeeper.cache.budget import DiskBudget, SnapshotId
 from slotkeeper.cache.capability import ArchKind, Capability, Strategy
@@ -25,6 +25,7 @@ from slotkeeper.cache.persister import Persister, key_of, snapshot_id
 from slotkeeper.cache.planner import Candidate, Plan, Request, Rules, plan
 from slotkeeper.cache.promptend import Replay, replay_body
 from slotkeeper.cache.proof import RestorePolicy
+from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import PrefixMatch, SnapshotStore
 from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.errors import NotFound, Overloaded, SaveFailed, SlotkeeperError, UpstreamError
@@ -160,6 +161,8 @@ class SlotPool:
         self._persist = Persister(client, store, fingerprint, budget or DiskBudget(), self.events,
                                   lambda: [s.occupant for s in self.slots if s.occupant is not None],
                                   self._evidence.inspect)
+        # What the rest of slotkeeper may know and do about the snapshots (the web layer goes through it).
+        self.snapshots = Snapshots(store, self._persist, fingerprint)
 
     # Saves, failed saves and budget evictions: counted by the persister when a save's commit is done.
     @property
@@ -577,28 +580,6 @@ class SlotPool:
         key = key_of(snapshot)
         await self._persist.settle([snapshot_id(key, snapshot.kind)])
         return await asyncio.to_thread(self._store.set_pinned, key, True, snapshot.kind)
-
-    async def open_snapshot(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION
-                            ) -> tuple[Snapshot, list[Link], BinaryIO] | None:
-        """`key`'s checked snapshot, its message chain and its file opened for reading (for an export), once the
-        snapshot's pending writes are done; None when there is none. A commit or an eviction that removes the file
-        between the look-up and the open is met by waiting and looking it up once more."""
-        for _ in range(2):
-            await self._persist.settle([snapshot_id(key, kind)])
-            snapshot = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint, kind)
-            if snapshot is None:
-                return None
-            try:
-                slot_file = await asyncio.to_thread((self._store.slot_dir / snapshot.filename).open, "rb")
-            except FileNotFoundError:
-                continue
-            try:
-                chain = await asyncio.to_thread(self._store.chain_of, snapshot)
-            except BaseException:
-                slot_file.close()
-                raise
-            return snapshot, chain, slot_file
-        return None
 
     async def import_snapshot(self, key: SessionKey, temp: str, n_tokens: int, chain: Sequence[Link], n_bytes: int,
                               kind: SnapshotKind = SnapshotKind.SESSION, n_prompt: int = 0) -> Snapshot:

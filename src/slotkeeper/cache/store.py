@@ -26,7 +26,7 @@ from typing import Any
 
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
 from slotkeeper.cache.chain import Link
-from slotkeeper.cache.files import copy_durably, fsync_dir, unlink_quietly
+from slotkeeper.cache.files import copy_durably, fsync_dir, make_private_dir, unlink_quietly
 from slotkeeper.cache.files import file_checksum as file_checksum  # where the rest of the code finds it
 from slotkeeper.cache.hashmemo import HashMemo, fine_timestamps, read_identity
 from slotkeeper.cache.ramdir import RamDir
@@ -98,10 +98,6 @@ class ReconcileReport:
     temporaries_removed: int
     orphans_removed: int
     rows_dropped: int
-
-
-def make_private_dir(path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
 
 
 class SnapshotStore:

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from slotkeeper.cache.store import make_private_dir
+from slotkeeper.cache.files import make_private_dir
 from slotkeeper.config import Settings
 from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
 from slotkeeper.upstream.launchargs import plan_launch

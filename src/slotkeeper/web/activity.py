@@ -67,8 +67,8 @@ async def backend_info(request: Request) -> dict[str, Any]:
         "ctx_per_slot": backend.n_ctx_slot,
         "build": backend.build_info,
         "fingerprint": backend.fingerprint,
-        "slot_dir": str(state.store.slot_dir),
-        "slot_dir_free_bytes": await asyncio.to_thread(_free_bytes, state.store.slot_dir),
+        "slot_dir": str(state.snapshots.slot_dir),
+        "slot_dir_free_bytes": await asyncio.to_thread(_free_bytes, state.snapshots.slot_dir),
         "started": state.started,
         "settings": {
             "save_idle_seconds": settings.save_idle_seconds,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import shutil
 from datetime import UTC, datetime
 from typing import Any
 
@@ -11,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from slotkeeper.errors import BadRequest, NotFound
 from slotkeeper.types import IdSource, SessionKey, Snapshot, SnapshotKind
-from slotkeeper.web.state import AppState, app_state, backends, settled
+from slotkeeper.web.state import AppState, app_state, backends, caught_up
 
 router = APIRouter(prefix="/api/sessions")
 
@@ -22,19 +20,18 @@ async def list_sessions(request: Request) -> dict[str, Any]:
     kind = _kind_filter(request)
     model = request.query_params.get("model")
     states = [app_state(request, model)] if model else backends(request).all
-    await settled(states)
     sessions = []
     for state in states:
-        snapshots = await asyncio.to_thread(state.store.list, None, kind)
+        snapshots = await state.snapshots.list(None, kind)
         sessions += [_snapshot_json(s, _hot_slot(state, s.model, s.session_id)) for s in snapshots]
     sessions.sort(key=lambda s: s["last_used"], reverse=True)
-    return {"slot_dir": str(states[0].store.slot_dir), "sessions": sessions}
+    return {"slot_dir": str(states[0].snapshots.slot_dir), "sessions": sessions}
 
 
 @router.get("/current")
 async def current_session(request: Request) -> dict[str, Any]:
     state = app_state(request, request.query_params.get("model"))
-    await settled([state])
+    await caught_up([state])  # so the counters include the saves still being committed
     slots = [
         {
             "id": slot.slot_id,
@@ -47,7 +44,7 @@ async def current_session(request: Request) -> dict[str, Any]:
         for slot in state.pool.slots
     ]
     first = state.pool.slots[0].occupant
-    snapshot = await asyncio.to_thread(state.store.get, first) if first is not None else None
+    snapshot = await state.snapshots.get(first) if first is not None else None
     pool = state.pool
     policy = pool.policy
     return {
@@ -83,23 +80,18 @@ async def current_session(request: Request) -> dict[str, Any]:
 async def disk(request: Request) -> dict[str, Any]:
     """What the snapshots take, the budget they are kept under, and how much the budget evicted."""
     state = app_state(request, request.query_params.get("model"))
-    await settled([state])
-    usage = await asyncio.to_thread(state.store.usage)
-    free = await asyncio.to_thread(shutil.disk_usage, state.store.slot_dir)
+    usage = await state.snapshots.usage()
+    disk = await state.snapshots.disk()
     budget = state.pool.budget
-    store = state.store
-    copies, copy_bytes = await asyncio.to_thread(store.ram_usage)
-    ram = None if store.ram is None else {"dir": str(store.ram.path), "copies": copies, "bytes": copy_bytes,
-                                           "budget_bytes": store.ram.budget}
     return {
-        "slot_dir": str(state.store.slot_dir),
-        "ram": ram,
+        "slot_dir": disk["slot_dir"],
+        "ram": disk["ram"],
         "bytes": sum(u["bytes"] for u in usage.values()),
         "snapshots": usage,
         "budget": {"max_bytes": budget.max_bytes, "max_age_seconds": budget.max_age_seconds,
                    "max_system_snapshots": budget.max_system_snapshots},
         "evictions": state.pool.evictions,
-        "disk_free_bytes": free.free,
+        "disk_free_bytes": disk["free_bytes"],
     }
 
 
@@ -118,8 +110,7 @@ async def _set_pinned(session_id: str, request: Request, pinned: bool) -> dict[s
     state = app_state(request, request.query_params.get("model"))
     key = _key(state, session_id, request)
     kind = one_kind(request)
-    await state.pool.settle(key, kind)
-    snapshot = await asyncio.to_thread(state.store.set_pinned, key, pinned, kind)
+    snapshot = await state.snapshots.set_pinned(key, pinned, kind)
     if snapshot is None:
         raise NotFound(f"no {kind} snapshot '{session_id}'")
     return _snapshot_json(snapshot, _hot_slot(state, key.model, key.session_id))
@@ -143,8 +134,7 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
     state = app_state(request, request.query_params.get("model"))
     key = _key(state, session_id, request)
     kind = one_kind(request)
-    await state.pool.settle(key, kind)
-    snapshot = await asyncio.to_thread(state.store.get, key, kind)
+    snapshot = await state.snapshots.get(key, kind)
     if kind is SnapshotKind.SYSTEM:
         if snapshot is None:
             raise NotFound(f"no {kind} snapshot '{session_id}'")
@@ -165,8 +155,7 @@ async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
     kind = one_kind(request)
     if kind is SnapshotKind.SESSION:
         state.pool.forget(key)
-    await state.pool.settle(key, kind)  # a save still being committed would bring the snapshot back
-    removed = await asyncio.to_thread(state.store.delete, key, kind)
+    removed = await state.snapshots.delete(key, kind)
     if removed is None:
         raise NotFound(f"session '{session_id}' not found" if kind is SnapshotKind.SESSION
                        else f"no {kind} snapshot '{session_id}'")

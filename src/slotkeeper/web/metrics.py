@@ -21,10 +21,9 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from slotkeeper import __version__
-from slotkeeper.cache.store import QUARANTINE_DIR
 from slotkeeper.journal import RequestEntry, RequestJournal
 from slotkeeper.types import SnapshotKind
-from slotkeeper.web.state import AppState, Backends, settled
+from slotkeeper.web.state import AppState, Backends, caught_up
 
 router = APIRouter()
 
@@ -94,7 +93,7 @@ class Metrics:
 
     async def render(self) -> bytes:
         states = self._served.all
-        await settled(states)  # so the save counters include the saves still being committed
+        await caught_up(states)  # so the save counters include the saves still being committed
         ups = await asyncio.gather(*(state.client.healthy() for state in states))
         for state, up in zip(states, ups, strict=True):
             _child(self.backend_up, *_model_labels(state, self._several)).set(1 if up else 0)
@@ -193,11 +192,11 @@ _GAUGES: list[tuple[str, str, Callable[[_Reading], float]]] = [
     ("slotkeeper_disk_budget_bytes", "The disk budget's total size limit (0: none).",
      lambda r: r.state.pool.budget.max_bytes),
     ("slotkeeper_ram_copy_bytes", "Bytes of snapshot copies in the RAM dir (0 without one).",
-     lambda r: r.state.store.ram_usage()[1]),
+     lambda r: r.state.snapshots.ram_now()[0]),
     ("slotkeeper_ram_budget_bytes", "The RAM dir's budget for snapshot copies (0 without a RAM dir).",
-     lambda r: 0 if r.state.store.ram is None else r.state.store.ram.budget),
+     lambda r: r.state.snapshots.ram_now()[1]),
     ("slotkeeper_quarantined_files", "Snapshot files moved aside after failing a check.",
-     lambda r: _count_files(r.state.store.slot_dir / QUARANTINE_DIR)),
+     lambda r: r.state.snapshots.quarantined_now()),
 ]
 
 
@@ -213,7 +212,7 @@ class _StateCollector(Collector):
         return []  # values are read at scrape time; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
-        readings = [_Reading(state, state.store.usage()) for state in self._states]
+        readings = [_Reading(state, state.snapshots.usage_now()) for state in self._states]
         labels = [list(_model_labels(r.state, self._several)) for r in readings]
         for name, documentation, read in _COUNTERS:
             counter = CounterMetricFamily(name, documentation, labels=self._by_model)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from slotkeeper.cache.pool import SlotPool
-from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.config import Settings
 from slotkeeper.errors import NotFound
 from slotkeeper.service import TurnService
@@ -27,13 +27,17 @@ class AppState:
     settings: Settings
     backend: BackendInfo
     client: UpstreamClient
-    store: SnapshotStore
     pool: SlotPool
     service: TurnService
     started: float
     # The server process slotkeeper runs (launch and embedded modes) and its supervisor; None in attach mode.
     server: ServerProcess | None = None
     supervisor: Supervisor | None = None
+
+    @property
+    def snapshots(self) -> Snapshots:
+        """The backend's snapshots: the only way to its index rows and files (each read waits for pending writes)."""
+        return self.pool.snapshots
 
     def serves(self, model: str) -> bool:
         name = model.removesuffix(":latest")
@@ -62,14 +66,10 @@ class Backends:
         raise NotFound(f"model '{model}' not found: slotkeeper serves {served}")
 
 
-# How long an operator's view (listings, counters, /metrics) waits for saves still being committed in the background
-# so that it shows them; past this it shows what is indexed so far.
-VIEW_SETTLE_SECONDS = 5.0
-
-
-async def settled(states: Sequence[AppState]) -> None:
-    """Wait (bounded) until the saves every backend's pool has started are committed, for a consistent view."""
-    await asyncio.gather(*(state.pool.settle(timeout=VIEW_SETTLE_SECONDS) for state in states))
+async def caught_up(states: Sequence[AppState]) -> None:
+    """Wait (bounded) until the writes every backend's snapshots have started are done, for a consistent view of
+    counters and listings."""
+    await asyncio.gather(*(state.snapshots.caught_up() for state in states))
 
 
 def backends(request: Request) -> Backends:

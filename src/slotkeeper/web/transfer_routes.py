@@ -4,7 +4,6 @@ layout, build) accepts a bundle: a snapshot is never restored into a backend tha
 
 from __future__ import annotations
 
-import asyncio
 import urllib.parse
 from typing import Any
 
@@ -13,7 +12,6 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool
 
 from slotkeeper.cache.bundle import BundleReader, meta_of, write_bundle
-from slotkeeper.cache.store import file_checksum
 from slotkeeper.errors import BadRequest, NotFound
 from slotkeeper.identity import checked_session_id
 from slotkeeper.types import SessionKey
@@ -31,7 +29,7 @@ async def export(session_id: str, request: Request) -> Response:
     state = app_state(request, request.query_params.get("model"))
     kind = one_kind(request)
     key = SessionKey(state.backend.model_id, session_id)
-    found = await state.pool.open_snapshot(key, kind)
+    found = await state.snapshots.open_for_export(key, kind)
     if found is None:
         raise NotFound(f"no {kind} snapshot '{session_id}' to export")
     snapshot, chain, slot_file = found
@@ -54,18 +52,16 @@ async def import_bundle(request: Request) -> dict[str, Any]:
     session = checked_session_id(request.query_params.get("as") or meta.session_id, "the import")
     key = SessionKey(state.backend.model_id, session)
     replace = request.query_params.get("replace", "").lower() in ("1", "true", "yes")
-    await state.pool.settle(key, meta.kind)  # a save still being committed must not land over the import
-    if not replace and await asyncio.to_thread(state.store.get, key, meta.kind) is not None:
+    if not replace and await state.snapshots.get(key, meta.kind) is not None:
         raise BadRequest(f"a {meta.kind} snapshot '{session}' exists already; import with replace=true (the CLI's "
                          "--replace) to overwrite it, or as=ID (--as) to give it another id")
-    temp = state.store.temp_name(key, fingerprint, meta.kind)
-    path = state.store.slot_dir / temp
+    temp, path = await state.snapshots.stage_upload(key, meta.kind)
     try:
         await reader.copy_file_to(path, meta.n_bytes)
-        if await asyncio.to_thread(file_checksum, path) != meta.checksum:
+        if await state.snapshots.checksum(path) != meta.checksum:
             raise BadRequest("the bundle's snapshot.bin does not match its checksum (damaged on the way?)")
     except BaseException:
-        await asyncio.to_thread(state.store.discard_temp, temp)
+        await state.snapshots.discard_upload(temp)
         raise
     # In order with the session's saves (one may have started during the upload), and no slot saves it after.
     snapshot = await state.pool.import_snapshot(key, temp, meta.n_tokens, meta.chain, meta.n_bytes, meta.kind,
