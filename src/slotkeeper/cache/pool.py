@@ -26,7 +26,7 @@ from slotkeeper.cache.planner import Candidate, Plan, Request, Rules, plan
 from slotkeeper.cache.promptend import Replay, replay_body
 from slotkeeper.cache.proof import RestorePolicy
 from slotkeeper.cache.snapshots import Snapshots
-from slotkeeper.cache.store import PrefixMatch, SnapshotStore
+from slotkeeper.cache.store import PrefixMatch, SnapshotStore, shared_with
 from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.errors import NotFound, Overloaded, SaveFailed, SlotkeeperError, UpstreamError
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
@@ -357,11 +357,11 @@ class SlotPool:
         own = self._store.checked_snapshot(key, self._fingerprint)
         if own is None:
             return None
-        shared = self._store.shared_prefix(own, chain) if chain else None
+        saved = self._store.chain_of(own) if chain else []
+        shared = shared_with(own, saved, chain)  # one read of the recorded chain for both answers
         if shared is None:
             return Candidate(own, len(chain), own.owed_tokens, True)
-        saved = len(self._store.chain_of(own))
-        return Candidate(own, shared[0], shared[1], shared[0] == saved)
+        return Candidate(own, shared[0], shared[1], shared[0] == len(saved))
 
     async def _best_prefix(self, model: str, chain: Sequence[Link], min_messages: int) -> PrefixMatch | None:
         """The store's best prefix match; when the session found has a save still being committed, the match is

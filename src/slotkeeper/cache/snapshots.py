@@ -78,15 +78,20 @@ class Snapshots:
         copies, copy_bytes = await asyncio.to_thread(self._store.ram_usage)
         return {"dir": str(ram.path), "copies": copies, "bytes": copy_bytes, "budget_bytes": ram.budget}
 
-    def ram_now(self) -> tuple[int, int]:
-        """RAM-dir copy bytes and budget (0, 0 without one), for the metrics collector's thread."""
-        ram = self._store.ram
-        return (0, 0) if ram is None else (self._store.ram_usage()[1], ram.budget)
+    def ram_bytes_now(self) -> int:
+        """Bytes of the RAM dir's copies (0 without one), for the metrics collector's thread."""
+        return self._store.ram_usage()[1]
+
+    @property
+    def ram_budget(self) -> int:
+        """The RAM dir's budget for copies (0 without a RAM dir)."""
+        return 0 if self._store.ram is None else self._store.ram.budget
 
     def quarantined_now(self) -> int:
         """Files in the quarantine directory, for the metrics collector's thread."""
         try:
-            return len(os.listdir(self._store.slot_dir / QUARANTINE_DIR))
+            with os.scandir(self._store.slot_dir / QUARANTINE_DIR) as entries:
+                return sum(1 for entry in entries if entry.is_file())
         except OSError:
             return 0
 

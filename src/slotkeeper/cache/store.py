@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
-from slotkeeper.cache.chain import Link
+from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.files import copy_durably, fsync_dir, make_private_dir, unlink_quietly
 from slotkeeper.cache.files import file_checksum as file_checksum  # where the rest of the code finds it
 from slotkeeper.cache.hashmemo import HashMemo, fine_timestamps, read_identity
@@ -311,22 +311,7 @@ class SnapshotStore:
         """How many leading messages of `chain` the snapshot covers, and about how many of its prompt tokens that
         is (generated tokens are never counted: a client may send back another answer); None when no chain was
         recorded for it. All of its prompt when the request extends the snapshot's messages."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT digest, chars FROM chains WHERE filename=? ORDER BY position", (snapshot.filename,)
-            ).fetchall()
-        if not rows:
-            return None
-        shared = 0
-        for (digest, _), link in zip(rows, chain, strict=False):
-            if digest != link.digest:
-                break
-            shared += 1
-        if shared == len(rows):
-            return shared, snapshot.owed_tokens
-        if shared == 0:
-            return 0, 0
-        return shared, int(snapshot.owed_tokens * rows[shared - 1][1] / max(rows[-1][1], 1))
+        return shared_with(snapshot, self.chain_of(snapshot), chain)
 
     def _verified(self, snapshot: Snapshot, fingerprint: str) -> Snapshot | None:
         """The snapshot if the backend may restore it by its name in backend_dir: its RAM copy, or else its file on
@@ -614,6 +599,18 @@ class SnapshotStore:
             (key.model, key.session_id, str(kind)),
         ).fetchone()
         return None if row is None else _snapshot(row)
+
+
+def shared_with(snapshot: Snapshot, saved: Sequence[Link], chain: Sequence[Link]) -> tuple[int, int] | None:
+    """`SnapshotStore.shared_prefix` for a snapshot whose recorded chain (`saved`) is already at hand."""
+    if not saved:
+        return None
+    shared = common_prefix(saved, chain)
+    if shared == len(saved):
+        return shared, snapshot.owed_tokens
+    if shared == 0:
+        return 0, 0
+    return shared, int(snapshot.owed_tokens * saved[shared - 1].chars / max(saved[-1].chars, 1))
 
 
 def _is_final_name(name: str) -> bool:

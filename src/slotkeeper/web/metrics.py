@@ -8,7 +8,6 @@ series have no such label, as before there could be several.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -192,9 +191,9 @@ _GAUGES: list[tuple[str, str, Callable[[_Reading], float]]] = [
     ("slotkeeper_disk_budget_bytes", "The disk budget's total size limit (0: none).",
      lambda r: r.state.pool.budget.max_bytes),
     ("slotkeeper_ram_copy_bytes", "Bytes of snapshot copies in the RAM dir (0 without one).",
-     lambda r: r.state.snapshots.ram_now()[0]),
+     lambda r: r.state.snapshots.ram_bytes_now()),
     ("slotkeeper_ram_budget_bytes", "The RAM dir's budget for snapshot copies (0 without a RAM dir).",
-     lambda r: r.state.snapshots.ram_now()[1]),
+     lambda r: r.state.snapshots.ram_budget),
     ("slotkeeper_quarantined_files", "Snapshot files moved aside after failing a check.",
      lambda r: r.state.snapshots.quarantined_now()),
 ]
@@ -244,13 +243,6 @@ class _StateCollector(Collector):
         for reading in readings:
             info.add_metric([__version__, reading.state.backend.model_id, reading.state.backend.fingerprint], 1)
         yield info
-
-
-def _count_files(path: os.PathLike[str]) -> int:
-    try:
-        return sum(1 for entry in os.scandir(path) if entry.is_file())
-    except FileNotFoundError:
-        return 0
 
 
 def metrics_of(request: Request) -> Metrics:
