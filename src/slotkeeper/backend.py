@@ -23,10 +23,9 @@ from slotkeeper.cache.capability import (
 from slotkeeper.cache.fingerprint import (
     backend_fingerprint,
     local_model_path,
-    model_file_identity,
     remote_model_identity,
 )
-from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.errors import SlotkeeperError, UpstreamError
 from slotkeeper.types import BackendInfo
 from slotkeeper.upstream.client import UpstreamClient
@@ -38,14 +37,14 @@ class BackendNotUsable(SlotkeeperError):
     """The backend is up but cannot do what slotkeeper needs; the message says what to change."""
 
 
-async def discover(client: UpstreamClient, store: SnapshotStore, alias: str | None) -> BackendInfo:
+async def discover(client: UpstreamClient, snapshots: Snapshots, alias: str | None) -> BackendInfo:
     props: dict[str, Any] = await client.get_json("/props")
     slots: list[dict[str, Any]] = await client.get_json("/slots")
     models: dict[str, Any] = await client.get_json("/v1/models")
     await _check_slot_actions(client)
-    await _check_slot_dir(client, store.backend_dir, "--ram-dir" if store.ram is not None else "--slot-dir")
-    if store.ram is not None:
-        await _check_links(client, store.backend_dir, store.slot_dir)
+    await _check_slot_dir(client, snapshots.backend_dir, "--ram-dir" if snapshots.has_ram_dir else "--slot-dir")
+    if snapshots.has_ram_dir:
+        await _check_links(client, snapshots.backend_dir, snapshots.slot_dir)
 
     n_slots = int(props.get("total_slots") or len(slots) or 1)
     n_ctx_slot = int(slots[0].get("n_ctx") or props["default_generation_settings"]["n_ctx"])
@@ -53,7 +52,7 @@ async def discover(client: UpstreamClient, store: SnapshotStore, alias: str | No
     meta = (models.get("data") or [{}])[0].get("meta") or {}
     local = local_model_path(props)
     if local is not None:
-        identity = await asyncio.to_thread(model_file_identity, local, store)
+        identity = await asyncio.to_thread(snapshots.model_identity, local)
     else:
         identity = remote_model_identity(props, meta)
         log.warning(

@@ -1,5 +1,5 @@
-"""One backend brought up and down: its store, server (launched, embedded or attached), health, pool, service, watch,
-supervisor and housekeeping tasks. slotkeeper runs one of these per model."""
+"""One backend brought up and down: its snapshots, server (launched, embedded or attached), health, pool, service,
+watch, supervisor and housekeeping tasks. slotkeeper runs one of these per model."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.files import make_private_dir
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.ramdir import RamDir
-from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.config import Settings
 from slotkeeper.service import TurnService
 from slotkeeper.upstream.client import UpstreamClient
@@ -29,10 +29,10 @@ log = logging.getLogger("slotkeeper")
 
 
 class RunningBackend:
-    def __init__(self, state: AppState, store: SnapshotStore, started: StartedBackend,
+    def __init__(self, state: AppState, snapshots: Snapshots, started: StartedBackend,
                  tasks: list[asyncio.Task[None]]) -> None:
         self.state = state
-        self._store = store
+        self._snapshots = snapshots
         self._started = started
         self._tasks = tasks
 
@@ -41,25 +41,24 @@ class RunningBackend:
         make_private_dir(settings.cache_dir)
         slot_dir = settings.effective_slot_dir()
         ram = open_ram_dir(settings, slot_dir)
-        store = SnapshotStore(slot_dir, settings.index_path, ram)
-        await asyncio.to_thread(store.reconcile)
+        snapshots = await asyncio.to_thread(Snapshots.open, slot_dir, settings.index_path, ram)
         try:
             started = await start_backend(settings, slot_dir, None if ram is None else ram.path)
         except BaseException:
-            store.close()
+            await snapshots.close()
             raise
         client = UpstreamClient(started.url, read_timeout=settings.upstream_read_timeout,
                                 slot_op_timeout=settings.slot_op_timeout)
         try:
-            backend = await discover(client, store, settings.model_alias or started.model_alias)
+            backend = await discover(client, snapshots, settings.model_alias or started.model_alias)
         except BaseException:
             await client.aclose()
             await started.stop(settings.shutdown_budget.stopping)
-            store.close()
+            await snapshots.close()
             raise
         capability = await asyncio.to_thread(capability_of, backend.props, started.embedded)
         health = BackendHealth(client.base_url)  # the one answer to "is the backend up?"
-        pool = SlotPool(backend.n_slots, client, store, backend.fingerprint, backend.n_ctx_slot,
+        pool = SlotPool(backend.n_slots, client, snapshots, backend.fingerprint, backend.n_ctx_slot,
                         settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue,
                         settings.system_snapshots, DiskBudget(settings.disk_budget, settings.max_snapshot_age,
                                                               settings.max_system_snapshots), capability, health)
@@ -75,7 +74,7 @@ class RunningBackend:
         tasks = [asyncio.create_task(watch.run()), asyncio.create_task(_keep_budget(pool))]
         if supervisor is not None:
             tasks.append(asyncio.create_task(supervisor.run()))
-        return cls(state, store, started, tasks)
+        return cls(state, snapshots, started, tasks)
 
     async def stop(self) -> None:
         """Save every changed slot (within half the shutdown bound, commits included), then stop what was started."""
@@ -101,10 +100,8 @@ class RunningBackend:
                         "short; their sessions keep their previous snapshots", budget.saving)
         await state.client.aclose()
         await self._started.stop(budget.stopping)
-        self._store.close()
-        if committed and self._store.ram is not None and self._started.server is not None:
-            # Every save was committed (pool.aclose) and the server that read it is gone: all of it is on disk.
-            await asyncio.to_thread(self._store.ram.remove_all)
+        # Every save committed (pool.aclose) and the server that read the RAM dir gone: all of it is on disk.
+        await self._snapshots.close(drop_ram_copies=committed and self._started.server is not None)
 
 
 def open_ram_dir(settings: Settings, slot_dir: Path) -> RamDir | None:

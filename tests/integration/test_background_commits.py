@@ -22,6 +22,7 @@ import pytest
 from slotkeeper.backend import discover
 from slotkeeper.cache import store as store_mod
 from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import SnapshotStore, file_checksum
 from slotkeeper.service import TurnRecord, TurnService
 from slotkeeper.types import CacheOutcome, IdSource, SessionKey
@@ -64,9 +65,9 @@ async def rig(tmp_path: Path, tiny_model: Path) -> AsyncIterator[Rig]:
     store = SnapshotStore(backend.slot_dir, tmp_path / "cache" / "index.sqlite3")
     client = UpstreamClient(backend.url)
     try:
-        info = await discover(client, store, "tiny")
+        info = await discover(client, Snapshots(store), "tiny")
         # No system snapshots: every commit here is a session's.
-        pool = SlotPool(info.n_slots, client, store, info.fingerprint, info.n_ctx_slot, save_idle_seconds=-1,
+        pool = SlotPool(info.n_slots, client, Snapshots(store), info.fingerprint, info.n_ctx_slot, save_idle_seconds=-1,
                         system_snapshots=False)
         yield Rig(backend, store, pool, TurnService(client, pool), {})
         await pool.aclose()

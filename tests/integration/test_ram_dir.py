@@ -18,8 +18,8 @@ import pytest
 from slotkeeper.cache import ramdir as ramdir_mod
 from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.events import CacheEvents
-from slotkeeper.cache.persister import Persister
 from slotkeeper.cache.ramdir import RamDir
+from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import SnapshotStore, file_checksum
 from slotkeeper.types import SessionKey
 from slotkeeper.upstream.client import UpstreamClient
@@ -148,7 +148,8 @@ async def test_a_save_that_fills_the_ram_dir_is_made_again_on_disk(
     try:
         prompt = {"prompt": words(900, 3), "n_predict": 1, "id_slot": 0, "cache_prompt": True}
         first = await client.post_json("/completion", prompt)
-        persister = Persister(client, store, "f" * 16, DiskBudget(), CacheEvents(), lambda: ())
+        persister = Snapshots(store)
+        persister.attach(client, "f" * 16, DiskBudget(), CacheEvents(), lambda: ())
         key = SessionKey("tiny", "alice")
         assert await persister.save(0, key, []) > 0
         snapshot = store.checked_snapshot(key, "f" * 16)

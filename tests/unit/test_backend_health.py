@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.errors import UpstreamUnavailable
 from slotkeeper.service import TurnService
@@ -72,7 +73,7 @@ class Stack:
         self.backend = backend
         self.health = BackendHealth(backend.base_url)
         fake: Any = backend
-        self.pool = SlotPool(1, fake, store, FP, 4096, save_idle_seconds=save_idle, health=self.health)
+        self.pool = SlotPool(1, fake, Snapshots(store), FP, 4096, save_idle_seconds=save_idle, health=self.health)
         self.service = TurnService(fake, self.pool, self.health, backend_wait=wait)
         self.watch = BackendWatch(fake, self.pool, self.health)
 

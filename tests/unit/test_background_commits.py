@@ -323,7 +323,7 @@ class ClosingClient(FakeClient):
 
 def running_backend(pool: Any, client: FakeClient, store: SnapshotStore, shutdown_timeout: float) -> RunningBackend:
     state = AppState(Settings(shutdown_timeout=shutdown_timeout), None, client, pool, None, 0.0)  # type: ignore[arg-type]
-    return RunningBackend(state, store, StartedBackend("http://127.0.0.1:1"), [])
+    return RunningBackend(state, pool.snapshots, StartedBackend("http://127.0.0.1:1"), [])
 
 
 async def test_shutdown_keeps_its_bound_while_a_commit_hangs(slot_dir: Path, store: SnapshotStore, gate: Gate,

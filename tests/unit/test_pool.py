@@ -11,6 +11,7 @@ import pytest
 
 from slotkeeper.cache.capability import Strategy
 from slotkeeper.cache.pool import SlotPool, TurnEnd
+from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore
 from slotkeeper.errors import NotFound, SlotkeeperError, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import CacheOutcome, IdSource, SessionKey
@@ -61,7 +62,7 @@ def client(store: SnapshotStore, slot_dir: Path) -> FakeClient:
 
 def make_pool(client: FakeClient, store: SnapshotStore, n_slots: int = 1, save_idle_seconds: float = -1,
               n_ctx_slot: int = 4096, min_restore_tokens: int = 0) -> SlotPool:
-    return SlotPool(n_slots, client, store, FP, n_ctx_slot,  # type: ignore[arg-type]
+    return SlotPool(n_slots, client, Snapshots(store), FP, n_ctx_slot,  # type: ignore[arg-type]
                     save_idle_seconds=save_idle_seconds, min_restore_tokens=min_restore_tokens)
 
 
@@ -730,7 +731,7 @@ async def test_small_restores_are_skipped(client: FakeClient, store: SnapshotSto
 async def test_the_queue_is_bounded(client: FakeClient, store: SnapshotStore) -> None:
     from slotkeeper.errors import Overloaded
 
-    pool = SlotPool(1, client, store, FP, 4096, save_idle_seconds=-1, max_queue=1)  # type: ignore[arg-type]
+    pool = SlotPool(1, client, Snapshots(store), FP, 4096, save_idle_seconds=-1, max_queue=1)  # type: ignore[arg-type]
     holder = await pool.acquire(A)
     waiting = asyncio.create_task(pool.acquire(B))
     await asyncio.sleep(0.01)
@@ -859,7 +860,7 @@ async def test_a_side_task_still_prefers_an_empty_slot(client: FakeClient, store
 def strategy_pool(client: FakeClient, store: SnapshotStore, kind: str, checkpoints: bool | None) -> SlotPool:
     from slotkeeper.cache.capability import ArchKind, Capability
 
-    return SlotPool(1, client, store, FP, 4096, save_idle_seconds=-1, min_restore_tokens=0,  # type: ignore[arg-type]
+    return SlotPool(1, client, Snapshots(store), FP, 4096, save_idle_seconds=-1, min_restore_tokens=0,  # type: ignore[arg-type]
                     capability=Capability("x", ArchKind(kind), checkpoints))
 
 

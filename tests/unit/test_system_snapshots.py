@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.cache.systemprompt import system_prompt_of
 from slotkeeper.errors import UpstreamError
@@ -49,7 +50,7 @@ def client(slot_dir: Path) -> ChatClient:
 
 
 def service(client: ChatClient, store: SnapshotStore, min_restore_tokens: int = 128) -> TurnService:
-    pool = SlotPool(1, client, store, FP, 8192, save_idle_seconds=-1,  # type: ignore[arg-type]
+    pool = SlotPool(1, client, Snapshots(store), FP, 8192, save_idle_seconds=-1,  # type: ignore[arg-type]
                     min_restore_tokens=min_restore_tokens)
     return TurnService(client, pool)  # type: ignore[arg-type]
 

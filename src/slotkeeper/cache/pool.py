@@ -2,7 +2,7 @@
 
 Every decision (which slot, hot or not, who to save, what to restore) is taken synchronously right after the pool
 wakes up, never on a value read before an `await`; the slow work (save, restore) then runs while the slot is busy,
-except a save's commit, which need not hold the slot (persister.py). See docs/design-pool.md for the rules.
+except a save's commit, which need not hold the slot (snapshots.py). See docs/design-pool.md for the rules.
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ from slotkeeper.cache.capability import ArchKind, Capability, Strategy
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.evidence import CheckpointEvidence
-from slotkeeper.cache.persister import Persister, key_of, snapshot_id
 from slotkeeper.cache.planner import Candidate, Plan, Request, Rules, plan
 from slotkeeper.cache.promptend import Replay, replay_body
 from slotkeeper.cache.proof import RestorePolicy
-from slotkeeper.cache.snapshots import Snapshots
-from slotkeeper.cache.store import PrefixMatch, SnapshotStore, shared_with
+from slotkeeper.cache.snapshots import Snapshots, key_of
 from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.errors import NotFound, Overloaded, SaveFailed, SlotkeeperError, UpstreamError
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
@@ -120,7 +118,7 @@ class SlotPool:
         self,
         n_slots: int,
         client: UpstreamClient,
-        store: SnapshotStore,
+        snapshots: Snapshots,
         fingerprint: str,
         n_ctx_slot: int,
         save_idle_seconds: float = 2.0,
@@ -135,8 +133,6 @@ class SlotPool:
         self._client = client
         # Whether the backend is up: an idle save waits for it, and one that failed while it was away is tried again.
         self._health = health
-        self._store = store
-        self._fingerprint = fingerprint
         self._n_ctx_slot = n_ctx_slot
         self._save_idle_seconds = save_idle_seconds
         self._min_restore_tokens = min_restore_tokens
@@ -156,30 +152,29 @@ class SlotPool:
         self.prompt_end_steps = 0
         self.prompt_end_tokens = 0
         self.prompt_end_ms = 0.0
-        self._evidence = CheckpointEvidence(self.policy, store.slot_dir)
+        self._evidence = CheckpointEvidence(self.policy, snapshots.slot_dir)
         self.events = CacheEvents()
-        self._persist = Persister(client, store, fingerprint, budget or DiskBudget(), self.events,
-                                  lambda: [s.occupant for s in self.slots if s.occupant is not None],
-                                  self._evidence.inspect)
-        # What the rest of slotkeeper may know and do about the snapshots (the web layer goes through it).
-        self.snapshots = Snapshots(store, self._persist, fingerprint)
+        # The one holder of the snapshots: the pool saves and looks up through it, and so does the web layer.
+        self.snapshots = snapshots
+        snapshots.attach(client, fingerprint, budget or DiskBudget(), self.events,
+                         lambda: [s.occupant for s in self.slots if s.occupant is not None], self._evidence.inspect)
 
-    # Saves, failed saves and budget evictions: counted by the persister when a save's commit is done.
+    # Saves, failed saves and budget evictions: counted by the snapshots when a save's commit is done.
     @property
     def saves(self) -> int:
-        return self._persist.saves
+        return self.snapshots.saves
 
     @property
     def failed_saves(self) -> int:
-        return self._persist.failed_saves
+        return self.snapshots.failed_saves
 
     @property
     def evictions(self) -> int:
-        return self._persist.evictions
+        return self.snapshots.evictions
 
     @property
     def budget(self) -> DiskBudget:
-        return self._persist.budget
+        return self.snapshots.budget
 
     @property
     def queue_length(self) -> int:
@@ -316,8 +311,7 @@ class SlotPool:
         restoring = not key.is_default and rules.strategy is not Strategy.KEEP_HOT
         own: Candidate | None = None
         if restoring:
-            await self._persist.settle([snapshot_id(key)])  # a save of this session that is still being committed
-            own = await asyncio.to_thread(self._own_candidate, key, lease.chain)
+            own = await self.snapshots.own(key, lease.chain)
             chosen = plan(request, rules, own)
             if chosen.restore is not None:  # the own snapshot comes first: nothing found later would change that
                 await self._act(slot, lease, chosen)
@@ -325,19 +319,11 @@ class SlotPool:
         prefix: Candidate | None = None
         if restoring:
             floor = max(kept, request.n_system or 0)  # a match must share more messages than this
-            # A save still being committed that the lookup would find: wait for it (a new conversation's prefill,
-            # or restore, is worth a few milliseconds more).
-            await self._persist.settle(self._persist.pending_sharing(lease.chain, floor + 1))
-            match = await self._best_prefix(key.model, lease.chain, floor + 1)
-            if match is not None:
-                prefix = Candidate(match.snapshot, match.messages, match.est_tokens, match.whole)
+            prefix = await self.snapshots.best_prefix(key.model, lease.chain, floor + 1)
         system_snapshot: Snapshot | None = None
         if system is not None and own is None and not key.is_default:
-            system_key = SessionKey(key.model, system.digest)
-            await self._persist.settle([snapshot_id(system_key, SnapshotKind.SYSTEM)])
             # Where nothing is restored, only whether there is one matters: its row, unchecked.
-            lookup = self._store.checked_snapshot if restoring else self._system_row
-            system_snapshot = await asyncio.to_thread(lookup, system_key, self._fingerprint, SnapshotKind.SYSTEM)
+            system_snapshot = await self.snapshots.system(SessionKey(key.model, system.digest), checked=restoring)
         await self._act(slot, lease, plan(request, rules, own, prefix, system_snapshot))
 
     async def _act(self, slot: SlotState, lease: SlotLease, chosen: Plan) -> None:
@@ -346,31 +332,6 @@ class SlotPool:
         lease.warm_up = chosen.warm_up
         if chosen.restore is not None:
             await self._restore(slot, lease, chosen.restore.snapshot, chosen.outcome, chosen.owes)
-
-    def _system_row(self, key: SessionKey, fingerprint: str, kind: SnapshotKind) -> Snapshot | None:
-        return self._store.get(key, kind)
-
-    def _own_candidate(self, key: SessionKey, chain: Sequence[Link]) -> Candidate | None:
-        """In a worker thread, in one go: the session's checked snapshot and what of it the request still shares (a
-        client may have edited or trimmed its history). A request without messages (a raw prompt), or a snapshot
-        without a recorded chain, is taken as sharing all of it."""
-        own = self._store.checked_snapshot(key, self._fingerprint)
-        if own is None:
-            return None
-        saved = self._store.chain_of(own) if chain else []
-        shared = shared_with(own, saved, chain)  # one read of the recorded chain for both answers
-        if shared is None:
-            return Candidate(own, len(chain), own.owed_tokens, True)
-        return Candidate(own, shared[0], shared[1], shared[0] == len(saved))
-
-    async def _best_prefix(self, model: str, chain: Sequence[Link], min_messages: int) -> PrefixMatch | None:
-        """The store's best prefix match; when the session found has a save still being committed, the match is
-        looked up again once that commit is done (its file is about to be replaced)."""
-        match = await asyncio.to_thread(self._store.best_prefix, model, self._fingerprint, chain, min_messages)
-        if match is not None and self._persist.pending(found := snapshot_id(key_of(match.snapshot))):
-            await self._persist.settle([found])
-            match = await asyncio.to_thread(self._store.best_prefix, model, self._fingerprint, chain, min_messages)
-        return match
 
     def _worth_warming(self, system: SystemPrompt) -> bool:
         # About two characters of canonical JSON per token at the least: shorter prompts cannot reach the threshold.
@@ -394,7 +355,7 @@ class SlotPool:
         key = SessionKey(lease.key.model, system.digest)
         # Awaited, commit included: the caller gets the snapshot.
         lease.save_ms += await self._save(slot.slot_id, key, _Held.of(slot), SnapshotKind.SYSTEM)
-        return await asyncio.to_thread(self._store.get, key, SnapshotKind.SYSTEM)
+        return await self.snapshots.get(key, SnapshotKind.SYSTEM)
 
     def warm_up_failed(self, lease: SlotLease) -> None:
         """The warm-up request failed: nothing is saved, and the slot's content is not known any more."""
@@ -412,9 +373,7 @@ class SlotPool:
         lease = SlotLease(slot.slot_id, key, CacheOutcome.COLD, side=True, chain=system.chain(), system=system,
                           _release=self._finish)
         try:
-            await self._persist.settle([snapshot_id(key, SnapshotKind.SYSTEM)])
-            lease.existing = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint,
-                                                     SnapshotKind.SYSTEM)
+            lease.existing = await self.snapshots.system(key)
             if lease.existing is None and previous is not None and previous_dirty:
                 lease.save_ms = await self._save(slot.slot_id, previous, held, wait=False)
         except BaseException:
@@ -445,7 +404,7 @@ class SlotPool:
         self.restores += 1
         self.events.restored(lease.restore_ms, snapshot.n_bytes, result.n_tokens)
         slot.n_tokens = result.n_tokens
-        self._persist.used(snapshot)
+        self.snapshots.used(snapshot)
 
     async def _restore_or_none(self, slot: SlotState, snapshot: Snapshot) -> SlotActionResult | None:
         """The backend's restore of `snapshot` into the slot, or None when it failed (the turn then runs cold).
@@ -462,8 +421,7 @@ class SlotPool:
                     continue
                 self.failed_restores += 1
                 if refused_file:
-                    await asyncio.to_thread(self._store.quarantine, snapshot,
-                                            f"backend refused the restore twice: {exc.message}")
+                    await self.snapshots.quarantine(snapshot, f"backend refused the restore twice: {exc.message}")
                 else:
                     log.warning("restoring %s/%s into slot %d failed (%s); the turn runs without it, and the "
                                 "snapshot is kept", snapshot.model, snapshot.session_id, slot.slot_id, exc.message)
@@ -478,15 +436,14 @@ class SlotPool:
 
     def learn_from_disk(self) -> None:
         """In a worker thread at start: what the newest snapshots of this backend tell about its build."""
-        mine = (s for s in self._store.list(kind=None) if s.fingerprint == self._fingerprint)
-        self._evidence.from_files(mine)
+        self._evidence.from_files(self.snapshots.mine_now())
 
     # -- saving ---------------------------------------------------------------------------------------------
 
     async def _save(self, slot_id: int, key: SessionKey, held: _Held,
                     kind: SnapshotKind = SnapshotKind.SESSION, *, wait: bool = True) -> float:
         """Save the slot's state (`held`: what it holds) as `key`'s snapshot, waiting for its commit or not (see
-        persister.py); returns the milliseconds waited (0 when it failed: logged, and it costs only the snapshot's
+        snapshots.py); returns the milliseconds waited (0 when it failed: logged, and it costs only the snapshot's
         freshness). Where the backend needs it, the slot is brought back to its last prompt's end first."""
         started = time.perf_counter()
         commit = await self._start_save(slot_id, key, held, kind)
@@ -503,7 +460,7 @@ class SlotPool:
         if kind is SnapshotKind.SESSION and self.policy.prompt_end_saves and not held.at_prompt_end and (
                 held.replay is not None):
             n_prompt = await self._to_prompt_end(slot_id, key, held.replay) or n_prompt
-        return await self._persist.start_save(slot_id, key, held.chain, kind, n_prompt=n_prompt)
+        return await self.snapshots.start_save(slot_id, key, held.chain, kind, n_prompt=n_prompt)
 
     async def _to_prompt_end(self, slot_id: int, key: SessionKey, replay: Replay) -> int:
         """Send the slot's last request again without generating: the backend rolls the slot back to its checkpoint
@@ -577,29 +534,27 @@ class SlotPool:
 
     async def pin(self, snapshot: Snapshot) -> Snapshot | None:
         """Keep a snapshot from the disk budget; returns it as indexed now (None if it is gone)."""
-        key = key_of(snapshot)
-        await self._persist.settle([snapshot_id(key, snapshot.kind)])
-        return await asyncio.to_thread(self._store.set_pinned, key, True, snapshot.kind)
+        return await self.snapshots.set_pinned(key_of(snapshot), True, snapshot.kind)
 
     async def import_snapshot(self, key: SessionKey, temp: str, n_tokens: int, chain: Sequence[Link], n_bytes: int,
                               kind: SnapshotKind = SnapshotKind.SESSION, n_prompt: int = 0) -> Snapshot:
         """Make an uploaded file (`temp`, checked) `key`'s snapshot. The slots stop attributing the session first,
         so that no older state of it in a slot is saved over the import, and the commit lands after the saves of
-        it already started (persister.py)."""
+        it already started (snapshots.py)."""
         if kind is SnapshotKind.SESSION:
             self.forget(key)
-        return await self._persist.commit_import(key, temp, n_tokens, chain, n_bytes, kind, n_prompt)
+        return await self.snapshots.commit_import(key, temp, n_tokens, chain, n_bytes, kind, n_prompt)
 
     async def settle(self, key: SessionKey | None = None, kind: SnapshotKind = SnapshotKind.SESSION,
                      timeout: float | None = None) -> bool:
         """Wait for the saves started so far (of `key`'s snapshot of `kind`, or of every snapshot) to be committed
-        or to fail; True when none of them is left running. For whoever reads the index outside the pool."""
-        return await self._persist.settle(None if key is None else [snapshot_id(key, kind)], timeout)
+        or to fail; True when none of them is left running."""
+        return await self.snapshots.settle(key, kind, timeout)
 
     async def enforce_budget(self, also_keep: set[SnapshotId] | None = None) -> int:
         """Evict what the disk budget does not allow, never a snapshot whose session a slot holds (nor `also_keep`).
         Returns how many were evicted; a failure is logged and leaves everything in place."""
-        return await self._persist.enforce_budget(also_keep)
+        return await self.snapshots.enforce_budget(also_keep)
 
     # -- operator actions -----------------------------------------------------------------------------------
 
@@ -621,7 +576,7 @@ class SlotPool:
                         commits.append(commit)
             finally:
                 self._give_back(slot)
-        await self._persist.settle()
+        await self.snapshots.settle()
         saved = sum(1 for c in commits if c.done() and not c.cancelled() and c.exception() is None and c.result())
         return Flushed(saved, failed + len(commits) - saved)
 
@@ -702,7 +657,7 @@ class SlotPool:
         for task in list(self._timers):
             task.cancel()
         await asyncio.gather(*self._timers, return_exceptions=True)
-        return await self._persist.settle(timeout=timeout)
+        return await self.snapshots.settle(timeout=timeout)
 
 
 class Flushed(NamedTuple):

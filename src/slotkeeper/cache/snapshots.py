@@ -1,61 +1,396 @@
-"""Snapshots: what the rest of slotkeeper may know and do about a backend's saved states (listing, reading, pinning,
-deleting, exporting, staging an import). Every method waits for the pending writes of what it touches by itself, so
-no caller has to remember to; the web layer reaches index rows and files only through here."""
+"""Snapshots: the one holder of a backend's saved states (index rows, files, RAM-dir copies) and of the writes still
+pending on them. Nothing outside `cache/` reaches the store; the slot pool saves and looks up through here, the web
+layer lists, reads, pins, deletes, exports and imports through here.
+
+The rule that used to be written out at every call site lives here once: every public method waits for the pending
+writes of the snapshots it touches before it reads or writes them, so no caller settles anything.
+
+A save has two parts. First the backend writes the slot's state to a temporary file: the slot must wait for that,
+since its next turn changes what would be written. Then the commit makes that file the snapshot (fsync, rename,
+checksum, index: SnapshotStore.commit) and applies the disk budget, in one worker-thread call. Only the snapshot's
+readers need to wait for the commit, so it runs in the background, as one of the snapshot's pending writes
+(`_PendingWrites`): a snapshot's writes land in the order they were started, so of two saves of one session the newer
+is the one kept, and an import is ordered with the saves like any other write.
+
+What is reported, where:
+- `save()`'s return value (a lease's `save_ms`): the time the caller waited; with `wait=False` that is the backend's
+  write only.
+- `saves`, `failed_saves`, `events.saved` (the save-duration histogram) and the "saved slot" log line: once the
+  commit is done (or failed), with the time from the start of the save until the snapshot was durable and indexed.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import logging
 import os
 import shutil
+import time
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from slotkeeper.cache.chain import Link
-from slotkeeper.cache.persister import Persister, snapshot_id
-from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore, file_checksum
+from slotkeeper.cache.budget import DiskBudget, SnapshotId
+from slotkeeper.cache.chain import Link, common_prefix
+from slotkeeper.cache.events import CacheEvents
+from slotkeeper.cache.fingerprint import model_file_identity
+from slotkeeper.cache.planner import Candidate
+from slotkeeper.cache.ramdir import RamDir
+from slotkeeper.cache.store import QUARANTINE_DIR, PrefixMatch, SnapshotStore, file_checksum, shared_with
+from slotkeeper.errors import SnapshotError, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
+from slotkeeper.upstream.client import SlotActionResult, UpstreamClient
+
+log = logging.getLogger("slotkeeper.pool")
 
 # How long an operator's view (listings, counters, /metrics) waits for saves still being committed in the background
 # so that it shows them; past this it shows what is indexed so far.
 VIEW_WAIT_SECONDS = 5.0
 
 
-class Snapshots:
-    """One backend's snapshots, over its store and the persister that writes them (owned by the slot pool)."""
+def snapshot_id(key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> SnapshotId:
+    return key.model, key.session_id, kind
 
-    def __init__(self, store: SnapshotStore, persister: Persister, fingerprint: str) -> None:
+
+def key_of(snapshot: Snapshot) -> SessionKey:
+    return SessionKey(snapshot.model, snapshot.session_id)
+
+
+class Snapshots:
+    """One backend's snapshots. Opened at start (`open`: the directories, the index, a reconcile); the slot pool then
+    `attach`es the backend they belong to, which saving and every fingerprint-checked lookup need."""
+
+    def __init__(self, store: SnapshotStore) -> None:
         self._store = store
-        self._persist = persister
-        self._fingerprint = fingerprint
+        self._writes = _PendingWrites()
+        self._client: UpstreamClient | None = None
+        self._fingerprint = ""
+        self.budget = DiskBudget()
+        self.events = CacheEvents()
+        # The sessions the slots hold now: the budget never evicts their snapshots.
+        self._occupants: Callable[[], Iterable[SessionKey]] = lambda: ()
+        # Called in the commit's worker thread with each new snapshot (the pool learns from saved files).
+        self._inspect: Callable[[Snapshot], None] | None = None
+        self.saves = 0
+        self.failed_saves = 0
+        self.evictions = 0
+
+    @classmethod
+    def open(cls, slot_dir: Path, index_path: Path, ram: RamDir | None = None) -> Snapshots:
+        """Blocking (run it in a worker thread): make the directories, open the index, and drop what a crash left
+        behind (reconcile)."""
+        store = SnapshotStore(slot_dir, index_path, ram)
+        try:
+            store.reconcile()
+        except BaseException:
+            store.close()
+            raise
+        return cls(store)
+
+    def attach(self, client: UpstreamClient, fingerprint: str, budget: DiskBudget, events: CacheEvents,
+               occupants: Callable[[], Iterable[SessionKey]],
+               inspect: Callable[[Snapshot], None] | None = None) -> None:
+        """The backend these snapshots belong to, and what the pool lends them: its slots' occupants (kept from the
+        budget), its event counters, and a look at each saved file."""
+        self._client, self._fingerprint = client, fingerprint
+        self.budget, self.events, self._occupants, self._inspect = budget, events, occupants, inspect
+
+    async def close(self, drop_ram_copies: bool = False) -> None:
+        """Close the index (after the pool's `aclose`); `drop_ram_copies` once every save is committed and the
+        server that read the RAM dir is gone, so all of it is on disk."""
+        self._store.close()
+        if drop_ram_copies and self._store.ram is not None:
+            await asyncio.to_thread(self._store.ram.remove_all)
+
+    # -- the directories, for the backend's start-up checks ------------------------------------------------------
 
     @property
     def slot_dir(self) -> Path:
         return self._store.slot_dir
 
+    @property
+    def backend_dir(self) -> Path:
+        """Where the backend reads and writes slot files: the RAM dir when there is one, else the slot dir."""
+        return self._store.backend_dir
+
+    @property
+    def has_ram_dir(self) -> bool:
+        return self._store.ram is not None
+
+    def model_identity(self, path: Path) -> str:
+        """Blocking: the model file's content identity, from the index's cache when the file did not change."""
+        return model_file_identity(path, self._store)
+
+    # -- saving ---------------------------------------------------------------------------------------------
+
+    async def save(self, slot_id: int, key: SessionKey, chain: Sequence[Link],
+                   kind: SnapshotKind = SnapshotKind.SESSION, *, wait: bool = True, n_prompt: int = 0) -> float:
+        """Save the slot's state as `key`'s snapshot; with `wait`, until it is on disk and indexed, else only until
+        the backend wrote it. Returns the milliseconds waited, or 0 when the save failed: a failure is logged and
+        counted, and costs only the snapshot's freshness (the previous snapshot stays)."""
+        started = time.perf_counter()
+        commit = await self.start_save(slot_id, key, chain, kind, n_prompt=n_prompt)
+        if commit is None or (wait and not await asyncio.shield(commit)):
+            return 0.0
+        return (time.perf_counter() - started) * 1000
+
+    async def start_save(self, slot_id: int, key: SessionKey, chain: Sequence[Link],
+                         kind: SnapshotKind = SnapshotKind.SESSION, *, n_prompt: int = 0) -> asyncio.Task[bool] | None:
+        """Have the backend write the slot's state, and commit it as `key`'s snapshot in the background. Returns the
+        commit's task (its result: whether the save succeeded, failures logged and counted), or None when the
+        backend's write failed. The commit goes on if the caller stops waiting for it."""
+        temp = self._store.temp_name(key, self._fingerprint, kind)
+        started = time.perf_counter()
+        written: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        sid = snapshot_id(key, kind)
+        earlier = self._writes.current(sid)
+
+        async def write() -> bool:
+            ok = False
+            try:
+                result = await self._backend_save(slot_id, key, temp)
+                ok = True
+            except (UpstreamError, UpstreamUnavailable) as exc:
+                await asyncio.to_thread(self._store.discard_temp, temp)
+                self._failed(slot_id, key, exc.message)
+                return False
+            finally:
+                if not written.done():  # the caller waits for this part only, unless it asked to wait for all
+                    written.set_result(ok)
+            if earlier is not None:  # commits of one snapshot land in the order its saves were made
+                await asyncio.wait({earlier})
+            return await self._commit(slot_id, key, temp, result, chain, kind, started, n_prompt)
+
+        # The whole save is one pending write, from before the backend writes the file: a reader of the snapshot
+        # (the session back on another slot while its old slot is being saved) waits for it, never reads the
+        # snapshot the save replaces. Shielded: a caller that gives up waiting does not stop the save.
+        done = self._writes.start(sid, write, chain, at_once=True)
+        return done if await asyncio.shield(written) else None
+
+    async def _backend_save(self, slot_id: int, key: SessionKey, temp: str) -> SlotActionResult:
+        """Have the backend write the slot into `temp`: into the RAM dir when there is one with room; a save there
+        that fails (the tmpfs may have filled up) is tried once more straight into the slot dir."""
+        assert self._client is not None, "attach() the backend first"
+        # Plain syscalls on a memory file system (statvfs, maybe a symlink): not worth a worker thread.
+        in_ram = self._store.prepare_save(temp)
+        try:
+            return await self._client.slot_action(slot_id, "save", temp)
+        except UpstreamError as exc:
+            if not in_ram:
+                raise
+            log.warning("saving slot %d as %s into the RAM dir failed (%s); saving it to disk instead", slot_id,
+                        key, exc.message)
+        await asyncio.to_thread(self._store.discard_temp, temp)
+        self._store.prepare_save(temp, to_disk=True)
+        return await self._client.slot_action(slot_id, "save", temp)
+
+    async def _commit(self, slot_id: int, key: SessionKey, temp: str, result: SlotActionResult,
+                      chain: Sequence[Link], kind: SnapshotKind, started: float, n_prompt: int) -> bool:
+        keep = self._budget_keep({snapshot_id(key, kind)})
+        try:
+            evicted = await asyncio.to_thread(self._commit_now, key, temp, result, chain, kind, keep, n_prompt)
+        except Exception as exc:  # whatever it is, it must not escape a background task unlogged
+            self._failed(slot_id, key, exc.message if isinstance(exc, SnapshotError) else repr(exc))
+            return False
+        elapsed = (time.perf_counter() - started) * 1000
+        self.evictions += evicted
+        self.saves += 1
+        self.events.saved(elapsed, result.n_bytes, result.n_tokens)
+        log.info("saved slot %d as %s%s: %d tokens, %d bytes, %.1f ms", slot_id,
+                 "the system snapshot " if kind is SnapshotKind.SYSTEM else "", key, result.n_tokens, result.n_bytes,
+                 elapsed)
+        return True
+
+    def _commit_now(self, key: SessionKey, temp: str, result: SlotActionResult, chain: Sequence[Link],
+                    kind: SnapshotKind, keep: set[SnapshotId], n_prompt: int) -> int:
+        """In a worker thread: commit, then enforce the budget; returns how many snapshots the budget evicted."""
+        try:
+            snapshot = self._store.commit(key, temp, self._fingerprint, result.n_tokens, chain, result.n_bytes, kind,
+                                          n_prompt)
+        except BaseException:
+            self._store.discard_temp(temp)
+            raise
+        if self._inspect is not None:
+            try:
+                self._inspect(snapshot)
+            except Exception as exc:  # learning about the build must never fail a save
+                log.warning("inspecting the saved file of %s failed: %s", key, exc)
+        return self._enforce_budget_now(keep)
+
+    def _failed(self, slot_id: int, key: SessionKey, reason: str) -> None:
+        self.failed_saves += 1
+        log.error("saving slot %d as %s failed: %s", slot_id, key, reason)
+
+    # -- importing ----------------------------------------------------------------------------------------------
+
+    async def stage_upload(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> tuple[str, Path]:
+        """A temporary name (and its path) in the slot dir for an uploaded snapshot file of `key`."""
+        temp = self._store.temp_name(key, self._fingerprint, kind)
+        return temp, self._store.slot_dir / temp
+
+    async def checksum(self, path: Path) -> str:
+        return await asyncio.to_thread(file_checksum, path)
+
+    async def discard_upload(self, temp: str) -> None:
+        await asyncio.to_thread(self._store.discard_temp, temp)
+
+    async def commit_import(self, key: SessionKey, temp: str, n_tokens: int, chain: Sequence[Link], n_bytes: int,
+                            kind: SnapshotKind, n_prompt: int) -> Snapshot:
+        """Make an uploaded file (`temp`, checked) `key`'s snapshot, as one of the snapshot's writes: after the saves
+        of it started before (none of them lands over it), before any started later. Raises what the commit raises
+        (the temp file is then discarded). The commit goes on if the caller stops waiting for it. The pool's
+        `import_snapshot` lets go of the session in its slots first."""
+        committed: asyncio.Future[Snapshot] = asyncio.get_running_loop().create_future()
+
+        async def write() -> bool:
+            try:
+                snapshot = await asyncio.to_thread(self._store.commit, key, temp, self._fingerprint, n_tokens, chain,
+                                                   n_bytes, kind, n_prompt)
+            except Exception as exc:
+                await asyncio.to_thread(self._store.discard_temp, temp)
+                committed.set_exception(exc)
+                return False
+            except BaseException:
+                committed.cancel()  # the write was cancelled: its caller must not wait forever
+                raise
+            committed.set_result(snapshot)
+            return True
+
+        self._writes.start(snapshot_id(key, kind), write, chain)
+        return await asyncio.shield(committed)
+
+    # -- what a request could start from (the pool's look-ups) --------------------------------------------------
+
+    async def own(self, key: SessionKey, chain: Sequence[Link]) -> Candidate | None:
+        """The session's checked snapshot, once a save of it still being committed is done, and what of it the
+        request still shares (a client may have edited or trimmed its history)."""
+        await self._writes.wait([snapshot_id(key)])
+        return await asyncio.to_thread(self._own_now, key, chain)
+
+    def _own_now(self, key: SessionKey, chain: Sequence[Link]) -> Candidate | None:
+        """In a worker thread, in one go. A request without messages (a raw prompt), or a snapshot without a
+        recorded chain, is taken as sharing all of it."""
+        own = self._store.checked_snapshot(key, self._fingerprint)
+        if own is None:
+            return None
+        saved = self._store.chain_of(own) if chain else []
+        shared = shared_with(own, saved, chain)  # one read of the recorded chain for both answers
+        if shared is None:
+            return Candidate(own, len(chain), own.owed_tokens, True)
+        return Candidate(own, shared[0], shared[1], shared[0] == len(saved))
+
+    async def best_prefix(self, model: str, chain: Sequence[Link], min_messages: int) -> Candidate | None:
+        """Another conversation's checked snapshot sharing the most (at least `min_messages`) leading messages with
+        `chain`. Saves still being committed that it could find are waited for first (a new conversation's
+        prefill, or restore, is worth a few milliseconds more); when the session found has a save that started
+        since, the match is looked up again once that is done (its file is about to be replaced)."""
+        if chain:
+            await self._writes.wait(self._writes.sharing(chain, min_messages))
+        match = await asyncio.to_thread(self._store.best_prefix, model, self._fingerprint, chain, min_messages)
+        if match is not None and (found := snapshot_id(key_of(match.snapshot))) in self._writes:
+            await self._writes.wait([found])
+            match = await asyncio.to_thread(self._store.best_prefix, model, self._fingerprint, chain, min_messages)
+        return None if match is None else _candidate(match)
+
+    async def system(self, key: SessionKey, checked: bool = True) -> Snapshot | None:
+        """The system snapshot of `key` (model, system digest); unchecked (its index row only) when all that matters
+        is whether there is one."""
+        await self._writes.wait([snapshot_id(key, SnapshotKind.SYSTEM)])
+        if checked:
+            return await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint, SnapshotKind.SYSTEM)
+        return await asyncio.to_thread(self._store.get, key, SnapshotKind.SYSTEM)
+
+    def mine_now(self) -> builtins.list[Snapshot]:
+        """Blocking: every indexed snapshot of this backend's fingerprint (for what saved files tell at start)."""
+        return [s for s in self._store.list(kind=None) if s.fingerprint == self._fingerprint]
+
+    async def quarantine(self, snapshot: Snapshot, reason: str) -> None:
+        """Move a snapshot the backend proved bad out of the way (its row goes, its file waits in quarantine)."""
+        await self._writes.wait([snapshot_id(key_of(snapshot), snapshot.kind)])
+        await asyncio.to_thread(self._store.quarantine, snapshot, reason)
+
+    def used(self, snapshot: Snapshot) -> None:
+        """Record a restore of `snapshot` (its last use and hits, for the budget's LRU order), in the background,
+        in order with the snapshot's other writes: the turn need not wait for it."""
+        key = key_of(snapshot)
+        self._writes.start(snapshot_id(key, snapshot.kind), lambda: self._mark_used(key, snapshot.kind))
+
+    async def _mark_used(self, key: SessionKey, kind: SnapshotKind) -> bool:
+        try:
+            await asyncio.to_thread(self._store.mark_used, key, kind)
+        except Exception as exc:  # bookkeeping: it never fails anything
+            log.error("recording the use of snapshot %s failed: %s", key, exc)
+            return False
+        return True
+
+    # -- the disk budget ----------------------------------------------------------------------------------------
+
+    async def enforce_budget(self, also_keep: set[SnapshotId] | None = None) -> int:
+        """Evict what the disk budget does not allow, never a snapshot whose session a slot holds (nor `also_keep`).
+        Returns how many were evicted; a failure is logged and leaves everything in place."""
+        if not self.budget.limited:
+            await asyncio.to_thread(self._trim_quarantine_now)  # quarantined files age out even so
+            return 0
+        evicted = await asyncio.to_thread(self._enforce_budget_now, self._budget_keep(also_keep))
+        self.evictions += evicted
+        return evicted
+
+    def _budget_keep(self, also_keep: set[SnapshotId] | None) -> set[SnapshotId]:
+        keep = set(also_keep or ())
+        keep.update(snapshot_id(key) for key in self._occupants())
+        return keep
+
+    def _trim_quarantine_now(self) -> None:
+        try:
+            self._store.trim_quarantine(self.budget)
+        except Exception as exc:  # housekeeping: it never fails anything
+            log.error("removing old quarantined files failed: %s", exc)
+
+    def _enforce_budget_now(self, keep: set[SnapshotId]) -> int:
+        """In a worker thread: the store's budget enforcement; returns how many it evicted."""
+        if not self.budget.limited:
+            return 0
+        try:
+            return len(self._store.enforce_budget(self.budget, keep))
+        except Exception as exc:  # the budget is housekeeping: it must never fail a turn
+            log.error("enforcing the disk budget failed: %s", exc)
+            return 0
+
+    # -- waiting for pending writes -----------------------------------------------------------------------------
+
+    async def settle(self, key: SessionKey | None = None, kind: SnapshotKind = SnapshotKind.SESSION,
+                     timeout: float | None = None) -> bool:
+        """Wait for the writes started so far (of `key`'s snapshot of `kind`, or of every snapshot) to finish; True
+        when none of them is left running. A timeout, or the caller being cancelled, leaves them running. For
+        shutdown and tests: the other methods wait for what they need themselves."""
+        return await self._writes.wait(None if key is None else [snapshot_id(key, kind)], timeout)
+
     async def caught_up(self, timeout: float = VIEW_WAIT_SECONDS) -> bool:
         """Wait (bounded) for every write started so far, so that what is read next (counters included) shows them;
         True when none is left running."""
-        return await self._persist.settle(None, timeout)
+        return await self._writes.wait(None, timeout)
+
+    # -- what an operator sees and does -------------------------------------------------------------------------
 
     async def list(self, model: str | None = None, kind: SnapshotKind | None = SnapshotKind.SESSION
-                   ) -> list[Snapshot]:
+                   ) -> builtins.list[Snapshot]:
         await self.caught_up()
         return await asyncio.to_thread(self._store.list, model, kind)
 
     async def get(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
-        await self._persist.settle([snapshot_id(key, kind)])
+        await self._writes.wait([snapshot_id(key, kind)])
         return await asyncio.to_thread(self._store.get, key, kind)
 
     async def set_pinned(self, key: SessionKey, pinned: bool,
                          kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
-        await self._persist.settle([snapshot_id(key, kind)])
+        await self._writes.wait([snapshot_id(key, kind)])
         return await asyncio.to_thread(self._store.set_pinned, key, pinned, kind)
 
     async def delete(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
         """Remove the snapshot's row and files, after a save of it still being committed (which would bring it
         back). The caller stops the slots saving the session first (SlotPool.forget)."""
-        await self._persist.settle([snapshot_id(key, kind)])
+        await self._writes.wait([snapshot_id(key, kind)])
         return await asyncio.to_thread(self._store.delete, key, kind)
 
     async def usage(self) -> dict[str, dict[str, int]]:
@@ -101,7 +436,7 @@ class Snapshots:
         writes are done; None when there is none. A commit or an eviction that removes the file between the look-up
         and the open is met by waiting and looking it up once more."""
         for _ in range(2):
-            await self._persist.settle([snapshot_id(key, kind)])
+            await self._writes.wait([snapshot_id(key, kind)])
             snapshot = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint, kind)
             if snapshot is None:
                 return None
@@ -113,14 +448,78 @@ class Snapshots:
             return snapshot, chain, handle
         return None
 
-    async def stage_upload(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> tuple[str, Path]:
-        """A temporary name (and its path) in the slot dir for an uploaded snapshot file of `key`."""
-        temp = self._store.temp_name(key, self._fingerprint, kind)
-        return temp, self._store.slot_dir / temp
 
-    async def checksum(self, path: Path) -> str:
-        return await asyncio.to_thread(file_checksum, path)
+def _candidate(match: PrefixMatch) -> Candidate:
+    return Candidate(match.snapshot, match.messages, match.est_tokens, match.whole)
 
-    async def discard_upload(self, temp: str) -> None:
-        await asyncio.to_thread(self._store.discard_temp, temp)
 
+class _PendingWrites:
+    """The running background writes, by snapshot; only the newest of each snapshot is kept (it waits for the
+    earlier ones before it starts, or with `at_once` before it finishes, whether it succeeded or not)."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[SnapshotId, asyncio.Task[bool]] = {}
+        # The message chain each snapshot will have once its pending commit lands (for prefix lookups).
+        self._chains: dict[SnapshotId, Sequence[Link]] = {}
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def __contains__(self, snapshot: object) -> bool:
+        return snapshot in self._tasks
+
+    def current(self, snapshot: SnapshotId) -> asyncio.Task[bool] | None:
+        """The snapshot's newest pending write, if any."""
+        return self._tasks.get(snapshot)
+
+    def start(self, snapshot: SnapshotId, write: Callable[[], Coroutine[Any, Any, bool]],
+              chain: Sequence[Link] | None = None, *, at_once: bool = False) -> asyncio.Task[bool]:
+        """Run `write()` in the background once the snapshot's earlier writes are done (`at_once`: right away, the
+        write then waits for `current()` itself before the part that must come after them); the task's result is
+        whether it succeeded. `write` handles its own failures; one that escapes anyway is logged here. `chain`:
+        the message chain a commit will index with the snapshot."""
+        earlier = self._tasks.get(snapshot)
+        if chain is not None:
+            self._chains[snapshot] = chain
+
+        async def run() -> bool:
+            if earlier is not None and not at_once:
+                await asyncio.wait({earlier})
+            try:
+                return await write()
+            finally:
+                # Never done before an earlier write of the snapshot (a write that failed early, at once): the
+                # snapshot's entry, which readers wait on and the next write orders itself after, stays until
+                # every write of it is done.
+                if earlier is not None and not earlier.done():
+                    await asyncio.wait({earlier})
+
+        task = asyncio.get_running_loop().create_task(run(), name=f"write {snapshot[0]}/{snapshot[1]}")
+        self._tasks[snapshot] = task
+        task.add_done_callback(lambda done: self._finished(snapshot, done))
+        return task
+
+    def _finished(self, snapshot: SnapshotId, task: asyncio.Task[bool]) -> None:
+        if self._tasks.get(snapshot) is task:
+            del self._tasks[snapshot]
+            self._chains.pop(snapshot, None)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("a background write of %s/%s failed", snapshot[0], snapshot[1], exc_info=exc)
+
+    def sharing(self, chain: Sequence[Link], min_messages: int) -> builtins.list[SnapshotId]:
+        """The session snapshots with a pending commit whose chain shares at least `min_messages` leading messages
+        with `chain`: the ones a prefix lookup for it could find once they are committed."""
+        return [s for s, pending in self._chains.items()
+                if s[2] is SnapshotKind.SESSION and common_prefix(pending, chain) >= min_messages]
+
+    async def wait(self, snapshots: Iterable[SnapshotId] | None = None, timeout: float | None = None) -> bool:
+        """Wait for the writes of `snapshots` (every snapshot's, with None) started so far; True when they all
+        finished. A timeout, or the caller being cancelled, leaves them running."""
+        if snapshots is None:
+            tasks = set(self._tasks.values())
+        else:
+            tasks = {task for s in snapshots if (task := self._tasks.get(s)) is not None}
+        if not tasks:
+            return True
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        return not pending
