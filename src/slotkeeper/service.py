@@ -47,8 +47,8 @@ class TurnRecord:
     journal: RequestJournal | None = None
 
     def headers(self) -> dict[str, str]:
-        headers = {"X-Slotkeeper-Session": header_safe(self.key.session_id), "X-Slotkeeper-Cache": self.lease.outcome,
-                   "X-Slotkeeper-Slot": str(self.lease.slot_id)}
+        headers = {"X-Slotkeeper-Session": header_safe(self.key.session_id),
+                   "X-Slotkeeper-Cache": self.lease.cache.outcome, "X-Slotkeeper-Slot": str(self.lease.slot_id)}
         if self.lease.side:
             headers["X-Slotkeeper-Request"] = "side"
         return headers
@@ -64,11 +64,12 @@ class TurnRecord:
         n_prompt = int(t.get("cache_n", 0) or 0) + int(t.get("prompt_n", 0) or 0)
         self.lease.release(end, self.n_tokens(), int(cache_n) if isinstance(cache_n, int | float) else None,
                            n_prompt)
+        cache = self.lease.cache
         entry = RequestEntry(
-            self.api, self.lease.side, self.key.model, self.key.session_id, self.lease.slot_id, str(self.lease.outcome),
-            self.lease.restored_tokens, self.lease.restore_ms, self.lease.save_ms, _int(t.get("cache_n")),
+            self.api, self.lease.side, self.key.model, self.key.session_id, self.lease.slot_id, str(cache.outcome),
+            cache.restored_tokens, cache.restore_ms, cache.save_ms, _int(t.get("cache_n")),
             _int(t.get("prompt_n")), _int(t.get("predicted_n")), _float(t.get("prompt_ms")), self.status, end.value,
-            (time.perf_counter() - self.started) * 1000, restored_from=self.lease.restored_from,
+            (time.perf_counter() - self.started) * 1000, restored_from=cache.restored_from,
         )
         log.info("%s", entry.log_line(), extra={"request": entry})
         if self.journal is not None:
@@ -207,10 +208,10 @@ class TurnService:
                         system.short_id, lease.slot_id, exc.message)
             raise
         finally:
-            lease.warm_ms = _ms_since(started)
+            lease.cache.warm_ms = _ms_since(started)
         snapshot = await self.pool.save_system(lease, n_tokens)
         log.info("system prompt %s warmed up in slot %d: %d tokens in %.0f ms%s", system.short_id, lease.slot_id,
-                 n_tokens, lease.warm_ms, ", saved" if snapshot is not None else "")
+                 n_tokens, lease.cache.warm_ms, ", saved" if snapshot is not None else "")
         return snapshot
 
     async def _run_warm_up(self, slot_id: int, system: SystemPrompt, progress: ProgressCallback | None) -> int:

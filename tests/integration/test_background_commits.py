@@ -113,7 +113,7 @@ async def test_a_session_back_before_its_commit_is_done_waits_and_gets_the_new_s
     assert old is not None
     gate.opened.clear()
     b_turn = await asyncio.wait_for(rig.turn(B), 60)  # saves A's newer state: held, and B's turn runs anyway
-    assert b_turn.lease.outcome is CacheOutcome.RESTORED
+    assert b_turn.lease.cache.outcome is CacheOutcome.RESTORED
     await _until(lambda: gate.started == 3)  # A, B, then this save of A
     held = rig.store.get(A)
     assert held is not None and held.filename == old.filename  # the new state is not indexed yet
@@ -124,8 +124,8 @@ async def test_a_session_back_before_its_commit_is_done_waits_and_gets_the_new_s
     record = await asyncio.wait_for(back, 60)
     new = rig.store.get(A)
     assert new is not None and new.filename != old.filename and new.n_tokens > old.n_tokens
-    assert record.lease.outcome is CacheOutcome.RESTORED
-    assert record.lease.restored_tokens == new.n_tokens
+    assert record.lease.cache.outcome is CacheOutcome.RESTORED
+    assert record.lease.cache.restored_tokens == new.n_tokens
     assert (record.timings or {})["cache_n"] >= new.n_tokens - ANSWER_SLACK
     assert not (rig.backend.slot_dir / old.filename).exists()
 
@@ -144,7 +144,7 @@ async def test_a_commit_that_fails_keeps_the_previous_snapshot_and_the_turn_succ
 
     monkeypatch.setattr(store_mod.os, "fsync", disk_full)  # the commit's first step fails
     b_turn = await rig.turn(B)  # the switch saves A's newer state: the backend writes it, the commit fails
-    assert b_turn.lease.outcome is CacheOutcome.RESTORED
+    assert b_turn.lease.cache.outcome is CacheOutcome.RESTORED
     await rig.pool.settle()
     monkeypatch.undo()
     assert rig.pool.failed_saves == 1
@@ -153,8 +153,8 @@ async def test_a_commit_that_fails_keeps_the_previous_snapshot_and_the_turn_succ
     assert file_checksum(rig.backend.slot_dir / good.filename) == good.checksum
     assert not [p for p in rig.backend.slot_dir.iterdir() if ".tmp-" in p.name]
     record = await rig.turn(A)  # the previous state is restored into the real backend
-    assert record.lease.outcome is CacheOutcome.RESTORED
-    assert record.lease.restored_tokens == good.n_tokens
+    assert record.lease.cache.outcome is CacheOutcome.RESTORED
+    assert record.lease.cache.restored_tokens == good.n_tokens
     assert (record.timings or {})["cache_n"] >= good.n_tokens - ANSWER_SLACK
 
 

@@ -73,7 +73,7 @@ async def test_the_next_turn_does_not_wait_for_the_commit(client: FakeClient, st
     pool = make_pool(client, store)
     await turn(pool, A)
     lease = await asyncio.wait_for(pool.acquire(B), 1)  # A's commit is held: B got the slot anyway
-    assert lease.outcome is CacheOutcome.COLD and pool.slots[0].occupant == B
+    assert lease.cache.outcome is CacheOutcome.COLD and pool.slots[0].occupant == B
     await until(lambda: gate.started == 1)
     assert store.get(A) is None and pool.saves == 0
     assert not await pool.settle(timeout=0.05)
@@ -108,7 +108,7 @@ async def test_a_restore_waits_for_the_pending_commit_of_its_session(client: Fak
     lease = await asyncio.wait_for(back, 2)
     new = store.get(A)
     assert new is not None and new.filename != old.filename
-    assert lease.outcome is CacheOutcome.RESTORED
+    assert lease.cache.outcome is CacheOutcome.RESTORED
     assert client.actions("restore")[-1][2] == new.filename
     assert not (store.slot_dir / old.filename).exists()
     lease.release(TurnEnd.COMPLETED, 10)
@@ -147,7 +147,7 @@ async def test_a_commit_failing_in_the_background_keeps_the_previous_snapshot(
     else:
         client.vanish = True
     lease = await pool.acquire(B)  # saving A's newer state fails in its commit: B's turn goes ahead
-    assert lease.outcome is CacheOutcome.RESTORED and lease.save_ms > 0
+    assert lease.cache.outcome is CacheOutcome.RESTORED and lease.cache.save_ms > 0
     lease.release(TurnEnd.COMPLETED, 10)
     await pool.settle()
     monkeypatch.undo()
@@ -161,7 +161,7 @@ async def test_a_commit_failing_in_the_background_keeps_the_previous_snapshot(
     assert [n for n in os.listdir(slot_dir) if ".tmp-" in n] == []
     # The previous state is what A's next turn gets.
     again = await pool.acquire(A)
-    assert again.outcome is CacheOutcome.RESTORED
+    assert again.cache.outcome is CacheOutcome.RESTORED
     assert client.actions("restore")[-1][2] == good.filename
     again.release(TurnEnd.COMPLETED, 10)
 
@@ -175,7 +175,7 @@ async def test_two_saves_of_one_session_land_in_order(client: FakeClient, store:
         await until(lambda: gate.started == 1)
         assert not pool.slots[0].busy  # the slot is free while its save is committed
         lease = await pool.acquire(A)
-        assert lease.outcome is CacheOutcome.HOT
+        assert lease.cache.outcome is CacheOutcome.HOT
         lease.release(TurnEnd.COMPLETED, 20)
         await until(lambda: len(client.actions("save")) == 2)
         await asyncio.sleep(0.05)
@@ -278,7 +278,7 @@ async def test_a_session_back_while_the_backend_still_writes_its_save_restores_t
         a_lease = await pool.acquire(A)  # slot 1 (C's, saved first), while the backend writes A's state
         newer = store.get(A)
         assert newer is not None and newer.filename != older.filename
-        assert a_lease.outcome is CacheOutcome.RESTORED
+        assert a_lease.cache.outcome is CacheOutcome.RESTORED
         assert client.actions("restore")[-1][2] == newer.filename
         a_lease.release(TurnEnd.COMPLETED, 10)
         (await b_lease).release(TurnEnd.COMPLETED, 10)

@@ -85,7 +85,7 @@ async def turn(pool: SlotPool, k: SessionKey, end: TurnEnd = TurnEnd.COMPLETED, 
 async def test_first_acquire_cold(client: FakeClient, store: SnapshotStore) -> None:
     pool = make_pool(client, store)
     lease = await pool.acquire(A)
-    assert lease.outcome is CacheOutcome.COLD
+    assert lease.cache.outcome is CacheOutcome.COLD
     assert lease.slot_id == 0
     assert client.calls == []
     lease.release(TurnEnd.COMPLETED, 10)
@@ -98,7 +98,7 @@ async def test_same_session_hot(client: FakeClient, store: SnapshotStore) -> Non
     pool = make_pool(client, store)
     await turn(pool, A)
     lease = await pool.acquire(A)
-    assert lease.outcome is CacheOutcome.HOT
+    assert lease.cache.outcome is CacheOutcome.HOT
     assert client.calls == []
     lease.release(TurnEnd.COMPLETED, 20)
     assert pool.slots[0].dirty and pool.slots[0].n_tokens == 20
@@ -109,7 +109,7 @@ async def test_switch_saves_and_restores(client: FakeClient, store: SnapshotStor
     await turn(pool, A)
 
     lease_b = await pool.acquire(B)
-    assert lease_b.outcome is CacheOutcome.COLD
+    assert lease_b.cache.outcome is CacheOutcome.COLD
     assert [(c[0], c[1]) for c in client.calls] == [(0, "save")]
     await pool.settle()  # A's save is committed in the background, after B got the slot
     snap_a = store.get(A)
@@ -127,8 +127,8 @@ async def test_switch_saves_and_restores(client: FakeClient, store: SnapshotStor
     assert client.calls[1][2] == snap_a.filename
     await pool.settle()  # B's save is committed, and A's use recorded, in the background
     assert store.get(B) is not None
-    assert lease_a.outcome is CacheOutcome.RESTORED
-    assert lease_a.restored_tokens == 33
+    assert lease_a.cache.outcome is CacheOutcome.RESTORED
+    assert lease_a.cache.restored_tokens == 33
     assert pool.restores == 1
     after = store.get(A)
     assert after is not None and after.hits == 1
@@ -141,7 +141,7 @@ async def test_default_session_never_saved_or_restored(client: FakeClient, store
     default = SessionKey("m", "default")
     assert default.is_default
     lease = await turn(pool, default)
-    assert lease.outcome is CacheOutcome.COLD
+    assert lease.cache.outcome is CacheOutcome.COLD
     assert not pool.slots[0].dirty
     await turn(pool, A)  # the default occupant is not saved
     assert client.actions("save") == []
@@ -166,7 +166,7 @@ async def test_a_file_the_backend_refuses_twice_is_quarantined(client: FakeClien
     assert snap_a is not None
     client.restore_error = UpstreamError(400, INVALID)
     lease = await pool.acquire(A)
-    assert lease.outcome is CacheOutcome.COLD
+    assert lease.cache.outcome is CacheOutcome.COLD
     assert lease.slot_id == 0
     assert len(client.actions("restore")) == 2  # once more into the slot the first attempt emptied
     assert store.get(A) is None
@@ -195,7 +195,7 @@ async def test_a_file_refused_once_is_restored_on_the_second_attempt(client: Fak
 
     client.slot_action = once  # type: ignore[method-assign]
     lease = await pool.acquire(A)
-    assert lease.outcome is CacheOutcome.RESTORED and store.get(A) is not None
+    assert lease.cache.outcome is CacheOutcome.RESTORED and store.get(A) is not None
     lease.release(TurnEnd.COMPLETED, 5)
     assert pool.failed_restores == 0
 
@@ -215,14 +215,14 @@ async def test_a_backend_error_on_restore_keeps_the_snapshot(client: FakeClient,
     snap_a = store.get(A)
     client.restore_error = error
     lease = await pool.acquire(A)
-    assert lease.outcome is CacheOutcome.COLD and len(client.actions("restore")) == 1
+    assert lease.cache.outcome is CacheOutcome.COLD and len(client.actions("restore")) == 1
     lease.release(TurnEnd.COMPLETED, 5)
     assert store.get(A) == snap_a and (slot_dir / snap_a.filename).exists()  # type: ignore[union-attr]
     assert not (slot_dir / QUARANTINE_DIR).exists() and pool.failed_restores == 1
     client.restore_error = None
     await turn(pool, B)
     lease = await pool.acquire(A)
-    assert lease.outcome is CacheOutcome.RESTORED  # restored once the backend is well again
+    assert lease.cache.outcome is CacheOutcome.RESTORED  # restored once the backend is well again
     lease.release(TurnEnd.COMPLETED, 5)
 
 
@@ -233,7 +233,7 @@ async def test_snapshot_larger_than_slot_not_restored(client: FakeClient, store:
     await pool.settle()
     assert store.get(A) is not None
     lease = await pool.acquire(A)
-    assert lease.outcome is CacheOutcome.COLD
+    assert lease.cache.outcome is CacheOutcome.COLD
     assert client.actions("restore") == []
     lease.release(TurnEnd.COMPLETED)
 
@@ -342,7 +342,7 @@ async def test_busy_session_waits_for_its_own_slot(client: FakeClient, store: Sn
     lease_a.release(TurnEnd.COMPLETED)
     lease = await asyncio.wait_for(second, 1)
     assert lease.slot_id == 0
-    assert lease.outcome is CacheOutcome.HOT
+    assert lease.cache.outcome is CacheOutcome.HOT
     lease.release(TurnEnd.COMPLETED)
     assert pool.slots[1].occupant is None
 
@@ -383,7 +383,7 @@ async def test_idle_save(client: FakeClient, store: SnapshotStore) -> None:
         assert pool.slots[0].occupant == A
         # the next turn is hot and needs no save first
         lease = await pool.acquire(A)
-        assert lease.outcome is CacheOutcome.HOT
+        assert lease.cache.outcome is CacheOutcome.HOT
         lease.release(TurnEnd.REJECTED)
     finally:
         await pool.aclose()
@@ -446,7 +446,7 @@ async def test_clear_saves_then_erases(client: FakeClient, store: SnapshotStore)
     assert store.get(A) is not None and store.get(B) is None
     assert all(s.occupant is None and not s.dirty and not s.busy and s.n_tokens == 0 for s in pool.slots)
     lease = await pool.acquire(A)
-    assert lease.outcome is CacheOutcome.RESTORED
+    assert lease.cache.outcome is CacheOutcome.RESTORED
     lease.release(TurnEnd.COMPLETED)
 
 
@@ -467,7 +467,7 @@ async def test_clear_slot_saves_and_erases_only_that_slot(client: FakeClient, st
     assert await pool.clear_slot(1) is None
     assert client.calls == [(1, "erase", None)]
     lease = await pool.acquire(B)
-    assert (lease.slot_id, lease.outcome) == (1, CacheOutcome.RESTORED)
+    assert (lease.slot_id, lease.cache.outcome) == (1, CacheOutcome.RESTORED)
     lease.release(TurnEnd.COMPLETED)
 
 
@@ -578,7 +578,7 @@ async def test_save_failure_does_not_fail_acquire(
     with caplog.at_level(logging.ERROR, logger="slotkeeper.pool"):
         lease = await pool.acquire(B)
         await pool.settle()  # a commit that fails does so in the background
-    assert lease.outcome is CacheOutcome.COLD
+    assert lease.cache.outcome is CacheOutcome.COLD
     assert pool.failed_saves == 1 and pool.saves == 0
     assert store.get(A) is None
     assert [n for n in os.listdir(slot_dir) if ".tmp-" in n] == []
@@ -657,7 +657,7 @@ async def test_a_session_deleted_while_its_idle_save_runs_does_not_take_the_next
         client.save_delay = 0.0
         assert pool.slots[0].occupant is None  # deleted: no longer hot
         lease = await pool.acquire(B)
-        assert lease.outcome is CacheOutcome.COLD
+        assert lease.cache.outcome is CacheOutcome.COLD
         lease.release(TurnEnd.COMPLETED, 10)
         assert pool.slots[0].occupant == B and pool.slots[0].dirty
         assert (await pool.flush()).saved == 1
@@ -704,7 +704,7 @@ async def test_a_new_session_restores_another_sessions_prefix(client: FakeClient
     other = await pool.acquire(B, [])  # unrelated: saves A with its chain
     other.release(TurnEnd.COMPLETED, 10)
     fresh = await pool.acquire(C, chain_of("c1"))
-    assert fresh.outcome == CacheOutcome.PREFIX and fresh.restored_from == "A"
+    assert fresh.cache.outcome == CacheOutcome.PREFIX and fresh.cache.restored_from == "A"
     fresh.release(TurnEnd.COMPLETED, 30)
 
 
@@ -714,7 +714,7 @@ async def test_prefix_restore_skipped_when_the_slot_already_shares_it(client: Fa
     (await pool.acquire(A, chain_of("a1"))).release(TurnEnd.COMPLETED, 40)
     (await pool.acquire(B, chain_of("b1"))).release(TurnEnd.COMPLETED, 40)  # slot holds B: shares the system
     lease = await pool.acquire(C, chain_of("c1"))
-    assert lease.outcome == CacheOutcome.COLD  # A's prefix would give no more than the slot already has
+    assert lease.cache.outcome == CacheOutcome.COLD  # A's prefix would give no more than the slot already has
     lease.release(TurnEnd.COMPLETED, 30)
 
 
@@ -724,7 +724,7 @@ async def test_small_restores_are_skipped(client: FakeClient, store: SnapshotSto
     await turn(pool, A)
     await turn(pool, B)
     lease = await pool.acquire(A)
-    assert lease.outcome == CacheOutcome.COLD and client.actions("restore") == []
+    assert lease.cache.outcome == CacheOutcome.COLD and client.actions("restore") == []
     lease.release(TurnEnd.COMPLETED, 1)
 
 
@@ -754,7 +754,7 @@ async def test_restores_that_do_not_help_move_to_the_next_strategy(client: FakeC
     for cache_n in cache_ns:
         await turn(pool, B)  # saves A
         lease = await pool.acquire(A)
-        assert lease.outcome == CacheOutcome.RESTORED
+        assert lease.cache.outcome == CacheOutcome.RESTORED
         lease.release(TurnEnd.COMPLETED, 10, cache_n=cache_n)
     assert (pool.policy.fallback is Strategy.PROMPT_END) is fell_back
     assert pool.policy.effective_now is not fell_back
@@ -765,7 +765,7 @@ async def test_restores_that_do_not_help_move_to_the_next_strategy(client: FakeC
         assert len(client.actions("save")) == saves + 1  # saving never stops
         lease = await pool.acquire(A)
         # A's snapshot holds generated tokens; the prompt-end strategy restores only what a request extends.
-        assert lease.outcome == CacheOutcome.COLD
+        assert lease.cache.outcome == CacheOutcome.COLD
         lease.release(TurnEnd.COMPLETED, 1)
 
 
@@ -781,7 +781,7 @@ async def test_a_reasoning_client_keeps_restores_on(client: FakeClient, store: S
         (await pool.acquire(B, chain_of("b"))).release(TurnEnd.COMPLETED, 500, cache_n=98, n_prompt=100)
         history += [f"answer {round_}", f"question {round_}"]
         lease = await pool.acquire(A, chain_of(*history))
-        assert lease.outcome == CacheOutcome.RESTORED and lease.expected_reuse == 100, round_
+        assert lease.cache.outcome == CacheOutcome.RESTORED and lease.cache.expected_reuse == 100, round_
         lease.release(TurnEnd.COMPLETED, 500, cache_n=98, n_prompt=100)
     assert pool.policy.effective == 19 and pool.policy.ineffective == 0 and pool.policy.effective_now
     assert len(client.actions("save")) == 20  # every switch saved
@@ -797,7 +797,7 @@ async def test_an_own_snapshot_that_shares_nothing_is_not_restored(client: FakeC
 
     trimmed = message_chain([{"role": "user", "content": "a2"}, {"role": "user", "content": "a3"}])
     lease = await pool.acquire(A, trimmed)
-    assert lease.outcome == CacheOutcome.COLD and client.actions("restore") == []
+    assert lease.cache.outcome == CacheOutcome.COLD and client.actions("restore") == []
     lease.release(TurnEnd.COMPLETED, 10, cache_n=0)
     assert pool.policy.ineffective == 0
 
@@ -810,8 +810,8 @@ async def test_expected_reuse_is_the_shared_part(client: FakeClient, store: Snap
     await pool.settle()
     client.restore_tokens = {store.get(A).filename: 100}  # type: ignore[union-attr]
     edited = await pool.acquire(A, chain_of("a1", "edited"))
-    assert edited.outcome == CacheOutcome.RESTORED and 0 < edited.expected_reuse < 100
-    edited.release(TurnEnd.COMPLETED, 60, cache_n=edited.expected_reuse)
+    assert edited.cache.outcome == CacheOutcome.RESTORED and 0 < edited.cache.expected_reuse < 100
+    edited.release(TurnEnd.COMPLETED, 60, cache_n=edited.cache.expected_reuse)
     assert pool.policy.effective == 1
 
 
@@ -822,7 +822,7 @@ async def test_on_a_tie_the_sessions_own_snapshot_wins(client: FakeClient, store
     (await pool.acquire(A, chain_of("a1"))).release(TurnEnd.COMPLETED, 40)
     (await pool.acquire(B, chain_of("b1"))).release(TurnEnd.COMPLETED, 40)  # saves A; the slot shares the system
     lease = await pool.acquire(A, chain_of("a1 with more text"))
-    assert lease.outcome == CacheOutcome.RESTORED
+    assert lease.cache.outcome == CacheOutcome.RESTORED
     lease.release(TurnEnd.COMPLETED, 50)
 
 
@@ -838,10 +838,10 @@ async def test_a_side_task_runs_in_its_own_conversations_slot(client: FakeClient
     assert [c[0] for c in client.actions("save")][-1] == chat.slot_id  # the chat was saved before the task
     task.release(TurnEnd.COMPLETED)
     back = await pool.acquire(A)
-    assert back.slot_id == agent.slot_id and back.outcome is CacheOutcome.HOT
+    assert back.slot_id == agent.slot_id and back.cache.outcome is CacheOutcome.HOT
     back.release(TurnEnd.COMPLETED)
     resumed = await pool.acquire(B)
-    assert resumed.slot_id == chat.slot_id and resumed.outcome is CacheOutcome.RESTORED
+    assert resumed.slot_id == chat.slot_id and resumed.cache.outcome is CacheOutcome.RESTORED
     resumed.release(TurnEnd.COMPLETED)
 
 
@@ -851,7 +851,7 @@ async def test_a_side_task_still_prefers_an_empty_slot(client: FakeClient, store
     task = await pool.acquire(B, side=True)
     assert task.slot_id != chat.slot_id and client.actions("save") == []
     task.release(TurnEnd.COMPLETED)
-    assert (await turn(pool, B)).outcome is CacheOutcome.HOT
+    assert (await turn(pool, B)).cache.outcome is CacheOutcome.HOT
 
 
 # -- strategies per architecture and build ----------------------------------------------------------------------
@@ -900,7 +900,7 @@ async def test_prompt_end_saves_hold_the_prompt_and_the_next_turn_restores_them(
     assert snap is not None and snap.n_tokens == 100 and snap.at_prompt_end
     assert (pool.prompt_end_steps, pool.prompt_end_tokens) == (1, 4)
     lease = await pool.acquire(A, chain_of("a1", "answer", "a2"))  # the next turn extends the prompt
-    assert lease.outcome is CacheOutcome.RESTORED and lease.expected_reuse == 100
+    assert lease.cache.outcome is CacheOutcome.RESTORED and lease.cache.expected_reuse == 100
     lease.release(TurnEnd.COMPLETED, 150, cache_n=100, n_prompt=110)
     assert pool.policy.effective == 1
 
@@ -911,11 +911,11 @@ async def test_prompt_end_restores_only_what_the_request_extends(store: Snapshot
     await chat_turn(pool, A, chain_of("a1", "x", "a2"))
     await chat_turn(pool, B, chain_of("b1"))
     edited = await pool.acquire(A, chain_of("a1", "x", "a2 edited"))  # diverges inside the snapshot
-    assert edited.outcome is CacheOutcome.COLD and client.actions("restore") == []
+    assert edited.cache.outcome is CacheOutcome.COLD and client.actions("restore") == []
     edited.release(TurnEnd.COMPLETED, 10)
     await chat_turn(pool, B, chain_of("b1", "y", "b2"))
     again = await pool.acquire(A, chain_of("a1", "x", "a2 edited"))  # the same prompt again: no extension either
-    assert again.outcome is CacheOutcome.COLD
+    assert again.cache.outcome is CacheOutcome.COLD
     again.release(TurnEnd.COMPLETED, 10)
     assert pool.policy.ineffective == 0
 
@@ -936,7 +936,7 @@ async def test_a_recurrent_slot_shared_only_up_to_the_system_part_is_no_reuse(st
     await pool.save_system(lease, 80)
     lease.release(TurnEnd.COMPLETED, 120, cache_n=80, n_prompt=100)
     other = await pool.acquire(C, chain_of("c1"), system=system)
-    assert (other.outcome is CacheOutcome.RESTORED) is restored
+    assert (other.cache.outcome is CacheOutcome.RESTORED) is restored
     other.release(TurnEnd.COMPLETED, 120)
 
 
@@ -946,7 +946,7 @@ async def test_keep_hot_never_restores_and_still_saves(store: SnapshotStore, slo
     await chat_turn(pool, A, chain_of("a1"))
     await chat_turn(pool, B, chain_of("b1"))
     lease = await pool.acquire(A, chain_of("a1", "x", "a2"))
-    assert lease.outcome is CacheOutcome.COLD and client.actions("restore") == [] and not lease.warm_up
+    assert lease.cache.outcome is CacheOutcome.COLD and client.actions("restore") == [] and not lease.warm_up
     lease.release(TurnEnd.COMPLETED, 10)
     assert len(client.actions("save")) == 2 and client.replays == []  # saved, without a prompt-end step
     # A new system prompt is still warmed up (the turn extends the warm slot) and saved; it is never restored.
@@ -954,7 +954,7 @@ async def test_keep_hot_never_restores_and_still_saves(store: SnapshotStore, slo
 
     system = system_prompt_of({"messages": [SYS_MSG, {"role": "user", "content": "hello"}]})
     lease = await pool.acquire(C, chain_of("c1"), system=system)
-    assert lease.warm_up and lease.outcome is CacheOutcome.COLD
+    assert lease.warm_up and lease.cache.outcome is CacheOutcome.COLD
     lease.release(TurnEnd.COMPLETED, 10)
 
 

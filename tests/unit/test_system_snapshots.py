@@ -67,7 +67,7 @@ def system_rows(store: SnapshotStore) -> list[Any]:
 async def test_a_new_system_prompt_is_warmed_up_and_saved_once(client: ChatClient, store: SnapshotStore) -> None:
     turns = service(client, store)
     _, first = await turns.unary("t", key("a"), "/v1/chat/completions", builder("first chat"))
-    assert first.lease.outcome is CacheOutcome.COLD
+    assert first.lease.cache.outcome is CacheOutcome.COLD
     assert len(client.warm_ups()) == 1
     rows = system_rows(store)
     part = system_prompt_of(builder("x")(0))
@@ -75,8 +75,8 @@ async def test_a_new_system_prompt_is_warmed_up_and_saved_once(client: ChatClien
     # Another conversation takes the only slot; a third, new one on the same system prompt restores the snapshot.
     await turns.unary("t", key("b"), "/v1/chat/completions", builder("unrelated", {"role": "system", "content": "x"}))
     _, third = await turns.unary("t", key("c"), "/v1/chat/completions", builder("third chat"))
-    assert third.lease.outcome is CacheOutcome.RESTORED
-    assert third.lease.restored_from == f"system:{part.digest[:12]}"
+    assert third.lease.cache.outcome is CacheOutcome.RESTORED
+    assert third.lease.cache.restored_from == f"system:{part.digest[:12]}"
     assert client.actions("restore")[-1][2] == rows[0].filename
     assert len(client.warm_ups()) == 1  # never warmed again
     assert len(system_rows(store)) == 1
@@ -124,7 +124,7 @@ async def test_prewarm_saves_once_then_finds_the_snapshot(client: ChatClient, st
     assert turns.pool.warm_ups == 1  # finding the snapshot is not a warm-up
     # The slot still holds the warmed-up prompt: the next conversation on it needs no restore.
     _, record = await turns.unary("t", key("new"), "/v1/chat/completions", builder("hello"))
-    assert record.lease.outcome is CacheOutcome.COLD and client.actions("restore") == []
+    assert record.lease.cache.outcome is CacheOutcome.COLD and client.actions("restore") == []
 
 
 async def test_a_failed_prewarm_raises_and_saves_nothing(client: ChatClient, store: SnapshotStore) -> None:

@@ -81,24 +81,34 @@ class _Waiter:
 
 
 @dataclass
-class SlotLease:
-    """A slot held for one turn. `release` is synchronous so it is safe in cancelled code paths."""
+class TurnCache:
+    """What the cache did for one turn: the record its journal row, log line, response headers and metrics are
+    made of. The pool fills it in while it brings a state in; the lease only carries it to the caller."""
 
-    slot_id: int
-    key: SessionKey
-    outcome: CacheOutcome
-    side: bool = False
-    chain: list[Link] = field(default_factory=list)
+    outcome: CacheOutcome = CacheOutcome.COLD
+    # Why the planner chose what it did (planner.Why), or "hot" when the slot already held the session.
+    why: str = ""
     restored_tokens: int = 0
     # Tokens the restore should let the backend reuse (the whole snapshot, or the shared prefix of another one).
     expected_reuse: int = 0
     restored_from: str | None = None
     restore_ms: float = 0.0
     save_ms: float = 0.0
+    warm_ms: float = 0.0
+
+
+@dataclass
+class SlotLease:
+    """A slot held for one turn. `release` is synchronous so it is safe in cancelled code paths."""
+
+    slot_id: int
+    key: SessionKey
+    side: bool = False
+    chain: list[Link] = field(default_factory=list)
+    cache: TurnCache = field(default_factory=TurnCache)
     # The request's system part; `warm_up` asks the caller to evaluate it into the slot (and `save_system` it) first.
     system: SystemPrompt | None = None
     warm_up: bool = False
-    warm_ms: float = 0.0
     # The system snapshot already on disk, for a lease taken only to warm a system prompt up (see `warm_lease`).
     existing: Snapshot | None = None
     # The request sent for the turn (set by the caller), kept by the slot to bring it back to the prompt's end.
@@ -198,15 +208,16 @@ class SlotPool:
         held = _Held(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end)
         slot.occupant, slot.dirty = (None if side else key), False
         slot.generation += 1
-        lease = SlotLease(slot.slot_id, key, CacheOutcome.COLD, side=side, chain=list(chain), system=system,
-                          _release=self._finish)
+        lease = SlotLease(slot.slot_id, key, side=side, chain=list(chain), system=system, _release=self._finish)
+        if side:
+            lease.cache.why = "side-task"
         if previous == key and not side:
             slot.dirty = previous_dirty
-            lease.outcome = CacheOutcome.HOT
+            lease.cache.outcome, lease.cache.why = CacheOutcome.HOT, "hot"
             return lease
         try:
             if previous is not None and previous_dirty:
-                lease.save_ms = await self._save(slot.slot_id, previous, held, wait=False)
+                lease.cache.save_ms = await self._save(slot.slot_id, previous, held, wait=False)
             if not side:
                 await self._bring_in(slot, lease, in_slot)
         except BaseException:
@@ -286,7 +297,7 @@ class SlotPool:
             # A cut-short turn is saved as it is: replaying its prompt could mean its whole prefill again.
             slot.replay = lease.replay if end is TurnEnd.COMPLETED else None
             slot.at_prompt_end = False
-        if end is TurnEnd.COMPLETED and cache_n is not None and lease.expected_reuse > 0:
+        if end is TurnEnd.COMPLETED and cache_n is not None and lease.cache.expected_reuse > 0:
             self._judge_restore(lease, cache_n)
         self._dispatch()
         if slot.dirty:
@@ -330,6 +341,7 @@ class SlotPool:
         if chosen.held_back:
             self.policy.skipped()  # a chance for a trial of the strategy before a fallback, if there is one
         lease.warm_up = chosen.warm_up
+        lease.cache.why = str(chosen.why)
         if chosen.restore is not None:
             await self._restore(slot, lease, chosen.restore.snapshot, chosen.outcome, chosen.owes)
 
@@ -354,7 +366,7 @@ class SlotPool:
             return None
         key = SessionKey(lease.key.model, system.digest)
         # Awaited, commit included: the caller gets the snapshot.
-        lease.save_ms += await self._save(slot.slot_id, key, _Held.of(slot), SnapshotKind.SYSTEM)
+        lease.cache.save_ms += await self._save(slot.slot_id, key, _Held.of(slot), SnapshotKind.SYSTEM)
         return await self.snapshots.get(key, SnapshotKind.SYSTEM)
 
     def warm_up_failed(self, lease: SlotLease) -> None:
@@ -370,12 +382,11 @@ class SlotPool:
         slot.occupant, slot.dirty = None, False
         slot.generation += 1
         key = SessionKey(model, system.digest)
-        lease = SlotLease(slot.slot_id, key, CacheOutcome.COLD, side=True, chain=system.chain(), system=system,
-                          _release=self._finish)
+        lease = SlotLease(slot.slot_id, key, side=True, chain=system.chain(), system=system, _release=self._finish)
         try:
             lease.existing = await self.snapshots.system(key)
             if lease.existing is None and previous is not None and previous_dirty:
-                lease.save_ms = await self._save(slot.slot_id, previous, held, wait=False)
+                lease.cache.save_ms = await self._save(slot.slot_id, previous, held, wait=False)
         except BaseException:
             lease.release(TurnEnd.FAILED)
             raise
@@ -394,15 +405,16 @@ class SlotPool:
         result = await self._restore_or_none(slot, snapshot)
         slot.chain = []  # a restore replaces the slot's content, a failed one empties it
         if result is None:
+            lease.cache.why = "restore-failed"
             return
-        lease.restore_ms = (time.perf_counter() - started) * 1000
-        lease.outcome = outcome
-        lease.restored_tokens = result.n_tokens
-        lease.expected_reuse = min(expected, result.n_tokens)
-        lease.restored_from = snapshot.session_id if snapshot.kind is SnapshotKind.SESSION else (
+        lease.cache.restore_ms = (time.perf_counter() - started) * 1000
+        lease.cache.outcome = outcome
+        lease.cache.restored_tokens = result.n_tokens
+        lease.cache.expected_reuse = min(expected, result.n_tokens)
+        lease.cache.restored_from = snapshot.session_id if snapshot.kind is SnapshotKind.SESSION else (
             f"system:{snapshot.session_id[:12]}")
         self.restores += 1
-        self.events.restored(lease.restore_ms, snapshot.n_bytes, result.n_tokens)
+        self.events.restored(lease.cache.restore_ms, snapshot.n_bytes, result.n_tokens)
         slot.n_tokens = result.n_tokens
         self.snapshots.used(snapshot)
 
@@ -430,9 +442,9 @@ class SlotPool:
 
     def _judge_restore(self, lease: SlotLease, cache_n: int) -> None:
         """The proof of reuse: the restore owed the tokens the request shares with it (`expected_reuse`)."""
-        if not self.policy.judged(lease.expected_reuse, cache_n):
+        if not self.policy.judged(lease.cache.expected_reuse, cache_n):
             log.warning("restore for %s did not help: %d tokens restored, %d shared with the request, %d reused by "
-                        "the backend", lease.key, lease.restored_tokens, lease.expected_reuse, cache_n)
+                        "the backend", lease.key, lease.cache.restored_tokens, lease.cache.expected_reuse, cache_n)
 
     def learn_from_disk(self) -> None:
         """In a worker thread at start: what the newest snapshots of this backend tell about its build."""

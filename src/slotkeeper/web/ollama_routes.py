@@ -190,7 +190,7 @@ async def _ndjson(turn: StreamTurn, shape: AnswerShape, started: int) -> AsyncIt
 
 def _load_ns(record: TurnRecord) -> int:
     # Ollama's "load" is getting the model ready; ours is getting the session's state into a slot.
-    return round((record.lease.save_ms + record.lease.restore_ms) * 1e6)
+    return round((record.lease.cache.save_ms + record.lease.cache.restore_ms) * 1e6)
 
 
 def _session(request: Request, state: AppState, body: Mapping[str, Any], messages: Any) -> SessionKey:
