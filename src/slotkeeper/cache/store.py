@@ -1,4 +1,4 @@
-"""The snapshot store: slot files in the slot directory plus their SQLite index.
+"""The snapshot store: the slot files' lifecycle in the slot directory; their rows are the index's (index.py).
 
 A file is listed in the index only once it was completely written, fsynced and renamed; anything else in the
 directory is a leftover. Every lookup re-checks size, checksum and fingerprint before a file may be restored (the
@@ -16,62 +16,23 @@ import re
 import secrets
 import sqlite3
 import stat
-import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.files import copy_durably, fsync_dir, make_private_dir, unlink_quietly
 from slotkeeper.cache.files import file_checksum as file_checksum  # where the rest of the code finds it
 from slotkeeper.cache.hashmemo import HashMemo, fine_timestamps, read_identity
+from slotkeeper.cache.index import SnapshotIndex
 from slotkeeper.cache.ramdir import RamDir
 from slotkeeper.errors import SnapshotError
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 
 log = logging.getLogger("slotkeeper.store")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS snapshots (
-    model       TEXT NOT NULL,
-    session_id  TEXT NOT NULL,
-    kind        TEXT NOT NULL DEFAULT 'session',
-    filename    TEXT NOT NULL UNIQUE,
-    fingerprint TEXT NOT NULL,
-    n_tokens    INTEGER NOT NULL,
-    n_bytes     INTEGER NOT NULL,
-    checksum    TEXT NOT NULL,
-    created     REAL NOT NULL,
-    last_used   REAL NOT NULL,
-    hits        INTEGER NOT NULL DEFAULT 0,
-    pinned      INTEGER NOT NULL DEFAULT 0,
-    n_prompt    INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (model, session_id, kind)
-);
-CREATE TABLE IF NOT EXISTS chains (
-    filename    TEXT NOT NULL,
-    position    INTEGER NOT NULL,
-    digest      TEXT NOT NULL,
-    chars       INTEGER NOT NULL,
-    PRIMARY KEY (filename, position)
-);
-CREATE INDEX IF NOT EXISTS chains_by_digest ON chains (digest);
-CREATE TABLE IF NOT EXISTS file_identities (
-    path        TEXT NOT NULL,
-    size        INTEGER NOT NULL,
-    mtime_ns    INTEGER NOT NULL,
-    identity    TEXT NOT NULL,
-    PRIMARY KEY (path, size, mtime_ns)
-);
-"""
-_COLUMNS = (
-    "model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned,"
-    " n_prompt"
-)
 # Our own names: 40 hex digits, a dash and a nonce; temporaries carry `.tmp-<nonce>` before `.bin`.
 _FINAL_NAME = re.compile(r"^[0-9a-f]{40}-[0-9a-f]{8}\.bin$")
 _TEMP_NAME = re.compile(r"^[0-9a-f]{40}\.tmp-[0-9a-f]{8}\.bin$")
@@ -101,29 +62,25 @@ class ReconcileReport:
 
 
 class SnapshotStore:
-    """Owns the index rows and the files they name. Thread-safe; callers run it off the event loop."""
+    """Owns the files the index rows name, and the index: nothing else writes its rows. Thread-safe: the index locks
+    its connection, and no file operation needs to hold that lock; callers run it off the event loop."""
 
     def __init__(self, slot_dir: Path, index_path: Path, ram: RamDir | None = None) -> None:
         self.slot_dir = slot_dir
         self.ram = ram
         make_private_dir(slot_dir)
         make_private_dir(index_path.parent)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(index_path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")}
-        if "pinned" not in columns:  # an index from before pinning
-            self._db.execute("ALTER TABLE snapshots ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
-        if "n_prompt" not in columns:  # an index from before prompt token counts (0: not known)
-            self._db.execute("ALTER TABLE snapshots ADD COLUMN n_prompt INTEGER NOT NULL DEFAULT 0")
+        self._index = SnapshotIndex(index_path)
         self.hashes = HashMemo(fine_timestamps(slot_dir))
         self._not_here: set[str] = set()  # snapshots of another fingerprint already reported
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._index.close()
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        """The index's connection, for the tests that count its statements or checkpoint its log."""
+        return self._index.connection
 
     @property
     def backend_dir(self) -> Path:
@@ -179,30 +136,12 @@ class SnapshotStore:
                     self.ram.remove(temp_name)
             else:
                 self.ram.remove(temp_name)  # the symlink the backend saved through
-        now = time.time()
-        with self._lock, self._transaction():
-            previous = self._row(key, kind)
-            self._db.execute(
-                "INSERT INTO snapshots (model, session_id, kind, filename, fingerprint, n_tokens, n_bytes, checksum,"
-                " created, last_used, hits, n_prompt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)"
-                " ON CONFLICT(model, session_id, kind) DO UPDATE SET filename=excluded.filename,"
-                " fingerprint=excluded.fingerprint, n_tokens=excluded.n_tokens, n_bytes=excluded.n_bytes,"
-                " checksum=excluded.checksum, last_used=excluded.last_used, n_prompt=excluded.n_prompt",
-                (key.model, key.session_id, str(kind), final_name, fingerprint, n_tokens, n_bytes, checksum, now, now,
-                 max(n_prompt, 0)),
-            )
-            self._db.executemany(
-                "INSERT INTO chains (filename, position, digest, chars) VALUES (?, ?, ?, ?)",
-                [(final_name, i, link.digest, link.chars) for i, link in enumerate(chain)],
-            )
-            if previous is not None:
-                self._db.execute("DELETE FROM chains WHERE filename=?", (previous.filename,))
-            snapshot = self._row(key, kind)
+        previous, snapshot = self._index.replace(key, kind, final_name, fingerprint, n_tokens, n_bytes, checksum,
+                                                 chain, n_prompt)
         if previous is not None and previous.filename != final_name:
             self._unlink_snapshot_files(previous.filename)
         if in_ram:
             self.trim_ram()
-        assert snapshot is not None
         return snapshot
 
     def _finish_on_disk(self, temp_name: str, final_name: str, n_written: int | None) -> tuple[int, str]:
@@ -248,9 +187,7 @@ class SnapshotStore:
         copies = self.ram.copies(_is_final_name)
         if sum(copies.values()) <= self.ram.budget:
             return 0
-        with self._lock:
-            rows = self._db.execute("SELECT filename FROM snapshots ORDER BY last_used").fetchall()
-        indexed = [str(row[0]) for row in rows]
+        indexed = self._index.filenames_by_use()
         unindexed = [name for name in copies if name not in set(indexed)]
         return self.ram.trim(copies, [*unindexed, *indexed])
 
@@ -263,8 +200,7 @@ class SnapshotStore:
     def checked_snapshot(self, key: SessionKey, fingerprint: str,
                          kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
         """The key's snapshot if its file is intact and made by this backend; else None (bad files quarantined)."""
-        with self._lock:
-            snapshot = self._row(key, kind)
+        snapshot = self._index.get(key, kind)
         return None if snapshot is None else self._verified(snapshot, fingerprint)
 
     def best_prefix(self, model: str, fingerprint: str, chain: Sequence[Link],
@@ -278,22 +214,12 @@ class SnapshotStore:
         the first that an intact snapshot holds wins. (Matching all digests in one join let SQLite scan every
         snapshot of the model, and sort every conversation on a shared system prompt, on each lookup.)
         """
-        query = (
-            f"SELECT {', '.join('s.' + c.strip() for c in _COLUMNS.split(','))}"
-            " FROM chains c CROSS JOIN snapshots s ON s.filename = c.filename"  # CROSS: chains by digest drive
-            " WHERE c.digest = ? AND s.model = ? AND s.fingerprint = ? AND s.kind = 'session'"
-            " ORDER BY s.last_used DESC LIMIT 8"
-        )
         for position in range(len(chain) - 1, max(min_messages, 1) - 2, -1):
-            with self._lock:
-                rows = self._db.execute(query, (chain[position].digest, model, fingerprint)).fetchall()
-            for row in rows:
-                snapshot = self._verified(_snapshot(row), fingerprint)
+            for candidate in self._index.prefix_candidates(chain[position].digest, model, fingerprint):
+                snapshot = self._verified(candidate, fingerprint)
                 if snapshot is None:
                     continue
-                with self._lock:
-                    total_chars = self._db.execute("SELECT MAX(chars) FROM chains WHERE filename=?",
-                                                   (snapshot.filename,)).fetchone()[0] or 0
+                total_chars = self._index.chain_chars(snapshot.filename)
                 share = chain[position].chars / total_chars if total_chars else 0.0
                 whole = chain[position].chars >= total_chars
                 return PrefixMatch(snapshot, position + 1, int(snapshot.owed_tokens * min(share, 1.0)), whole)
@@ -301,11 +227,7 @@ class SnapshotStore:
 
     def chain_of(self, snapshot: Snapshot) -> list[Link]:
         """The message chain recorded with a snapshot (empty when none was)."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT digest, chars FROM chains WHERE filename=? ORDER BY position", (snapshot.filename,)
-            ).fetchall()
-        return [Link(str(digest), int(chars)) for digest, chars in rows]
+        return self._index.chain_of(snapshot.filename)
 
     def shared_prefix(self, snapshot: Snapshot, chain: Sequence[Link]) -> tuple[int, int] | None:
         """How many leading messages of `chain` the snapshot covers, and about how many of its prompt tokens that
@@ -357,9 +279,7 @@ class SnapshotStore:
 
     def quarantine(self, snapshot: Snapshot, reason: str) -> None:
         """Drop the index row and move the file aside so it is never handed to the backend again."""
-        with self._lock, self._transaction():
-            self._db.execute("DELETE FROM snapshots WHERE filename=?", (snapshot.filename,))
-            self._db.execute("DELETE FROM chains WHERE filename=?", (snapshot.filename,))
+        self._index.drop(snapshot.filename)
         self.hashes.forget(snapshot.filename)
         if self.ram is not None:
             self.ram.remove(snapshot.filename)
@@ -374,57 +294,33 @@ class SnapshotStore:
         log.warning("snapshot %s/%s quarantined: %s", snapshot.model, snapshot.session_id, reason)
 
     def mark_used(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> None:
-        with self._lock:
-            self._db.execute(
-                "UPDATE snapshots SET last_used=?, hits=hits+1 WHERE model=? AND session_id=? AND kind=?",
-                (time.time(), key.model, key.session_id, str(kind)),
-            )
+        self._index.mark_used(key, kind)
 
     # -- listing and deleting -------------------------------------------------------------------------------
 
     def get(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
-        with self._lock:
-            return self._row(key, kind)
+        return self._index.get(key, kind)
 
     def list(self, model: str | None = None, kind: SnapshotKind | None = SnapshotKind.SESSION) -> list[Snapshot]:
         """Snapshots, most recently used first: of one kind (sessions by default) or, with kind None, all."""
-        query = f"SELECT {_COLUMNS} FROM snapshots WHERE 1=1"
-        params: tuple[str, ...] = ()
-        if kind is not None:
-            query += " AND kind=?"
-            params += (str(kind),)
-        if model is not None:
-            query += " AND model=?"
-            params += (model,)
-        with self._lock:
-            rows = self._db.execute(query + " ORDER BY last_used DESC", params).fetchall()
-        return [_snapshot(row) for row in rows]
+        return self._index.snapshots(model, kind)
 
     def delete(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
         """Remove a snapshot's row and file; returns what was removed, or None when there was nothing."""
-        with self._lock, self._transaction():
-            snapshot = self._row(key, kind)
-            if snapshot is None:
-                return None
-            self._db.execute("DELETE FROM snapshots WHERE filename=?", (snapshot.filename,))
-            self._db.execute("DELETE FROM chains WHERE filename=?", (snapshot.filename,))
+        snapshot = self._index.delete(key, kind)
+        if snapshot is None:
+            return None
         self._unlink_snapshot_files(snapshot.filename)
         return snapshot
 
     def set_pinned(self, key: SessionKey, pinned: bool, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
         """Pin (never evict) or unpin a snapshot; None when there is none."""
-        with self._lock:
-            self._db.execute("UPDATE snapshots SET pinned=? WHERE model=? AND session_id=? AND kind=?",
-                             (int(pinned), key.model, key.session_id, str(kind)))
-            return self._row(key, kind)
+        return self._index.set_pinned(key, pinned, kind)
 
     def evict(self, snapshot: Snapshot, reason: str) -> bool:
         """Remove an evicted snapshot: its index row, its chain, its file and any sidecar, in that order (a crash
         in between leaves at most an unindexed file, which the next start removes). False if it was gone already."""
-        with self._lock, self._transaction():
-            gone = self._db.execute("DELETE FROM snapshots WHERE filename=?", (snapshot.filename,)).rowcount == 0
-            self._db.execute("DELETE FROM chains WHERE filename=?", (snapshot.filename,))
-        if gone:
+        if not self._index.drop(snapshot.filename):
             return False
         self._unlink_snapshot_files(snapshot.filename)
         log.info("evicted %s snapshot %s/%s (%d bytes, last used %.0f s ago): %s", snapshot.kind, snapshot.model,
@@ -436,7 +332,7 @@ class SnapshotStore:
         in the total and age out first (`trim_quarantine`)."""
         now = time.time()
         self.trim_quarantine(budget, now)
-        if not budget.limited or not self._over_budget(budget, now):
+        if not budget.limited or not self._index.over_budget(budget, now):
             return []
         evictions = choose_evictions(self.list(kind=None), budget, protected, now)
         return [e for e in evictions if self.evict(e.snapshot, e.reason)]
@@ -462,9 +358,7 @@ class SnapshotStore:
         removed = [f for f in found if now - f[0] > keep_for]
         if budget.max_bytes > 0:
             rest = [f for f in found if f not in removed]
-            with self._lock:
-                total = self._db.execute("SELECT COALESCE(SUM(n_bytes), 0) FROM snapshots").fetchone()[0]
-            total += sum(f[1] for f in rest)
+            total = self._index.total_bytes() + sum(f[1] for f in rest)
             for f in rest:
                 if total <= budget.max_bytes:
                     break
@@ -477,35 +371,9 @@ class SnapshotStore:
                      keep_for)
         return len(removed)
 
-    def _over_budget(self, budget: DiskBudget, now: float) -> bool:
-        """Whether any limit is broken at all, by one aggregate query per limit. Every save enforces the budget and
-        most saves leave it whole; listing every snapshot to find that out took 40-100 ms at 10,000 snapshots.
-        Errs towards True (pinned and in-use snapshots are not counted out): the full check decides then."""
-        with self._lock:
-            if budget.max_bytes > 0:
-                total = self._db.execute("SELECT COALESCE(SUM(n_bytes), 0) FROM snapshots").fetchone()[0]
-                if total > budget.max_bytes:
-                    return True
-            if budget.max_age_seconds > 0 and self._db.execute(
-                "SELECT 1 FROM snapshots WHERE last_used < ? LIMIT 1", (now - budget.max_age_seconds,)
-            ).fetchone() is not None:
-                return True
-            return budget.max_system_snapshots > 0 and self._db.execute(
-                "SELECT 1 FROM snapshots WHERE kind = 'system' GROUP BY model HAVING COUNT(*) > ? LIMIT 1",
-                (budget.max_system_snapshots,),
-            ).fetchone() is not None
-
     def usage(self) -> dict[str, dict[str, int]]:
         """Bytes and snapshot counts per kind: {"session": {"count", "bytes", "pinned"}, "system": {...}}."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT kind, COUNT(*), COALESCE(SUM(n_bytes), 0), COALESCE(SUM(pinned), 0) FROM snapshots"
-                " GROUP BY kind"
-            ).fetchall()
-        out = {str(kind): {"count": 0, "bytes": 0, "pinned": 0} for kind in SnapshotKind}
-        for kind, count, n_bytes, pinned in rows:
-            out[str(kind)] = {"count": int(count), "bytes": int(n_bytes), "pinned": int(pinned)}
-        return out
+        return self._index.usage()
 
     def _unlink_snapshot_files(self, filename: str) -> None:
         self.hashes.forget(filename)
@@ -522,8 +390,7 @@ class SnapshotStore:
 
         Only names of our own shape are touched: the directory may be shared with other tools.
         """
-        with self._lock:
-            indexed = {row[0] for row in self._db.execute("SELECT filename FROM snapshots")}
+        indexed = self._index.filenames()
         temps = orphans = 0
         for entry in os.scandir(self.slot_dir):
             if _TEMP_NAME.match(entry.name):
@@ -534,14 +401,11 @@ class SnapshotStore:
                 orphans += 1
         if self.ram is not None:
             orphans += self._reconcile_ram(indexed)
-        with self._lock:
-            self._db.execute("DELETE FROM chains WHERE filename NOT IN (SELECT filename FROM snapshots)")
+        self._index.drop_orphan_chains()
         dropped = 0
         for name in indexed:
             if not (self.slot_dir / name).is_file():
-                with self._lock, self._transaction():
-                    self._db.execute("DELETE FROM snapshots WHERE filename=?", (name,))
-                    self._db.execute("DELETE FROM chains WHERE filename=?", (name,))
+                self._index.drop(name)
                 dropped += 1
         self.trim_ram()
         report = ReconcileReport(temps, orphans, dropped)
@@ -567,38 +431,10 @@ class SnapshotStore:
     # -- model file identities (cached, so a 20 GB GGUF is not re-read at every start) ------------------------
 
     def cached_identity(self, path: str, size: int, mtime_ns: int) -> str | None:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT identity FROM file_identities WHERE path=? AND size=? AND mtime_ns=?", (path, size, mtime_ns)
-            ).fetchone()
-        return None if row is None else str(row[0])
+        return self._index.cached_identity(path, size, mtime_ns)
 
     def remember_identity(self, path: str, size: int, mtime_ns: int, identity: str) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO file_identities (path, size, mtime_ns, identity) VALUES (?, ?, ?, ?)",
-                (path, size, mtime_ns, identity),
-            )
-
-    @contextmanager
-    def _transaction(self) -> Iterator[None]:
-        """The statements inside land together, with one fsync of the log; call it with the lock held. (The
-        connection autocommits: each statement outside a transaction, each row of an executemany included, would
-        be a transaction of its own, fsynced on its own.)"""
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
-
-    def _row(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
-        row = self._db.execute(
-            f"SELECT {_COLUMNS} FROM snapshots WHERE model=? AND session_id=? AND kind=?",
-            (key.model, key.session_id, str(kind)),
-        ).fetchone()
-        return None if row is None else _snapshot(row)
+        self._index.remember_identity(path, size, mtime_ns, identity)
 
 
 def shared_with(snapshot: Snapshot, saved: Sequence[Link], chain: Sequence[Link]) -> tuple[int, int] | None:
@@ -629,11 +465,3 @@ def _unindexed_own_file(name: str, indexed: set[str]) -> bool:
     for suffix in SIDECAR_SUFFIXES:
         base = base.removesuffix(suffix)
     return bool(_FINAL_NAME.match(base)) and base not in indexed
-
-
-def _snapshot(row: Sequence[Any]) -> Snapshot:
-    """An index row (the columns of _COLUMNS, in order) as a Snapshot."""
-    (model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned,
-     n_prompt) = row
-    return Snapshot(model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits,
-                    SnapshotKind(kind), bool(pinned), int(n_prompt))

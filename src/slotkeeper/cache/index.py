@@ -1,0 +1,287 @@
+"""The snapshot index: SQLite rows, and nothing else.
+
+One row per snapshot (its file's name, size, checksum and fingerprint, its use and pin), the message chain recorded
+with it (`chains`, indexed by digest for prefix lookups) and the model files' identities (so a 20 GB GGUF is not
+re-read at every start). It never looks at the files its rows name: whether one exists, is intact, or goes is the
+store's (store.py), which writes a row only for a file that is already durable.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from slotkeeper.cache.budget import DiskBudget
+from slotkeeper.cache.chain import Link
+from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS snapshots (
+    model       TEXT NOT NULL,
+    session_id  TEXT NOT NULL,
+    kind        TEXT NOT NULL DEFAULT 'session',
+    filename    TEXT NOT NULL UNIQUE,
+    fingerprint TEXT NOT NULL,
+    n_tokens    INTEGER NOT NULL,
+    n_bytes     INTEGER NOT NULL,
+    checksum    TEXT NOT NULL,
+    created     REAL NOT NULL,
+    last_used   REAL NOT NULL,
+    hits        INTEGER NOT NULL DEFAULT 0,
+    pinned      INTEGER NOT NULL DEFAULT 0,
+    n_prompt    INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (model, session_id, kind)
+);
+CREATE TABLE IF NOT EXISTS chains (
+    filename    TEXT NOT NULL,
+    position    INTEGER NOT NULL,
+    digest      TEXT NOT NULL,
+    chars       INTEGER NOT NULL,
+    PRIMARY KEY (filename, position)
+);
+CREATE INDEX IF NOT EXISTS chains_by_digest ON chains (digest);
+CREATE TABLE IF NOT EXISTS file_identities (
+    path        TEXT NOT NULL,
+    size        INTEGER NOT NULL,
+    mtime_ns    INTEGER NOT NULL,
+    identity    TEXT NOT NULL,
+    PRIMARY KEY (path, size, mtime_ns)
+);
+"""
+_COLUMNS = (
+    "model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned,"
+    " n_prompt"
+)
+_PREFIX_CANDIDATES = (
+    f"SELECT {', '.join('s.' + c.strip() for c in _COLUMNS.split(','))}"
+    " FROM chains c CROSS JOIN snapshots s ON s.filename = c.filename"  # CROSS: chains by digest drive
+    " WHERE c.digest = ? AND s.model = ? AND s.fingerprint = ? AND s.kind = 'session'"
+    " ORDER BY s.last_used DESC LIMIT 8"
+)
+
+
+class SnapshotIndex:
+    """The rows of the snapshots and their chains. Thread-safe: one lock around the connection, which every
+    method takes for its statements (callers run it off the event loop)."""
+
+    def __init__(self, index_path: Path) -> None:
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(index_path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")}
+        if "pinned" not in columns:  # an index from before pinning
+            self._db.execute("ALTER TABLE snapshots ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
+        if "n_prompt" not in columns:  # an index from before prompt token counts (0: not known)
+            self._db.execute("ALTER TABLE snapshots ADD COLUMN n_prompt INTEGER NOT NULL DEFAULT 0")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @property
+    def connection(self) -> sqlite3.Connection:
+        """The connection itself, for tests that measure the statements run; everything else goes through the
+        methods, under the lock."""
+        return self._db
+
+    # -- writing ----------------------------------------------------------------------------------------------
+
+    def replace(self, key: SessionKey, kind: SnapshotKind, filename: str, fingerprint: str, n_tokens: int,
+                n_bytes: int, checksum: str, chain: Sequence[Link] = (),
+                n_prompt: int = 0) -> tuple[Snapshot | None, Snapshot]:
+        """Index `filename` as the key's snapshot, with its chain, in one transaction; returns the row it replaced
+        (its file is now the caller's to remove) and the new one. The replaced row's `created` and `hits` carry
+        over."""
+        now = time.time()
+        with self._lock, self._transaction():
+            previous = self._row(key, kind)
+            self._db.execute(
+                "INSERT INTO snapshots (model, session_id, kind, filename, fingerprint, n_tokens, n_bytes, checksum,"
+                " created, last_used, hits, n_prompt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)"
+                " ON CONFLICT(model, session_id, kind) DO UPDATE SET filename=excluded.filename,"
+                " fingerprint=excluded.fingerprint, n_tokens=excluded.n_tokens, n_bytes=excluded.n_bytes,"
+                " checksum=excluded.checksum, last_used=excluded.last_used, n_prompt=excluded.n_prompt",
+                (key.model, key.session_id, str(kind), filename, fingerprint, n_tokens, n_bytes, checksum, now, now,
+                 max(n_prompt, 0)),
+            )
+            self._db.executemany(
+                "INSERT INTO chains (filename, position, digest, chars) VALUES (?, ?, ?, ?)",
+                [(filename, i, link.digest, link.chars) for i, link in enumerate(chain)],
+            )
+            if previous is not None:
+                self._db.execute("DELETE FROM chains WHERE filename=?", (previous.filename,))
+            snapshot = self._row(key, kind)
+        assert snapshot is not None
+        return previous, snapshot
+
+    def drop(self, filename: str) -> bool:
+        """Remove the row naming `filename` and its chain, together; False when there was no such row."""
+        with self._lock, self._transaction():
+            removed = self._db.execute("DELETE FROM snapshots WHERE filename=?", (filename,)).rowcount > 0
+            self._db.execute("DELETE FROM chains WHERE filename=?", (filename,))
+        return removed
+
+    def delete(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
+        """Remove the key's row and its chain; returns the row removed, or None when there was none."""
+        with self._lock, self._transaction():
+            snapshot = self._row(key, kind)
+            if snapshot is None:
+                return None
+            self._db.execute("DELETE FROM snapshots WHERE filename=?", (snapshot.filename,))
+            self._db.execute("DELETE FROM chains WHERE filename=?", (snapshot.filename,))
+        return snapshot
+
+    def drop_orphan_chains(self) -> None:
+        """Remove chain rows whose snapshot row is gone."""
+        with self._lock:
+            self._db.execute("DELETE FROM chains WHERE filename NOT IN (SELECT filename FROM snapshots)")
+
+    def set_pinned(self, key: SessionKey, pinned: bool, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
+        with self._lock:
+            self._db.execute("UPDATE snapshots SET pinned=? WHERE model=? AND session_id=? AND kind=?",
+                             (int(pinned), key.model, key.session_id, str(kind)))
+            return self._row(key, kind)
+
+    def mark_used(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE snapshots SET last_used=?, hits=hits+1 WHERE model=? AND session_id=? AND kind=?",
+                (time.time(), key.model, key.session_id, str(kind)),
+            )
+
+    # -- reading ----------------------------------------------------------------------------------------------
+
+    def get(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
+        with self._lock:
+            return self._row(key, kind)
+
+    def snapshots(self, model: str | None = None, kind: SnapshotKind | None = SnapshotKind.SESSION) -> list[Snapshot]:
+        """Rows, most recently used first: of one kind (sessions by default) or, with kind None, all."""
+        query = f"SELECT {_COLUMNS} FROM snapshots WHERE 1=1"
+        params: tuple[str, ...] = ()
+        if kind is not None:
+            query += " AND kind=?"
+            params += (str(kind),)
+        if model is not None:
+            query += " AND model=?"
+            params += (model,)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY last_used DESC", params).fetchall()
+        return [_snapshot(row) for row in rows]
+
+    def filenames(self) -> set[str]:
+        """Every file name a row names."""
+        with self._lock:
+            return {str(row[0]) for row in self._db.execute("SELECT filename FROM snapshots")}
+
+    def filenames_by_use(self) -> list[str]:
+        """Every file name a row names, the least recently used first."""
+        with self._lock:
+            rows = self._db.execute("SELECT filename FROM snapshots ORDER BY last_used").fetchall()
+        return [str(row[0]) for row in rows]
+
+    def prefix_candidates(self, digest: str, model: str, fingerprint: str) -> list[Snapshot]:
+        """The session rows of this model and backend whose chain holds `digest` (at most 8, most recently used
+        first): one indexed lookup, the chains by digest driving the join."""
+        with self._lock:
+            rows = self._db.execute(_PREFIX_CANDIDATES, (digest, model, fingerprint)).fetchall()
+        return [_snapshot(row) for row in rows]
+
+    def chain_chars(self, filename: str) -> int:
+        """The prompt characters of the whole chain recorded with `filename` (0 when none was)."""
+        with self._lock:
+            return int(self._db.execute("SELECT MAX(chars) FROM chains WHERE filename=?",
+                                        (filename,)).fetchone()[0] or 0)
+
+    def chain_of(self, filename: str) -> list[Link]:
+        """The message chain recorded with `filename` (empty when none was)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT digest, chars FROM chains WHERE filename=? ORDER BY position", (filename,)
+            ).fetchall()
+        return [Link(str(digest), int(chars)) for digest, chars in rows]
+
+    def total_bytes(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COALESCE(SUM(n_bytes), 0) FROM snapshots").fetchone()[0])
+
+    def over_budget(self, budget: DiskBudget, now: float) -> bool:
+        """Whether any limit is broken at all, by one aggregate query per limit. Every save enforces the budget and
+        most saves leave it whole; listing every snapshot to find that out took 40-100 ms at 10,000 snapshots.
+        Errs towards True (pinned and in-use snapshots are not counted out): the full check decides then."""
+        with self._lock:
+            if budget.max_bytes > 0:
+                total = self._db.execute("SELECT COALESCE(SUM(n_bytes), 0) FROM snapshots").fetchone()[0]
+                if total > budget.max_bytes:
+                    return True
+            if budget.max_age_seconds > 0 and self._db.execute(
+                "SELECT 1 FROM snapshots WHERE last_used < ? LIMIT 1", (now - budget.max_age_seconds,)
+            ).fetchone() is not None:
+                return True
+            return budget.max_system_snapshots > 0 and self._db.execute(
+                "SELECT 1 FROM snapshots WHERE kind = 'system' GROUP BY model HAVING COUNT(*) > ? LIMIT 1",
+                (budget.max_system_snapshots,),
+            ).fetchone() is not None
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Bytes and snapshot counts per kind: {"session": {"count", "bytes", "pinned"}, "system": {...}}."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT kind, COUNT(*), COALESCE(SUM(n_bytes), 0), COALESCE(SUM(pinned), 0) FROM snapshots"
+                " GROUP BY kind"
+            ).fetchall()
+        out = {str(kind): {"count": 0, "bytes": 0, "pinned": 0} for kind in SnapshotKind}
+        for kind, count, n_bytes, pinned in rows:
+            out[str(kind)] = {"count": int(count), "bytes": int(n_bytes), "pinned": int(pinned)}
+        return out
+
+    # -- model file identities (cached, so a 20 GB GGUF is not re-read at every start) ------------------------
+
+    def cached_identity(self, path: str, size: int, mtime_ns: int) -> str | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT identity FROM file_identities WHERE path=? AND size=? AND mtime_ns=?", (path, size, mtime_ns)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def remember_identity(self, path: str, size: int, mtime_ns: int, identity: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO file_identities (path, size, mtime_ns, identity) VALUES (?, ?, ?, ?)",
+                (path, size, mtime_ns, identity),
+            )
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """The statements inside land together, with one fsync of the log; call it with the lock held. (The
+        connection autocommits: each statement outside a transaction, each row of an executemany included, would
+        be a transaction of its own, fsynced on its own.)"""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _row(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
+        row = self._db.execute(
+            f"SELECT {_COLUMNS} FROM snapshots WHERE model=? AND session_id=? AND kind=?",
+            (key.model, key.session_id, str(kind)),
+        ).fetchone()
+        return None if row is None else _snapshot(row)
+
+
+def _snapshot(row: Sequence[Any]) -> Snapshot:
+    """An index row (the columns of _COLUMNS, in order) as a Snapshot."""
+    (model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned,
+     n_prompt) = row
+    return Snapshot(model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits,
+                    SnapshotKind(kind), bool(pinned), int(n_prompt))
