@@ -86,3 +86,17 @@ def test_no_import_cycle() -> None:
 
 def test_a_cycle_is_found() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_only_the_snapshots_module_and_its_parts_reach_the_store() -> None:
+    """The rule "wait for a snapshot's pending writes before touching it" lives in cache/snapshots.py: nothing
+    outside cache/ may import the store or its index, and so go around it."""
+    store_parts = {"slotkeeper.cache.store", "slotkeeper.cache.index"}
+    outside = {name: sorted(targets & store_parts) for name, targets in import_graph().items()
+               if not name.startswith("slotkeeper.cache") and targets & store_parts}
+    assert outside == {}
+
+
+def test_the_web_layer_never_waits_for_writes_itself() -> None:
+    web = SOURCE / "web"
+    assert [p.name for p in web.rglob("*.py") if "settle" in p.read_text()] == []
