@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-alias", metavar="NAME", help="the model name clients see (default: the file name)")
     serve.add_argument("--session-header", dest="session_headers", action="append", metavar="NAME",
                        help="another header that carries a session id (repeatable)")
+    serve.add_argument("--keep-attribution-block", action=argparse.BooleanOptionalAction, default=None,
+                       help="keep Claude Code's attribution line (x-anthropic-billing-header) in the system prompt; "
+                       "it changes between requests, so nothing is reused (default: taken out)")
     serve.add_argument("--save-idle-seconds", type=float, metavar="S",
                        help="save a changed slot after S idle seconds (default 2; negative: only on switch/exit)")
     serve.add_argument("--min-restore-tokens", type=int, metavar="N",

@@ -68,6 +68,9 @@ class Settings:
     shutdown_timeout: float = 30.0
     # Extra header names that carry a session id (checked after the built-in ones).
     session_headers: tuple[str, ...] = ()
+    # Keep Claude Code's attribution line (x-anthropic-billing-header) in the system prompt; it changes between
+    # requests, so keeping it means no reuse at all (dialects/anthropic/claudecode.py).
+    keep_attribution_block: bool = False
     # A changed slot is saved after this many idle seconds (and always before its slot is reused, and at shutdown).
     save_idle_seconds: float = 2.0
     # A restore that would reuse fewer tokens than this is skipped (a prefill that short is as cheap).
@@ -439,6 +442,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "log_json": _bool,
     "backends": _backends,
     "system_snapshots": _bool,
+    "keep_attribution_block": _bool,
     "disk_budget": parse_size,
     "ram_budget": parse_size,
     "ram_dir": lambda v: Path(v).expanduser(),
@@ -458,6 +462,7 @@ _FILE_TYPES: dict[str, tuple[type, ...]] = {
     "log_json": (bool,),
     "backends": (list,),
     "system_snapshots": (bool,),
+    "keep_attribution_block": (bool,),
     "disk_budget": (int, str),
     "ram_budget": (int, str),
     "max_snapshot_age": (int, float, str),

@@ -11,15 +11,26 @@ from collections.abc import Iterable, Mapping, Sequence
 from slotkeeper.errors import BadRequest
 from slotkeeper.types import IdSource, SessionKey
 
-# Checked in this order; the first one present with a usable value wins.
+# Checked in this order; the first one present with a usable value wins. Who sends which (docs/clients.md):
 SESSION_HEADERS: tuple[str, ...] = (
-    "x-session-id",
+    "x-session-id",  # OpenCode (X-Session-Id), OpenWebUI renamed with FORWARD_SESSION_INFO_HEADER_CHAT_ID, scripts
     "x-conversation-id",
-    "session-id",
+    "session-id",  # Codex
     "conversation-id",
-    "x-openwebui-chat-id",
+    "x-openwebui-chat-id",  # OpenWebUI with ENABLE_FORWARD_USER_INFO_HEADERS
+    "x-claude-code-session-id",  # Claude Code
+    "x-session-affinity",  # OpenCode
+    "x-opencode-session",  # OpenCode, to its own providers
+    "thread-id",  # Codex
+    "session_id",  # older Codex builds
+    "conversation_id",
 )
-SESSION_BODY_FIELDS: tuple[str, ...] = ("session_id", "conversation_id", "chat_id", "id")
+# The body fields: ids of our own, OpenRouter's `session_id`, and OpenAI's `prompt_cache_key` (Codex sends its
+# thread id there), in this order.
+SESSION_BODY_FIELDS: tuple[str, ...] = ("session_id", "conversation_id", "chat_id", "id", "prompt_cache_key")
+# A subagent's requests carry its parent's session id and an agent id of its own: they are a conversation of their
+# own (Claude Code's x-claude-code-agent-id), kept apart as `<session>.agent-<id>`.
+AGENT_HEADERS: tuple[str, ...] = ("x-claude-code-agent-id",)
 # Body fields that are ours: removed before the request goes to the backend.
 OWN_BODY_FIELDS: frozenset[str] = frozenset(SESSION_BODY_FIELDS)
 # A body `id` that looks like an id the API itself hands out (a completion or message echoed back) is not a chat id.
@@ -43,19 +54,33 @@ def resolve_session(
     in order (the dialect extracts them). `hint` is a dialect's weaker id (Anthropic's metadata.user_id), used after
     the explicit ids and before the system prompt. Raises BadRequest for an explicit id that cannot be an id.
     """
-    for name in (*SESSION_HEADERS, *(h.lower() for h in extra_headers)):
-        value = headers.get(name)
-        if value is not None and value.strip():
-            return SessionKey(model, _checked(value.strip(), f"header {name}"), IdSource.HEADER)
-    for field in SESSION_BODY_FIELDS:
-        value = _body_id(body, field)
-        if value is not None:
-            return SessionKey(model, _checked(value, f"body field {field!r}"), IdSource.BODY)
-    if hint is not None and hint.strip():
-        return SessionKey(model, _checked(hint.strip(), "the request's metadata"), IdSource.BODY)
+    explicit = _explicit_id(headers, body, extra_headers, hint)
+    if explicit is not None:
+        value, source, where = explicit
+        agent = next((v.strip() for name in AGENT_HEADERS if (v := headers.get(name)) and v.strip()), None)
+        if agent is not None:
+            value = f"{value}.agent-{agent}"
+        return SessionKey(model, _checked(value, where), source)
     if any(text for text in system_texts):
         return SessionKey(model, system_session_id(system_texts), IdSource.SYSTEM_PROMPT)
     return SessionKey(model, DEFAULT_SESSION, IdSource.DEFAULT)
+
+
+def _explicit_id(headers: Mapping[str, str], body: Mapping[str, object], extra_headers: Iterable[str],
+                 hint: str | None) -> tuple[str, IdSource, str] | None:
+    """The first explicit id (headers, then body fields, then the dialect's hint), where it came from, and a name
+    for it in an error message."""
+    for name in (*SESSION_HEADERS, *(h.lower() for h in extra_headers)):
+        value = headers.get(name)
+        if value is not None and value.strip():
+            return value.strip(), IdSource.HEADER, f"header {name}"
+    for field in SESSION_BODY_FIELDS:
+        found = _body_id(body, field)
+        if found is not None:
+            return found, IdSource.BODY, f"body field {field!r}"
+    if hint is not None and hint.strip():
+        return hint.strip(), IdSource.BODY, "the request's metadata"
+    return None
 
 
 def system_session_id(system_texts: Sequence[str]) -> str:

@@ -7,6 +7,7 @@ requests.py (what clients send) -> translate.py (the backend's body) -> answers.
 """
 
 from slotkeeper.dialects.anthropic.answers import Usage, error_body, stop_reason, to_message, tool_input, usage_from
+from slotkeeper.dialects.anthropic.claudecode import is_side_request, session_from_user_id, without_attribution
 from slotkeeper.dialects.anthropic.requests import (
     Base64Source,
     ContentBlock,
@@ -70,9 +71,11 @@ __all__ = [
     "describe_validation_error",
     "error_body",
     "error_event",
+    "is_side_request",
     "metadata_user_id",
     "parse_count_tokens_request",
     "parse_messages_request",
+    "session_from_user_id",
     "sse",
     "stop_reason",
     "system_texts",
@@ -80,4 +83,5 @@ __all__ = [
     "tool_input",
     "upstream_error",
     "usage_from",
+    "without_attribution",
 ]
