@@ -100,6 +100,23 @@ def test_host_header_check_stops_dns_rebinding(start: Start, host: str, extra: t
         assert response.status_code == 403 and response.json()["error"]["type"] == "permission_error"
 
 
+def test_openwebui_in_docker_is_told_which_setting_lets_it_in(start: Start) -> None:
+    """OpenWebUI in Docker (Docker Desktop) reaches slotkeeper on the host's loopback as host.docker.internal: the
+    refusal names the setting, in the client's own API shape, and that setting lets it in."""
+    keeper, _ = start()
+    with httpx.Client(base_url=keeper.url) as c:
+        refused = c.post("/api/chat", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                            "stream": False}, headers={"Host": "host.docker.internal:11434"})
+    assert refused.status_code == 403, refused.text
+    message = refused.json()["error"]
+    assert "--allowed-hosts host.docker.internal" in message and "SLOTKEEPER_ALLOWED_HOSTS" in message
+    assert "OpenWebUI in Docker" in message
+    keeper, _ = start("--allowed-hosts", "host.docker.internal")
+    with httpx.Client(base_url=keeper.url) as c:
+        let_in = c.post("/v1/chat/completions", json=CHAT, headers={"Host": "host.docker.internal:11434"})
+    assert let_in.status_code == 200, let_in.text
+
+
 def test_huge_bodies_get_413_declared_or_chunked(start: Start) -> None:
     keeper, upstream = start("--max-body-bytes", "2000")
     big = {"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 1}

@@ -68,7 +68,7 @@ class Guard:
     def _refusal(self, path: str, headers: Headers) -> SlotkeeperError | None:
         host = headers.get("host")
         if self.allowed_hosts is not None and host and host_name(host) not in self.allowed_hosts:
-            return Forbidden(f"host {host_name(host)!r} is not allowed; add it with --allowed-hosts")
+            return Forbidden(_host_refused(host_name(host)))
         if path in _PUBLIC_PATHS or path.startswith("/dashboard"):
             return None  # the dashboard's page holds no data; the API calls it makes carry the key
         required = (self.admin_key or self.api_key) if is_admin_path(path) else self.api_key
@@ -104,3 +104,12 @@ def _offered_key(headers: Headers) -> str | None:
     if auth.lower().startswith("bearer "):
         return auth[7:].strip()
     return headers.get("x-api-key")
+
+
+def _host_refused(name: str) -> str:
+    """Why a Host was refused, and the one setting that lets it in (a name a container reaches the host by, too)."""
+    hint = (" (OpenWebUI or another client in Docker reaching the host: see docs/ollama.md, \"OpenWebUI in Docker\")"
+            if name in ("host.docker.internal", "host.containers.internal", "gateway.docker.internal") else "")
+    return (f"host {name!r} is not allowed: slotkeeper listens on loopback and answers only loopback names there "
+            f"(a guard against DNS rebinding); to let this name in, start it with --allowed-hosts {name} "
+            f"(or SLOTKEEPER_ALLOWED_HOSTS={name}, or allowed_hosts = [\"{name}\"] in the config file){hint}")
