@@ -18,6 +18,9 @@ log = logging.getLogger("slotkeeper.journal")
 RECENT_REQUESTS = 100
 # Sessions whose running totals are kept (least recently active dropped first).
 TRACKED_SESSIONS = 4096
+# The latest requests kept per session, for `slotkeeper sessions explain` (its story of a session's last turns).
+SESSION_HISTORY = 20
+HISTORY_SESSIONS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,9 @@ class RequestEntry:
     ms: float
     # The snapshot a restore came from: a session id, or `system:DIGEST` for a system prompt's snapshot.
     restored_from: str | None = None
+    # Why the backend prefilled what it did (cache/reasons.py), and the same in words.
+    why: str = ""
+    why_detail: str = ""
     time: float = field(default_factory=time.time)
 
     def log_line(self) -> str:
@@ -53,6 +59,7 @@ class RequestEntry:
             f"{f' from={self.restored_from}' if self.restored_from else ''} restore_ms={self.restore_ms:.1f} "
             f"save_ms={self.save_ms:.1f} cache_n={_dash(self.cache_n)} prompt_n={_dash(self.prompt_n)} "
             f"status={self.status} end={self.end} ms={self.ms:.0f}"
+            f"{f' why={self.why}' if self.why else ''}{f' ({self.why_detail})' if self.why_detail else ''}"
         )
 
     def prefill_seconds_saved(self, fallback_ms_per_token: float | None) -> float:
@@ -90,6 +97,7 @@ class RequestJournal:
     def __init__(self, size: int = RECENT_REQUESTS) -> None:
         self._recent: deque[RequestEntry] = deque(maxlen=size)
         self._totals: OrderedDict[tuple[str, str], SessionTotals] = OrderedDict()
+        self._history: OrderedDict[tuple[str, str], deque[RequestEntry]] = OrderedDict()
         self._listeners: list[RequestListener] = []
         self._lock = threading.Lock()
         # The latest measured prefill rate, for responses that prefilled nothing themselves.
@@ -113,8 +121,13 @@ class RequestJournal:
             totals.seconds_saved += saved
             totals.last_request = entry.time
             self._totals[key] = totals
+            history = self._history.pop(key, None) or deque(maxlen=SESSION_HISTORY)
+            history.append(entry)
+            self._history[key] = history
             while len(self._totals) > TRACKED_SESSIONS:
                 self._totals.popitem(last=False)
+            while len(self._history) > HISTORY_SESSIONS:
+                self._history.popitem(last=False)
         for listener in self._listeners:
             try:
                 listener(entry)
@@ -126,6 +139,11 @@ class RequestJournal:
         with self._lock:
             entries = list(self._recent)
         return entries[::-1][:limit]
+
+    def of_session(self, model: str, session: str) -> list[RequestEntry]:
+        """The session's latest requests (up to SESSION_HISTORY), oldest first."""
+        with self._lock:
+            return list(self._history.get((model, session), ()))
 
     def totals(self) -> dict[tuple[str, str], SessionTotals]:
         with self._lock:

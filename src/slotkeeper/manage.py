@@ -17,6 +17,7 @@ from typing import Any, TextIO
 from slotkeeper.admin_client import DEFAULT_URL, AdminClient, CommandError
 from slotkeeper.doctor import run_doctor
 from slotkeeper.formatting import human_bytes, print_json, since, table
+from slotkeeper.story import tell
 
 
 def add_commands(sub: Any) -> None:
@@ -38,6 +39,10 @@ def add_commands(sub: Any) -> None:
     show = actions.add_parser("show", parents=[common], help="one session's snapshot and activity")
     show.add_argument("session")
     show.add_argument("--model", help="the model namespace (default: the served model)")
+    explain = actions.add_parser("explain", parents=[common],
+                                 help="tell, in words, what the cache did for a session's last requests, and why")
+    explain.add_argument("session")
+    explain.add_argument("--model", help="the model namespace (default: every served model)")
     rm = actions.add_parser("rm", parents=[common], help="delete sessions' snapshots (files and index rows)")
     rm.add_argument("session", nargs="+")
     rm.add_argument("--system", action="store_true", help="the ids are system-prompt snapshot keys")
@@ -156,6 +161,17 @@ def _show(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     width = max(len(str(r[0])) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}", file=out)
+    return 0
+
+
+def _explain(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
+    params = {"session": args.session, **({"model": args.model} if args.model else {})}
+    rows = client.call("GET", "/api/requests/recent", params)["requests"]
+    if args.json:
+        print_json({"session": args.session, "requests": rows}, out)
+        return 0
+    for line in tell(args.session, rows):
+        print(line, file=out)
     return 0
 
 
@@ -338,8 +354,8 @@ def _import(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-_SESSION_ACTIONS = {"ls": _ls, "show": _show, "rm": _rm, "clear": _clear, "pin": _pin, "unpin": _pin,
-                    "disk": _disk, "export": _export, "import": _import}
+_SESSION_ACTIONS = {"ls": _ls, "show": _show, "explain": _explain, "rm": _rm, "clear": _clear, "pin": _pin,
+                    "unpin": _pin, "disk": _disk, "export": _export, "import": _import}
 
 
 def _quote(session: str) -> str:

@@ -69,7 +69,8 @@ class TurnRecord:
             self.api, self.lease.side, self.key.model, self.key.session_id, self.lease.slot_id, str(cache.outcome),
             cache.restored_tokens, cache.restore_ms, cache.save_ms, _int(t.get("cache_n")),
             _int(t.get("prompt_n")), _int(t.get("predicted_n")), _float(t.get("prompt_ms")), self.status, end.value,
-            (time.perf_counter() - self.started) * 1000, restored_from=cache.restored_from,
+            (time.perf_counter() - self.started) * 1000, restored_from=cache.restored_from, why=str(cache.why),
+            why_detail=cache.detail,
         )
         log.info("%s", entry.log_line(), extra={"request": entry})
         if self.journal is not None:
@@ -158,6 +159,8 @@ class TurnService:
         chain = message_chain(messages, body.get("tools")) if isinstance(messages, list) else []
         system = None if side else system_prompt_of(body)
         lease = await self.pool.acquire(key, chain, side=side, system=system)
+        if lease.cache.changed_at is not None and isinstance(messages, list):
+            lease.cache.detail = _with_role(lease.cache.detail, lease.cache.changed_at, messages)
         if lease.warm_up and warm_now:
             lease.warm_up = False
             try:
@@ -421,3 +424,12 @@ def _float(value: Any) -> float | None:
 def header_safe(value: str) -> str:
     """Header values must be latin-1; percent-encode anything else."""
     return value if value.isascii() and value.isprintable() else urllib.parse.quote(value, safe="")
+
+
+def _with_role(detail: str, index: int, messages: list[Any]) -> str:
+    """A rewritten history's detail with the changed message's role, as the client sent it: `message 3 (user)`."""
+    message = messages[index] if index < len(messages) else None
+    role = message.get("role") if isinstance(message, dict) else None
+    if not isinstance(role, str):
+        return detail
+    return detail.replace(f"message {index + 1} ", f"message {index + 1} ({role}) ", 1)

@@ -11,10 +11,10 @@ import asyncio
 import enum
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from slotkeeper.cache.budget import DiskBudget, SnapshotId
 from slotkeeper.cache.capability import ArchKind, Capability, Strategy
@@ -24,6 +24,7 @@ from slotkeeper.cache.evidence import CheckpointEvidence
 from slotkeeper.cache.planner import Candidate, Plan, Request, Rules, plan
 from slotkeeper.cache.promptend import Replay, replay_body
 from slotkeeper.cache.proof import RestorePolicy
+from slotkeeper.cache.reasons import Known, Reason, explain
 from slotkeeper.cache.snapshots import Snapshots, key_of
 from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.errors import NotFound, Overloaded, SaveFailed, SlotkeeperError, UpstreamError
@@ -39,6 +40,8 @@ _INVALID_FILE = "invalid slot save file"
 
 # System prompts found too short to be worth a snapshot, remembered so they are not warmed up again.
 _SHORT_SYSTEMS_KEPT = 1024
+# Sessions remembered for their next turn's reason: seen since start, and what became of their slot state.
+_SESSIONS_KEPT = 4096
 
 
 class TurnEnd(enum.Enum):
@@ -86,8 +89,11 @@ class TurnCache:
     made of. The pool fills it in while it brings a state in; the lease only carries it to the caller."""
 
     outcome: CacheOutcome = CacheOutcome.COLD
-    # Why the planner chose what it did (planner.Why), or "hot" when the slot already held the session.
+    # Why the backend prefilled what it did (reasons.py), in a word and in words; for a rewritten history, the
+    # message (0-based) where it changed.
     why: str = ""
+    detail: str = ""
+    changed_at: int | None = None
     restored_tokens: int = 0
     # Tokens the restore should let the backend reuse (the whole snapshot, or the shared prefix of another one).
     expected_reuse: int = 0
@@ -149,6 +155,10 @@ class SlotPool:
         self._max_queue = max_queue
         self._system_snapshots = system_snapshots
         self._short_systems: deque[str] = deque(maxlen=_SHORT_SYSTEMS_KEPT)
+        self._seen: OrderedDict[SessionKey, None] = OrderedDict()
+        # What became of a session's state in its slot since its last turn: another session took the slot, or the
+        # backend lost it (reason and words), for that session's next turn.
+        self._left: OrderedDict[SessionKey, tuple[Reason, str]] = OrderedDict()
         self._waiters: deque[_Waiter] = deque()
         self._timers: set[asyncio.Task[None]] = set()
         self.restores = 0
@@ -209,11 +219,19 @@ class SlotPool:
         slot.occupant, slot.dirty = (None if side else key), False
         slot.generation += 1
         lease = SlotLease(slot.slot_id, key, side=side, chain=list(chain), system=system, _release=self._finish)
+        if previous is not None and previous != key:
+            taker = "a side task" if side else f"session {key.session_id}"
+            self._remember(self._left, previous, (Reason.SLOT_TAKEN, f"slot {slot.slot_id} was taken by {taker}"))
         if side:
-            lease.cache.why = "side-task"
+            lease.cache.why = Reason.SIDE_TASK
         if previous == key and not side:
             slot.dirty = previous_dirty
-            lease.cache.outcome, lease.cache.why = CacheOutcome.HOT, "hot"
+            lease.cache.outcome, lease.cache.why = CacheOutcome.HOT, Reason.HOT
+            kept = common_prefix(in_slot, lease.chain)
+            if lease.chain and kept < len(in_slot):  # the client changed a message the slot had
+                lease.cache.why, lease.cache.changed_at = Reason.REWRITTEN, kept
+                lease.cache.detail = f"message {kept + 1} differs from the history in the slot; reused up to there"
+            self._remember(self._seen, key, None)
             return lease
         try:
             if previous is not None and previous_dirty:
@@ -310,6 +328,11 @@ class SlotPool:
         session's own snapshot, another conversation's that shares more than the system part, or the system part's
         (or warm a new system part up first), or nothing."""
         key = lease.key
+        known = Known(seen=key in self._seen)
+        left = self._left.pop(key, None)
+        if left is not None:
+            known = Known(left=left[0], left_detail=left[1], seen=known.seen)
+        self._remember(self._seen, key, None)
         kept = common_prefix(in_slot, lease.chain)  # what the slot's current content already gives for free
         if kept < len(in_slot) and self.policy.capability.needs_checkpoints:
             # A recurrent, hybrid or SWA slot rolls back only to its checkpoints (at the last user message and the
@@ -322,10 +345,11 @@ class SlotPool:
         restoring = not key.is_default and rules.strategy is not Strategy.KEEP_HOT
         own: Candidate | None = None
         if restoring:
-            own = await self.snapshots.own(key, lease.chain)
+            own, fate = await self.snapshots.own(key, lease.chain)
+            known = Known(fate, known.left, known.left_detail, known.seen)
             chosen = plan(request, rules, own)
             if chosen.restore is not None:  # the own snapshot comes first: nothing found later would change that
-                await self._act(slot, lease, chosen)
+                await self._act(slot, lease, chosen, own, known)
                 return
         prefix: Candidate | None = None
         if restoring:
@@ -335,13 +359,16 @@ class SlotPool:
         if system is not None and own is None and not key.is_default:
             # Where nothing is restored, only whether there is one matters: its row, unchecked.
             system_snapshot = await self.snapshots.system(SessionKey(key.model, system.digest), checked=restoring)
-        await self._act(slot, lease, plan(request, rules, own, prefix, system_snapshot))
+        await self._act(slot, lease, plan(request, rules, own, prefix, system_snapshot), own, known)
 
-    async def _act(self, slot: SlotState, lease: SlotLease, chosen: Plan) -> None:
+    async def _act(self, slot: SlotState, lease: SlotLease, chosen: Plan, own: Candidate | None,
+                   known: Known) -> None:
         if chosen.held_back:
             self.policy.skipped()  # a chance for a trial of the strategy before a fallback, if there is one
         lease.warm_up = chosen.warm_up
-        lease.cache.why = str(chosen.why)
+        explained = explain(chosen, own, known)
+        lease.cache.why, lease.cache.detail, lease.cache.changed_at = (explained.reason, explained.detail,
+                                                                      explained.changed_at)
         if chosen.restore is not None:
             await self._restore(slot, lease, chosen.restore.snapshot, chosen.outcome, chosen.owes)
 
@@ -405,7 +432,7 @@ class SlotPool:
         result = await self._restore_or_none(slot, snapshot)
         slot.chain = []  # a restore replaces the slot's content, a failed one empties it
         if result is None:
-            lease.cache.why = "restore-failed"
+            lease.cache.why, lease.cache.detail = Reason.RESTORE_FAILED, "the backend refused it (see the log)"
             return
         lease.cache.restore_ms = (time.perf_counter() - started) * 1000
         lease.cache.outcome = outcome
@@ -648,10 +675,18 @@ class SlotPool:
             if slot.occupant is not None:
                 log.warning("slot %d no longer holds %s (%s); its next turn restores from disk", slot.slot_id,
                             slot.occupant, reason)
+                self._remember(self._left, slot.occupant, (Reason.BACKEND_RESTARTED, reason))
                 reset.append(slot.slot_id)
             slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
             slot.n_prompt, slot.replay, slot.at_prompt_end = 0, None, False
         return reset
+
+    @staticmethod
+    def _remember(memory: OrderedDict[SessionKey, Any], key: SessionKey, value: Any) -> None:
+        memory.pop(key, None)
+        memory[key] = value
+        while len(memory) > _SESSIONS_KEPT:
+            memory.popitem(last=False)
 
     def forget(self, key: SessionKey) -> None:
         """Stop attributing any slot to `key` (its snapshot was deleted), so nothing saves it again."""

@@ -26,7 +26,9 @@ import builtins
 import logging
 import os
 import shutil
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -37,6 +39,7 @@ from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.fingerprint import model_file_identity
 from slotkeeper.cache.planner import Candidate
 from slotkeeper.cache.ramdir import RamDir
+from slotkeeper.cache.reasons import Reason
 from slotkeeper.cache.store import QUARANTINE_DIR, PrefixMatch, SnapshotStore, file_checksum, shared_with
 from slotkeeper.errors import SnapshotError, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
@@ -47,6 +50,8 @@ log = logging.getLogger("slotkeeper.pool")
 # How long an operator's view (listings, counters, /metrics) waits for saves still being committed in the background
 # so that it shows them; past this it shows what is indexed so far.
 VIEW_WAIT_SECONDS = 5.0
+# Snapshots the budget evicted, remembered (newest last) so that their session's next turn can say why it ran cold.
+_GONE_KEPT = 4096
 
 
 def snapshot_id(key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> SnapshotId:
@@ -75,6 +80,8 @@ class Snapshots:
         self.saves = 0
         self.failed_saves = 0
         self.evictions = 0
+        self._gone: OrderedDict[SnapshotId, None] = OrderedDict()
+        self._gone_lock = threading.Lock()  # budget enforcement runs in worker threads, several at once
 
     @classmethod
     def open(cls, slot_dir: Path, index_path: Path, ram: RamDir | None = None) -> Snapshots:
@@ -262,23 +269,29 @@ class Snapshots:
 
     # -- what a request could start from (the pool's look-ups) --------------------------------------------------
 
-    async def own(self, key: SessionKey, chain: Sequence[Link]) -> Candidate | None:
+    async def own(self, key: SessionKey, chain: Sequence[Link]) -> tuple[Candidate | None, Reason | None]:
         """The session's checked snapshot, once a save of it still being committed is done, and what of it the
-        request still shares (a client may have edited or trimmed its history)."""
+        request still shares (a client may have edited or trimmed its history); without one, what became of it
+        (evicted, not restorable here, quarantined), if anything is known."""
         await self._writes.wait([snapshot_id(key)])
         return await asyncio.to_thread(self._own_now, key, chain)
 
-    def _own_now(self, key: SessionKey, chain: Sequence[Link]) -> Candidate | None:
+    def _own_now(self, key: SessionKey, chain: Sequence[Link]) -> tuple[Candidate | None, Reason | None]:
         """In a worker thread, in one go. A request without messages (a raw prompt), or a snapshot without a
         recorded chain, is taken as sharing all of it."""
-        own = self._store.checked_snapshot(key, self._fingerprint)
+        row = self._store.get(key)
+        own = self._store.checked_snapshot(key, self._fingerprint) if row is not None else None
         if own is None:
-            return None
+            if row is None:
+                with self._gone_lock:
+                    gone = snapshot_id(key) in self._gone
+                return None, Reason.EVICTED if gone else None
+            return None, Reason.NOT_RESTORABLE if row.fingerprint != self._fingerprint else Reason.QUARANTINED
         saved = self._store.chain_of(own) if chain else []
         shared = shared_with(own, saved, chain)  # one read of the recorded chain for both answers
         if shared is None:
-            return Candidate(own, len(chain), own.owed_tokens, True)
-        return Candidate(own, shared[0], shared[1], shared[0] == len(saved))
+            return Candidate(own, len(chain), own.owed_tokens, True), None
+        return Candidate(own, shared[0], shared[1], shared[0] == len(saved)), None
 
     async def best_prefix(self, model: str, chain: Sequence[Link], min_messages: int) -> Candidate | None:
         """Another conversation's checked snapshot sharing the most (at least `min_messages`) leading messages with
@@ -352,10 +365,16 @@ class Snapshots:
         if not self.budget.limited:
             return 0
         try:
-            return len(self._store.enforce_budget(self.budget, keep))
+            evicted = self._store.enforce_budget(self.budget, keep)
         except Exception as exc:  # the budget is housekeeping: it must never fail a turn
             log.error("enforcing the disk budget failed: %s", exc)
             return 0
+        with self._gone_lock:
+            for eviction in evicted:
+                self._gone[snapshot_id(key_of(eviction.snapshot), eviction.snapshot.kind)] = None
+            while len(self._gone) > _GONE_KEPT:
+                self._gone.popitem(last=False)
+        return len(evicted)
 
     # -- waiting for pending writes -----------------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ router = APIRouter(prefix="/api")
 
 @router.get("/requests/recent")
 async def recent_requests(request: Request) -> dict[str, Any]:
-    """The recent requests of one backend (`?model=NAME`) or, without it, of every backend, newest first."""
+    """The recent requests of one backend (`?model=NAME`) or, without it, of every backend, newest first;
+    `?session=ID`: that session's latest requests only."""
     model = request.query_params.get("model")
     states = [app_state(request, model)] if model else backends(request).all
     try:
@@ -30,7 +31,12 @@ async def recent_requests(request: Request) -> dict[str, Any]:
     except ValueError:
         limit = RECENT_REQUESTS
     journals = [state.service.journal for state in states]
-    entries = sorted((e for j in journals for e in j.recent(limit)), key=lambda e: e.time, reverse=True)[:limit]
+    session = request.query_params.get("session")
+    if session is not None:  # one session's latest requests (kept apart from the ring of all requests)
+        found = (e for state in states for e in state.service.journal.of_session(state.backend.model_id, session))
+    else:
+        found = (e for j in journals for e in j.recent(limit))
+    entries = sorted(found, key=lambda e: e.time, reverse=True)[:limit]
     totals = [item for j in journals for item in j.totals().items()]
     return {
         "requests": [entry.to_json() for entry in entries],

@@ -56,6 +56,11 @@ class Metrics:
                                         "(timings.prompt_n).", by_model, registry=r)
         self.tokens_generated = Counter("slotkeeper_tokens_generated", "Tokens generated (timings.predicted_n).",
                                         by_model, registry=r)
+        self.reasons = Counter("slotkeeper_turn_reasons", "Requests by why the backend prefilled what it did (hot, "
+                               "own, new-session, rewritten, evicted, side-task, ...: docs/clients.md).",
+                               ["reason", *by_model], registry=r)
+        self.prefilled_by_reason = Counter("slotkeeper_tokens_prefilled_by_reason", "Prompt tokens prefilled, by "
+                                           "the request's reason.", ["reason", *by_model], registry=r)
         self.seconds_saved = Counter("slotkeeper_prefill_seconds_saved", "Estimated prefill time avoided: reused "
                                      "tokens at the measured prefill rate, by cache path.", ["cache", *by_model],
                                      registry=r)
@@ -86,6 +91,9 @@ class Metrics:
             self.request_errors.labels(entry.api, str(entry.status), *model).inc()
         _child(self.tokens_reused, *model).inc(entry.cache_n or 0)
         _child(self.tokens_prefilled, *model).inc(entry.prompt_n or 0)
+        if entry.why:
+            self.reasons.labels(entry.why, *model).inc()
+            self.prefilled_by_reason.labels(entry.why, *model).inc(entry.prompt_n or 0)
         _child(self.tokens_generated, *model).inc(entry.predicted_n or 0)
         self.request_seconds.labels(entry.api, *model).observe(entry.ms / 1000)
         self.seconds_saved.labels(entry.cache, *model).inc(entry.prefill_seconds_saved(journal.ms_per_token))
