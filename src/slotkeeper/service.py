@@ -94,14 +94,16 @@ class TurnService:
         await self.health.wait_up(self.backend_wait, hung_up)
 
     async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
-                    side: bool = False, hung_up: HungUp | None = None) -> tuple[Any, TurnRecord]:
+                    side: bool = False, hung_up: HungUp | None = None,
+                    chat: Mapping[str, Any] | None = None) -> tuple[Any, TurnRecord]:
         """A non-streaming turn: returns the backend's JSON answer and the record of what the cache did.
 
         A side request (a title or tag task) runs without becoming its session's state (see SlotPool.acquire).
         While the backend is down the turn waits for it (bounded; `hung_up` says when the client went away).
+        `chat` is the chat body the turn stands for when the upstream body is not one (see `_acquire`).
         """
         await self._backend_up(hung_up)
-        record = TurnRecord(api, key, await self._acquire(key, build, side), journal=self.journal)
+        record = TurnRecord(api, key, await self._acquire(key, build, side, chat=chat), journal=self.journal)
         end = TurnEnd.CANCELLED
         body = build(record.lease.slot_id)
         record.lease.replay = (path, body)
@@ -122,16 +124,16 @@ class TurnService:
 
     async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
                           side: bool = False, warm_in_stream: bool = False,
-                          hung_up: HungUp | None = None) -> StreamTurn:
+                          hung_up: HungUp | None = None, chat: Mapping[str, Any] | None = None) -> StreamTurn:
         """Lease a slot and open the backend's stream; an error answer is raised before any byte reaches the client.
 
         With `warm_in_stream` (a dialect that can send keep-alives), a warm-up of a new system prompt runs inside
         the stream instead, as keep-alive events, so a long one does not keep the client waiting for any byte; the
         backend's answer to the turn itself (an error included) then arrives as events. The backend is waited for as
-        in `unary`.
+        in `unary`, and `chat` is as there.
         """
         await self._backend_up(hung_up)
-        lease = await self._acquire(key, build, side, warm_now=not warm_in_stream)
+        lease = await self._acquire(key, build, side, warm_now=not warm_in_stream, chat=chat)
         record = TurnRecord(api, key, lease, journal=self.journal)
         body = build(record.lease.slot_id)
         lease.replay = (path, body)
@@ -151,10 +153,14 @@ class TurnService:
             raise
         return StreamTurn(record, response, context, self.client.base_url)
 
-    async def _acquire(self, key: SessionKey, build: BodyBuilder, side: bool, warm_now: bool = True) -> SlotLease:
+    async def _acquire(self, key: SessionKey, build: BodyBuilder, side: bool, warm_now: bool = True,
+                       chat: Mapping[str, Any] | None = None) -> SlotLease:
         """Lease a slot for the turn; when the pool asks for it, warm the request's new system prompt up first (or,
-        without `warm_now`, leave `lease.warm_up` set for the stream to do it)."""
-        body = build(0)  # the same for every slot id, so any id will do
+        without `warm_now`, leave `lease.warm_up` set for the stream to do it).
+
+        The chain and the system part come from the upstream body's `messages`, or from `chat`: the chat body a
+        route derived for an upstream body that has none (a Responses body's `instructions` and `input`)."""
+        body = chat if chat is not None else build(0)  # build: the same for every slot id, so any id will do
         messages = body.get("messages")
         chain = message_chain(messages, body.get("tools")) if isinstance(messages, list) else []
         system = None if side else system_prompt_of(body)

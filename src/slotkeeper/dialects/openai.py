@@ -132,6 +132,94 @@ def responses_system_texts(body: Mapping[str, Any]) -> list[str]:
     return texts
 
 
+def responses_chat_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat body a Responses request stands for, used only to hash its message chain and find its system part
+    (the backend still gets the Responses body: it speaks /v1/responses itself).
+
+    Where the rendered prompt depends on the shape (the system part, which a warm-up evaluates as a chat request, and
+    the tools), it is llama-server's own conversion (server_chat_convert_responses_to_chatcmpl): `instructions` as a
+    system message, message items by role with their parts as chat `text` parts, function tools wrapped as chat
+    tools and other tools dropped. So a system snapshot warmed up from this view is the prefix the backend renders
+    for the Responses request, and a chat with the same system prompt and tools shares it.
+    """
+    view: dict[str, Any] = {"messages": responses_messages(body)}
+    tools = responses_tools(body.get("tools"))
+    if tools:
+        view["tools"] = tools
+    return view
+
+
+def responses_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """`instructions` first, then one entry per input item, in order: every item is its own chain position, so the
+    chain of a resent history extends the last turn's item by item and an edit changes it from the edited item on."""
+    messages: list[dict[str, Any]] = []
+    if "instructions" in body:  # llama-server renders a null `instructions` as an empty system message
+        instructions = body["instructions"]
+        messages.append({"role": "system", "content": instructions if isinstance(instructions, str) else ""})
+    items = body.get("input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        messages.extend(_responses_entry(item) for item in items)
+    return messages
+
+
+# Item fields that never reach the prompt: ids the API hands out and a status a client may or may not send back.
+_ITEM_BOOKKEEPING = frozenset({"id", "status"})
+
+
+def _responses_entry(item: object) -> dict[str, Any]:
+    """One input item in canonical chat form: messages by role with chat parts, a function call as an assistant
+    tool call, its output as a tool message, anything else (reasoning, other tools' calls) as the item itself less
+    its bookkeeping fields."""
+    if not isinstance(item, Mapping):
+        return {"item": item}
+    kind, role = item.get("type"), item.get("role")
+    if isinstance(role, str) and kind in ("message", None):
+        return {"role": role, "content": _chat_parts(item.get("content"))}
+    if kind == "function_call":
+        call = {"name": item.get("name"), "arguments": item.get("arguments")}
+        return {"role": "assistant", "tool_calls": [{"id": item.get("call_id"), "type": "function", "function": call}]}
+    if kind == "function_call_output":
+        return {"role": "tool", "tool_call_id": item.get("call_id"), "content": _tool_output(item.get("output"))}
+    return {k: v for k, v in item.items() if k not in _ITEM_BOOKKEEPING}
+
+
+def _chat_parts(content: object) -> object:
+    """A message item's content as chat parts: a string is one text part (as llama-server reads it), input_text and
+    output_text parts are text parts, an input image is an image_url part; anything else is kept as it is."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        return content
+    return [_chat_part(part) for part in content]
+
+
+def _chat_part(part: object) -> object:
+    if not isinstance(part, Mapping):
+        return part
+    kind = part.get("type")
+    if kind in ("input_text", "output_text"):
+        return {"type": "text", "text": part.get("text")}
+    if kind == "input_image":
+        return {"type": "image_url", "image_url": {"url": part.get("image_url")}}
+    return dict(part)
+
+
+def _tool_output(output: object) -> object:
+    return output if isinstance(output, str) or not isinstance(output, list) else [_chat_part(p) for p in output]
+
+
+def responses_tools(tools: object) -> list[dict[str, Any]] | None:
+    """The Responses tools as chat tools: each function tool as `{"type": "function", "function": {...}}` with its
+    fields as given (so a chat request with the same tools has the same system part); built-in tools (web search,
+    shell) have no chat form and are left out, as the backend leaves them out."""
+    if not isinstance(tools, list):
+        return None
+    return [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+            for tool in tools if isinstance(tool, Mapping) and tool.get("type") == "function"]
+
+
 def without_own_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     """The body minus our session fields, for routes that take no slot (embeddings)."""
     return {k: v for k, v in body.items() if k not in OWN_BODY_FIELDS}

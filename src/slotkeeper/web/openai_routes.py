@@ -43,8 +43,11 @@ async def completions(request: Request) -> Response:
 
 @router.post("/v1/responses", openapi_extra=json_body(_RESPONSES, _PASSED_ON), responses=_STREAMED)
 async def responses(request: Request) -> Response:
+    """Codex and other Responses clients resend the whole history every turn; the chain and the system part
+    (`instructions` and the tools) are computed from the chat body it stands for, so sessions, restores, prefix reuse
+    and system snapshots work as they do for chat completions."""
     return await _proxy(request, "/v1/responses", "openai.responses", openai.check_responses_request,
-                        openai.responses_system_texts)
+                        openai.responses_system_texts, openai.responses_chat_view)
 
 
 @router.post("/v1/embeddings", openapi_extra=json_body(_EMBEDDINGS, _PASSED_ON))
@@ -77,22 +80,28 @@ def _chat_system_texts(body: Mapping[str, Any]) -> list[str]:
 
 
 async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping[str, Any]], None],
-                 system: Callable[[Mapping[str, Any]], list[str]] = _chat_system_texts) -> Response:
+                 system: Callable[[Mapping[str, Any]], list[str]] = _chat_system_texts,
+                 as_chat: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None) -> Response:
+    """`as_chat` turns a body that is not a chat body into the one it stands for, for the turn's chain, system part
+    and side-task check; the body itself goes to the backend as it is."""
     body = openai.parse_body(await request.body())
     check(body)
     state = app_state(request, _model_of(body))
     key = resolve_session(state.backend.model_id, request.headers, body, system(body), state.settings.session_headers)
 
     stream = bool(body.get("stream"))
-    side = is_side_task(request.headers, body.get("messages"), stream)
+    chat = as_chat(body) if as_chat is not None else None
+    side = is_side_task(request.headers, (chat if chat is not None else body).get("messages"), stream)
 
     def build(slot_id: int) -> dict[str, Any]:
         return openai.upstream_body(body, slot_id)
 
     if stream:
-        turn = await state.service.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected)
+        turn = await state.service.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected,
+                                               chat=chat)
         return TurnStreamResponse.passthrough(turn, openai.error_event)
-    data, record = await state.service.unary(api, key, path, build, side=side, hung_up=request.is_disconnected)
+    data, record = await state.service.unary(api, key, path, build, side=side, hung_up=request.is_disconnected,
+                                             chat=chat)
     return JSONResponse(data, headers=record.headers())
 
 
