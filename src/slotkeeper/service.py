@@ -10,12 +10,12 @@ import json
 import logging
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from slotkeeper.cache.chain import message_chain
+from slotkeeper.cache.chain import Link, message_chain
 from slotkeeper.cache.pool import SlotLease, SlotPool, TurnEnd
 from slotkeeper.cache.systemprompt import SystemPrompt, common_prefix_text, system_prompt_of, warmup_prompt_body
 from slotkeeper.dialects.framing import KEEPALIVE, SseDecoder, TimingsScanner, UpstreamEvent
@@ -93,14 +93,16 @@ class TurnService:
         await self.health.wait_up(self.backend_wait, hung_up)
 
     async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
-                    side: bool = False, hung_up: HungUp | None = None) -> tuple[Any, TurnRecord]:
+                    side: bool = False, hung_up: HungUp | None = None,
+                    chain: Sequence[Link] | None = None) -> tuple[Any, TurnRecord]:
         """A non-streaming turn: returns the backend's JSON answer and the record of what the cache did.
 
         A side request (a title or tag task) runs without becoming its session's state (see SlotPool.acquire).
         While the backend is down the turn waits for it (bounded; `hung_up` says when the client went away).
+        `chain` is the request's chain where it is not the body's message chain (an /infill's parts).
         """
         await self._backend_up(hung_up)
-        record = TurnRecord(api, key, await self._acquire(key, build, side), journal=self.journal)
+        record = TurnRecord(api, key, await self._acquire(key, build, side, chain=chain), journal=self.journal)
         end = TurnEnd.CANCELLED
         body = build(record.lease.slot_id)
         record.lease.replay = (path, body)
@@ -121,7 +123,7 @@ class TurnService:
 
     async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
                           side: bool = False, warm_in_stream: bool = False,
-                          hung_up: HungUp | None = None) -> StreamTurn:
+                          hung_up: HungUp | None = None, chain: Sequence[Link] | None = None) -> StreamTurn:
         """Lease a slot and open the backend's stream; an error answer is raised before any byte reaches the client.
 
         With `warm_in_stream` (a dialect that can send keep-alives), a warm-up of a new system prompt runs inside
@@ -130,7 +132,7 @@ class TurnService:
         in `unary`.
         """
         await self._backend_up(hung_up)
-        lease = await self._acquire(key, build, side, warm_now=not warm_in_stream)
+        lease = await self._acquire(key, build, side, warm_now=not warm_in_stream, chain=chain)
         record = TurnRecord(api, key, lease, journal=self.journal)
         body = build(record.lease.slot_id)
         lease.replay = (path, body)
@@ -150,12 +152,15 @@ class TurnService:
             raise
         return StreamTurn(record, response, context, self.client.base_url)
 
-    async def _acquire(self, key: SessionKey, build: BodyBuilder, side: bool, warm_now: bool = True) -> SlotLease:
+    async def _acquire(self, key: SessionKey, build: BodyBuilder, side: bool, warm_now: bool = True,
+                       chain: Sequence[Link] | None = None) -> SlotLease:
         """Lease a slot for the turn; when the pool asks for it, warm the request's new system prompt up first (or,
-        without `warm_now`, leave `lease.warm_up` set for the stream to do it)."""
+        without `warm_now`, leave `lease.warm_up` set for the stream to do it). Without `chain`, the request's
+        chain is its body's message chain (none for a raw prompt)."""
         body = build(0)  # the same for every slot id, so any id will do
-        messages = body.get("messages")
-        chain = message_chain(messages, body.get("tools")) if isinstance(messages, list) else []
+        if chain is None:
+            messages = body.get("messages")
+            chain = message_chain(messages, body.get("tools")) if isinstance(messages, list) else []
         system = None if side else system_prompt_of(body)
         lease = await self.pool.acquire(key, chain, side=side, system=system)
         if lease.warm_up and warm_now:
