@@ -143,6 +143,9 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--template", choices=["chatml", "qwen3"], default="chatml",
                       help="chatml, or qwen3: a Qwen3-style template with tools, tool calls and <think> reasoning "
                       "dropped from earlier turns (adds <think>, </think>, <tool_call>, </tool_call> to the vocab)")
+    tiny.add_argument("--fim", action="store_true",
+                      help="add fill-in-the-middle tokens to the vocab, for llama-server's /infill (llama.vim, "
+                      "llama.vscode)")
     tiny.add_argument("--seed", type=int, default=1234)
     tiny.add_argument("--n-embd", type=int, help="default 256 (llama, mamba) or 128 (jamba, lfm2, gemma3)")
     tiny.add_argument("--n-layer", type=int, default=4)
@@ -213,7 +216,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
     spec = TinyModelSpec(arch=args.arch, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
                          n_head_kv=args.n_head_kv, n_ff=args.n_ff, context_length=args.context_length, seed=args.seed,
-                         template=args.template)
+                         template=args.template, fim=args.fim)
     try:
         n_bytes = write_tiny_model(Path(args.out), spec)
     except ValueError as exc:

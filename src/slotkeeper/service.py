@@ -10,12 +10,12 @@ import json
 import logging
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from slotkeeper.cache.chain import message_chain
+from slotkeeper.cache.chain import Link, message_chain
 from slotkeeper.cache.pool import SlotLease, SlotPool, TurnEnd
 from slotkeeper.cache.systemprompt import SystemPrompt, common_prefix_text, system_prompt_of, warmup_prompt_body
 from slotkeeper.dialects.framing import KEEPALIVE, SseDecoder, TimingsScanner, UpstreamEvent
@@ -95,15 +95,18 @@ class TurnService:
 
     async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
                     side: bool = False, hung_up: HungUp | None = None,
-                    chat: Mapping[str, Any] | None = None) -> tuple[Any, TurnRecord]:
+                    chat: Mapping[str, Any] | None = None,
+                    chain: Sequence[Link] | None = None) -> tuple[Any, TurnRecord]:
         """A non-streaming turn: returns the backend's JSON answer and the record of what the cache did.
 
         A side request (a title or tag task) runs without becoming its session's state (see SlotPool.acquire).
         While the backend is down the turn waits for it (bounded; `hung_up` says when the client went away).
-        `chat` is the chat body the turn stands for when the upstream body is not one (see `_acquire`).
+        `chat` is the chat body the turn stands for when the upstream body is not one, and `chain` the request's
+        chain where it is not the body's message chain (an /infill's parts); see `_acquire`.
         """
         await self._backend_up(hung_up)
-        record = TurnRecord(api, key, await self._acquire(key, build, side, chat=chat), journal=self.journal)
+        record = TurnRecord(api, key, await self._acquire(key, build, side, chat=chat, chain=chain),
+                            journal=self.journal)
         end = TurnEnd.CANCELLED
         body = build(record.lease.slot_id)
         record.lease.replay = (path, body)
@@ -124,16 +127,17 @@ class TurnService:
 
     async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
                           side: bool = False, warm_in_stream: bool = False,
-                          hung_up: HungUp | None = None, chat: Mapping[str, Any] | None = None) -> StreamTurn:
+                          hung_up: HungUp | None = None, chat: Mapping[str, Any] | None = None,
+                          chain: Sequence[Link] | None = None) -> StreamTurn:
         """Lease a slot and open the backend's stream; an error answer is raised before any byte reaches the client.
 
         With `warm_in_stream` (a dialect that can send keep-alives), a warm-up of a new system prompt runs inside
         the stream instead, as keep-alive events, so a long one does not keep the client waiting for any byte; the
         backend's answer to the turn itself (an error included) then arrives as events. The backend is waited for as
-        in `unary`, and `chat` is as there.
+        in `unary`, and `chat` and `chain` are as there.
         """
         await self._backend_up(hung_up)
-        lease = await self._acquire(key, build, side, warm_now=not warm_in_stream, chat=chat)
+        lease = await self._acquire(key, build, side, warm_now=not warm_in_stream, chat=chat, chain=chain)
         record = TurnRecord(api, key, lease, journal=self.journal)
         body = build(record.lease.slot_id)
         lease.replay = (path, body)
@@ -154,15 +158,17 @@ class TurnService:
         return StreamTurn(record, response, context, self.client.base_url)
 
     async def _acquire(self, key: SessionKey, build: BodyBuilder, side: bool, warm_now: bool = True,
-                       chat: Mapping[str, Any] | None = None) -> SlotLease:
+                       chat: Mapping[str, Any] | None = None, chain: Sequence[Link] | None = None) -> SlotLease:
         """Lease a slot for the turn; when the pool asks for it, warm the request's new system prompt up first (or,
         without `warm_now`, leave `lease.warm_up` set for the stream to do it).
 
         The chain and the system part come from the upstream body's `messages`, or from `chat`: the chat body a
-        route derived for an upstream body that has none (a Responses body's `instructions` and `input`)."""
+        route derived for an upstream body that has none (a Responses body's `instructions` and `input`). A given
+        `chain` wins (an /infill's parts); without either, a raw prompt has none."""
         body = chat if chat is not None else build(0)  # build: the same for every slot id, so any id will do
         messages = body.get("messages")
-        chain = message_chain(messages, body.get("tools")) if isinstance(messages, list) else []
+        if chain is None:
+            chain = message_chain(messages, body.get("tools")) if isinstance(messages, list) else []
         system = None if side else system_prompt_of(body)
         lease = await self.pool.acquire(key, chain, side=side, system=system)
         if lease.cache.changed_at is not None and isinstance(messages, list):

@@ -18,6 +18,7 @@ class IdSource(enum.StrEnum):
     HEADER = "header"
     BODY = "body"
     SYSTEM_PROMPT = "system-prompt"
+    ROUTE = "route"  # a route's own session for requests without an id (llama-server's /infill: "infill")
     DEFAULT = "default"
 
 

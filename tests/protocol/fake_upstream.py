@@ -88,6 +88,13 @@ class FakeUpstream:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
+        async def native(request: Request) -> Response:
+            # llama-server's /tokenize and /detokenize: recorded, and answered with a token list. (No /apply-template:
+            # without it, warm-ups of system prompts go to the chat route, which the protocol tests count on.)
+            body = json.loads(await request.body())
+            self.requests.append(Recorded(request.url.path, dict(request.headers), body))
+            return JSONResponse({"tokens": [1, 2, 3]})
+
         async def health(_: Request) -> Response:
             return JSONResponse({"status": "ok"})
 
@@ -95,6 +102,8 @@ class FakeUpstream:
             Route("/health", health), Route("/props", props), Route("/slots", slots), Route("/v1/models", models),
             Route("/slots/{slot_id}", slot_action, methods=["POST"]),
             Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/completions", chat, methods=["POST"]),
+            *(Route(path, chat, methods=["POST"]) for path in ("/infill", "/completion", "/completions")),
+            *(Route(path, native, methods=["POST"]) for path in ("/tokenize", "/detokenize")),
         ])
 
     def start(self) -> FakeUpstream:

@@ -142,10 +142,16 @@ def test_the_backends_slot_actions_are_not_reachable(start: Start) -> None:
     keeper, upstream = start()
     before = sorted(p.name for p in upstream.slot_dir.iterdir())
     with httpx.Client(base_url=keeper.url) as c:
-        assert c.get("/slots").status_code == 404
+        # GET /slots is slotkeeper's own view (ids, busy, context, token counts), never the backend's list, which
+        # shows each slot's prompt.
+        slots = c.get("/slots")
+        assert slots.status_code == 200
+        assert slots.json() == [{"id": 0, "n_ctx": 4096, "is_processing": False, "n_tokens": 0}]
         for action in ("save", "restore", "erase"):
             response = c.post(f"/slots/0?action={action}", json={"filename": "../../evil.bin"})
             assert response.status_code in (404, 405)
+            assert response.json()["error"]["code"] == response.status_code  # llama-server's error shape
+        assert c.post("/props", json={"n_ctx": 1}).status_code == 405
     assert sorted(p.name for p in upstream.slot_dir.iterdir()) == before
 
 

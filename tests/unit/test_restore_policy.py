@@ -175,7 +175,10 @@ def test_prompt_end_capability_falls_back_to_keep_hot_and_trials_prompt_end() ->
     ("/v1/chat/completions", {"messages": [], "max_completion_tokens": 9, "grammar": "root ::= \"a\""},
      {"messages": [], "grammar": "root ::= \"a\"", "id_slot": 2, "cache_prompt": True, "stream": False,
       "max_tokens": 0}),
-], ids=["chat", "completion", "chat-grammar"])
+    ("/infill", {"input_prefix": "a", "input_suffix": "b", "n_predict": 128, "response_fields": ["content"],
+                 "id_slot": 0},
+     {"input_prefix": "a", "input_suffix": "b", "id_slot": 2, "cache_prompt": True, "stream": False, "n_predict": 0}),
+], ids=["chat", "completion", "chat-grammar", "infill"])
 def test_replay_body_evaluates_the_prompt_and_generates_nothing(path: str, body: dict[str, object],
                                                                 expected: dict[str, object]) -> None:
     assert replay_body(path, body, 2) == expected

@@ -632,3 +632,21 @@ def test_cli_writes_the_same_bytes_as_the_api(tmp_path: pathlib.Path, capsys: py
         assert parser.parse_args(["tiny-model", "x.gguf", "--arch", arch]).arch == arch
     with pytest.raises(SystemExit):
         parser.parse_args(["tiny-model", "x.gguf", "--arch", "qwen35"])
+
+
+def test_fim_adds_the_infill_tokens_after_the_vocab(tmp_path: pathlib.Path, default_model: pathlib.Path) -> None:
+    fim = tmp_path / "fim.gguf"
+    write_tiny_model(fim, TinyModelSpec(fim=True))
+    plain_tokens = _field(gguf.GGUFReader(default_model), "tokenizer.ggml.tokens")
+    reader = gguf.GGUFReader(fim)
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    assert tokens[:len(plain_tokens)] == plain_tokens
+    assert tokens[len(plain_tokens):] == ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>",
+                                          "<|file_sep|>"]
+    for offset, name in enumerate(("pre", "suf", "mid", "rep", "sep")):
+        assert _field(reader, f"tokenizer.ggml.fim_{name}_token_id") == len(plain_tokens) + offset
+    assert _field(reader, "llama.vocab_size") == len(tokens)
+    assert reader.get_field("tokenizer.ggml.fim_pre_token_id") is not None
+    assert gguf.GGUFReader(default_model).get_field("tokenizer.ggml.fim_pre_token_id") is None
+    with pytest.raises(ValueError, match="fim"):
+        write_tiny_model(tmp_path / "bad.gguf", TinyModelSpec(fim="yes"))  # type: ignore[arg-type]

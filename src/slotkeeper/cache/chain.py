@@ -39,6 +39,25 @@ def message_chain(messages: Sequence[Any], tools: Any = None) -> list[Link]:
     return links
 
 
+def infill_chain(body: Mapping[str, Any]) -> list[Link]:
+    """The chain of a llama-server /infill request, in the order the backend lays its prompt out: the extra context
+    (`input_extra` chunks), the text before the cursor (`input_prefix`), the cursor's line up to it (`prompt`), then
+    the text after it (`input_suffix`). A request that keeps the extra context and the file before the cursor shares
+    two positions with the last one; a request in another file, only the first. Seeded apart from message chains,
+    so an infill never matches a chat."""
+    running = hashlib.sha256(b"slotkeeper-infill-v1\0")
+    links: list[Link] = []
+    chars = 0
+    for part in (body.get("input_extra") or [], body.get("input_prefix", ""), body.get("prompt", ""),
+                 body.get("input_suffix", "")):
+        text = canonical_json(part)
+        chars += len(text)
+        running.update(b"\0")
+        running.update(text.encode("utf-8", "surrogatepass"))
+        links.append(Link(running.copy().hexdigest()[:32], chars))
+    return links
+
+
 def common_prefix(a: Sequence[Link], b: Sequence[Link]) -> int:
     """How many leading positions two chains share."""
     n = 0

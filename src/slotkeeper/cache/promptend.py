@@ -30,7 +30,7 @@ def replay_body(path: str, body: Mapping[str, Any], slot_id: int) -> dict[str, A
     out["id_slot"] = slot_id
     out["cache_prompt"] = True
     out["stream"] = False
-    if path.rstrip("/").endswith(("/completion", "/completions")) and "messages" not in body:
+    if path.rstrip("/").endswith(("/completion", "/completions", "/infill")) and "messages" not in body:
         out["n_predict"] = 0
     else:
         out["max_tokens"] = 0

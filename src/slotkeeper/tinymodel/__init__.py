@@ -120,7 +120,7 @@ def write_tiny_model(path: pathlib.Path, spec: TinyModelSpec = _DEFAULT_SPEC) ->
     _validate(spec)
     path = pathlib.Path(path)
     directory = path.parent
-    vocab = _build_vocab(spec.template)
+    vocab = _build_vocab(spec.template, spec.fim)
 
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     os.close(fd)

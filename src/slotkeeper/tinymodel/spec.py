@@ -40,7 +40,9 @@ class TinyModelSpec:
     the odd ones global. These three need n_layer >= 2. An empty name becomes ``tiny-random-<arch>``.
 
     ``template`` picks the chat template: ``chatml``, or ``qwen3`` (which also adds the ``<think>``, ``</think>``,
-    ``<tool_call>`` and ``</tool_call>`` tokens to the vocab).
+    ``<tool_call>`` and ``</tool_call>`` tokens to the vocab). ``fim=True`` adds the fill-in-the-middle tokens
+    (``<|fim_prefix|>``, ``<|fim_suffix|>``, ``<|fim_middle|>``, ``<|repo_name|>``, ``<|file_sep|>``) at the end
+    of the vocab, which llama-server's ``/infill`` needs; without it the file is what it always was.
     """
 
     arch: Arch
@@ -53,10 +55,11 @@ class TinyModelSpec:
     seed: int
     name: str
     template: Template
+    fim: bool
 
     def __init__(self, arch: Arch = "llama", n_embd: int | None = None, n_layer: int = 4, n_head: int | None = None,
                  n_head_kv: int | None = None, n_ff: int | None = None, context_length: int = 32768,
-                 seed: int = 1234, name: str = "", template: Template = "chatml") -> None:
+                 seed: int = 1234, name: str = "", template: Template = "chatml", fim: bool = False) -> None:
         shape = _DEFAULT_SHAPES.get(arch, _DEFAULT_SHAPES["llama"])
         values = {
             "arch": arch,
@@ -69,6 +72,7 @@ class TinyModelSpec:
             "seed": seed,
             "name": name or f"tiny-random-{arch}",
             "template": template,
+            "fim": fim,
         }
         for field, value in values.items():
             object.__setattr__(self, field, value)
@@ -85,6 +89,8 @@ def _validate(spec: TinyModelSpec) -> None:
             raise ValueError(f"TinyModelSpec.{field} must be a positive int, got {value!r}")
     if isinstance(spec.seed, bool) or not isinstance(spec.seed, int) or spec.seed < 0:
         raise ValueError(f"TinyModelSpec.seed must be a non-negative int, got {spec.seed!r}")
+    if not isinstance(spec.fim, bool):
+        raise ValueError(f"TinyModelSpec.fim must be a bool, got {spec.fim!r}")
     if not isinstance(spec.name, str) or not spec.name:
         raise ValueError("TinyModelSpec.name must be a non-empty string")
     if spec.arch in ("mamba", "jamba") and spec.n_embd % _MAMBA_DT_RANK_DIV != 0:

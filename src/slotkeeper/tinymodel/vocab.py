@@ -1,11 +1,12 @@
-"""The synthetic SentencePiece-style vocab (byte tokens, word-prefix pieces, the ChatML control tokens and the qwen3
-markers) and the tokenizer keys and chat template that it writes into a GGUF file."""
+"""The synthetic SentencePiece-style vocab (byte tokens, word-prefix pieces, the ChatML control tokens, the qwen3
+markers and, when asked, the fill-in-the-middle tokens) and the tokenizer keys and chat template that it writes into a
+GGUF file."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf import GGUFWriter, TokenType
+from gguf import GGUFWriter, Keys, TokenType
 
 from slotkeeper.tinymodel.templates import (
     CHATML_TEMPLATE,
@@ -26,6 +27,17 @@ _SPACE = "\u2581"  # SentencePiece's visible word-boundary marker
 # package docstring).
 _QWEN3_EXTRA_TOKENS = (THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END)
 _QWEN3_EXTRA_TOKEN_TYPE = TokenType.USER_DEFINED
+
+# The fill-in-the-middle tokens (Qwen2.5-Coder's names), which llama-server's /infill needs: prefix, suffix, middle,
+# then the repository and file separators it puts before each `input_extra` chunk. CONTROL tokens, each named in
+# its tokenizer.ggml.fim_*_token_id key.
+_FIM_TOKENS = (
+    ("<|fim_prefix|>", Keys.Tokenizer.FIM_PRE_ID),
+    ("<|fim_suffix|>", Keys.Tokenizer.FIM_SUF_ID),
+    ("<|fim_middle|>", Keys.Tokenizer.FIM_MID_ID),
+    ("<|repo_name|>", Keys.Tokenizer.FIM_REP_ID),
+    ("<|file_sep|>", Keys.Tokenizer.FIM_SEP_ID),
+)
 
 # Common words; each becomes "▁word" plus every "▁" prefix of it, so SentencePiece-style bigram merging,
 # which only joins pairs already in the vocab, can build the whole word one character at a time.
@@ -50,11 +62,14 @@ class _Vocab:
     unk_id: int
     im_start_id: int
     im_end_id: int
+    # The GGUF key and id of each fill-in-the-middle token (empty without them).
+    fim_ids: tuple[tuple[str, int], ...] = ()
 
 
-def _build_vocab(template: Template = "chatml") -> _Vocab:
-    """Build the synthetic vocab: specials, 256 byte tokens, normal pieces, the ChatML control tokens, and for the
-    qwen3 template the think and tool-call markers after them (so the chatml vocab is unchanged)."""
+def _build_vocab(template: Template = "chatml", fim: bool = False) -> _Vocab:
+    """Build the synthetic vocab: specials, 256 byte tokens, normal pieces, the ChatML control tokens, for the
+    qwen3 template the think and tool-call markers after them (so the chatml vocab is unchanged), and with `fim` the
+    fill-in-the-middle tokens last."""
     tokens: list[str] = ["<unk>", "<s>", "</s>"]
     scores: list[float] = [0.0, 0.0, 0.0]
     types: list[int] = [int(TokenType.UNKNOWN), int(TokenType.CONTROL), int(TokenType.CONTROL)]
@@ -92,7 +107,16 @@ def _build_vocab(template: Template = "chatml") -> _Vocab:
             scores.append(0.0)
             types.append(int(_QWEN3_EXTRA_TOKEN_TYPE))
 
-    return _Vocab(tokens, scores, types, bos_id=1, unk_id=0, im_start_id=im_start_id, im_end_id=im_end_id)
+    fim_ids: list[tuple[str, int]] = []
+    if fim:
+        for text, key in _FIM_TOKENS:
+            fim_ids.append((key, len(tokens)))
+            tokens.append(text)
+            scores.append(0.0)
+            types.append(int(TokenType.CONTROL))
+
+    return _Vocab(tokens, scores, types, bos_id=1, unk_id=0, im_start_id=im_start_id, im_end_id=im_end_id,
+                  fim_ids=tuple(fim_ids))
 
 
 def _add_vocab(writer: GGUFWriter, vocab: _Vocab, template: Template = "chatml") -> None:
@@ -107,4 +131,6 @@ def _add_vocab(writer: GGUFWriter, vocab: _Vocab, template: Template = "chatml")
     writer.add_eot_token_id(vocab.im_end_id)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    for key, token_id in vocab.fim_ids:
+        writer.add_uint32(key, token_id)
     writer.add_chat_template(QWEN3_TEMPLATE if template == "qwen3" else CHATML_TEMPLATE)

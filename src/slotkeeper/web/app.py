@@ -21,6 +21,7 @@ from slotkeeper.web import (
     admin,
     anthropic_routes,
     dashboard,
+    llama_routes,
     metrics,
     ollama_routes,
     openai_routes,
@@ -88,6 +89,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(llama_routes.router)
     app.include_router(prewarm_routes.router)  # before the session routes' /api/sessions/{id}
     app.include_router(transfer_routes.router)
     # An unknown path or a wrong method anywhere (under /api too) is the router's 404 or 405, rendered by

@@ -35,6 +35,20 @@ class OpenAIError(BaseModel):
     error: OpenAIErrorDetail
 
 
+class LlamaErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    code: int
+    message: str
+    type: str
+
+
+class LlamaError(BaseModel):
+    """llama-server's own error shape."""
+
+    error: LlamaErrorDetail
+
+
 class AnthropicErrorDetail(BaseModel):
     type: str
     message: str
@@ -47,7 +61,7 @@ class AnthropicError(BaseModel):
 
 _ERROR_MODELS: dict[Dialect, type[BaseModel]] = {
     Dialect.OLLAMA: OllamaError, Dialect.ANTHROPIC: AnthropicError, Dialect.OPENAI: OpenAIError,
-    Dialect.OURS: OpenAIError,
+    Dialect.LLAMA: LlamaError, Dialect.OURS: OpenAIError,
 }
 
 # -- request bodies and answers, for the route decorators -------------------------------------------------------------
