@@ -37,3 +37,25 @@ def expand(value: Any, names: dict[str, str]) -> Any:
     if isinstance(value, dict):
         return {k: expand(v, names) for k, v in value.items()}
     return value
+
+
+def prompt_tokens(client: Any, body: dict[str, Any]) -> list[int]:
+    """The backend's own tokens of a chat body's prompt (its template, its tokenizer), through slotkeeper's
+    pass-through /apply-template and /tokenize: an httpx client on slotkeeper."""
+    rendered = client.post("/apply-template", json={"messages": body["messages"], "tools": body.get("tools")})
+    assert rendered.status_code == 200, rendered.text
+    tokens = client.post("/tokenize", json={"content": rendered.json()["prompt"], "add_special": True,
+                                            "parse_special": True})
+    assert tokens.status_code == 200, tokens.text
+    result: list[int] = tokens.json()["tokens"]
+    return result
+
+
+def shared(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two prompts share: all a backend can reuse of one for the other."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

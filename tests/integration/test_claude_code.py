@@ -16,7 +16,7 @@ import pytest
 
 from tests.client_fixtures import expand, load
 from tests.conftest import Stack
-from tests.support import turn_log
+from tests.support import turn_log, wait_until
 
 pytestmark = pytest.mark.backend
 
@@ -75,6 +75,9 @@ def test_every_turn_reuses_the_previous_turns_prompt(stack: Stack) -> None:
     assert mains[0]["prompt"] > 1500, mains[0]
     for previous, turn in itertools.pairwise(mains):
         assert turn["cache_n"] >= previous["prompt"] - 8, (previous, turn, results)
+    # A streamed turn's log line is written once its stream has ended on slotkeeper's side, a moment after the
+    # client has read the last event.
+    assert wait_until(lambda: len(turn_log(keeper, SESSION)) == len(results), timeout=10)
     rows = turn_log(keeper, SESSION)
     assert [row["side"] for row in rows] == ["yes" if r["side"] else "no" for r in results], rows
 

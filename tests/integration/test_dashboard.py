@@ -81,6 +81,10 @@ def test_dashboard_shows_and_deletes_sessions(stack: Stack, client_for, browser:
     assert cells[0] == "dash a/1" and cells[1] == "tiny" and cells[2] == str(row["n_tokens"])
     assert page.locator('#slots tbody tr[data-slot="0"] td').nth(1).inner_text() == "dash-b"
     assert page.locator("#requests tbody tr").count() == 2
+    # Why each was prefilled: in the requests table, and as the chart of reasons over time with its legend.
+    assert page.locator("#requests tbody tr td.why").all_inner_texts() == ["new-session", "new-session"]
+    assert page.locator('#reasons-legend [data-reason="new-session"]').inner_text() == "new-session 2"
+    assert page.locator("#reasons-chart rect").count() >= 1
     assert page.locator('#summary div[data-metric="saves"] dd').inner_text() == "1"
 
     session_row.locator("button.delete").click()

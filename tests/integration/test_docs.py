@@ -18,7 +18,7 @@ from tests.support import REPO
 
 pytestmark = pytest.mark.backend
 
-PAGES = ["quickstart.md", "http-api.md", "config.md", "troubleshooting.md"]
+PAGES = ["quickstart.md", "http-api.md", "config.md", "troubleshooting.md", "clients.md"]
 _BLOCK = re.compile(r"^```bash\n(.*?)^```", re.M | re.S)
 _SKIP = re.compile(r"^# docs-test: skip \((.+)\)$")
 DOCUMENTED_URL = "http://127.0.0.1:11434"

@@ -39,6 +39,7 @@ ROWS = [
      Reason.NOT_RESTORABLE, None),
     ("its snapshot was damaged", Plan(Why.NOTHING_SHARED), None, Known(fate=Reason.QUARANTINED),
      Reason.QUARANTINED, None),
+    ("slot taken, but what the slot holds now gives as much", Plan(Why.IN_SLOT), None, TAKEN, Reason.IN_SLOT, None),
     ("lost in a restart, not saved yet", Plan(Why.NOTHING_SHARED), None, RESTARTED, Reason.BACKEND_RESTARTED, None),
     ("slot taken on a keep-hot backend", Plan(Why.KEEP_HOT, held_back=True), None, TAKEN, Reason.SLOT_TAKEN, None),
     ("keep-hot, a new session", Plan(Why.KEEP_HOT, held_back=True), None, Known(seen=False), Reason.NEW_SESSION,

@@ -84,7 +84,7 @@ def explain(chosen: Plan, own: Candidate | None, known: Known) -> Explained:
     if chosen.why in _MISSES or chosen.why in (Why.KEEP_HOT, Why.NOT_EXTENDED):
         if known.fate is not None:
             return Explained(known.fate, source)
-        if known.left is not None:
+        if known.left is not None and chosen.why is not Why.IN_SLOT:  # in-slot: the slot gave all a state could
             return Explained(known.left, _join(known.left_detail, source))
         if own is not None and not own.whole and chosen.why in _MISSES:
             return _rewritten(own, source or "too little left to restore")

@@ -233,9 +233,89 @@ function renderRequests(recent) {
     tr.append(cell(new Date(r.time * 1000).toLocaleTimeString()), cell(r.api + (r.side ? " (side)" : "")),
       cell(r.model), cell(r.session, "session"), cell(r.slot, "num"), cell(r.cache, "cache-" + r.cache),
       cell(r.cache_n, "num"), cell(r.prompt_n, "num"), cell(r.restore_ms.toFixed(1), "num"),
-      cell(r.save_ms.toFixed(1), "num"), cell(r.status, "num"), cell(Math.round(r.ms), "num"));
+      cell(r.save_ms.toFixed(1), "num"), cell(r.status, "num"), cell(Math.round(r.ms), "num"), whyCell(r));
     return tr;
   }));
+}
+
+function whyCell(r) {
+  const td = cell(r.why || "-", "why");
+  if (r.why_detail) td.title = r.why_detail;
+  td.style.color = reasonColor(r.why);
+  return td;
+}
+
+// Reused state in greens and blues, misses a client or the set-up caused in warm colours, the rest grey.
+const REASON_COLORS = {
+  "hot": "#1a7f37", "own": "#2a6f97", "prefix": "#4f8fbf", "system": "#7fb3d5", "in-slot": "#59a96a",
+  "new-session": "#9aa5b1", "side-task": "#c8ccd1", "rewritten": "#d97706", "evicted": "#b42318",
+  "not-restorable": "#8e3a59", "quarantined": "#7a1f1f", "backend-restarted": "#e4572e", "slot-taken": "#f59e0b",
+  "not-extended": "#a16207", "keep-hot": "#ca8a04", "too-short": "#b8c0c8", "too-long": "#6b7280",
+  "warm-up": "#94a3b8", "nothing-shared": "#aab4be", "restore-failed": "#dc2626", "default-session": "#d1d5db",
+};
+
+function reasonColor(reason) {
+  return REASON_COLORS[reason] || "#66707a";
+}
+
+function renderReasons(recent) {
+  const rows = recent.requests.filter((r) => r.why);
+  const chart = document.getElementById("reasons-chart");
+  const legend = document.getElementById("reasons-legend");
+  document.getElementById("no-reasons").hidden = rows.length > 0;
+  chart.replaceChildren();
+  legend.replaceChildren();
+  if (!rows.length) return;
+  const minute = (r) => Math.floor(r.time / 60);
+  const last = Math.max(...rows.map(minute));
+  const first = Math.max(Math.min(...rows.map(minute)), last - 29);  // at most the last 30 minutes
+  const counts = new Map();  // minute -> reason -> count
+  const totals = new Map();
+  for (const r of rows) {
+    if (minute(r) < first) continue;
+    const byReason = counts.get(minute(r)) || new Map();
+    byReason.set(r.why, (byReason.get(r.why) || 0) + 1);
+    counts.set(minute(r), byReason);
+    totals.set(r.why, (totals.get(r.why) || 0) + 1);
+  }
+  const reasons = [...totals.keys()].sort((a, b) => totals.get(b) - totals.get(a));
+  const tallest = Math.max(...[...counts.values()].map((m) => [...m.values()].reduce((a, b) => a + b, 0)));
+  const n = last - first + 1, width = 720 / n, height = 120, ns = "http://www.w3.org/2000/svg";
+  for (let m = first; m <= last; m++) {
+    let y = height;
+    const byReason = counts.get(m) || new Map();
+    for (const reason of reasons) {
+      const count = byReason.get(reason) || 0;
+      if (!count) continue;
+      const h = (count / tallest) * height;
+      y -= h;
+      const rect = document.createElementNS(ns, "rect");
+      rect.setAttribute("x", String((m - first) * width + 1));
+      rect.setAttribute("y", String(y));
+      rect.setAttribute("width", String(Math.max(width - 2, 1)));
+      rect.setAttribute("height", String(h));
+      rect.setAttribute("fill", reasonColor(reason));
+      const title = document.createElementNS(ns, "title");
+      title.textContent = `${new Date(m * 60000).toLocaleTimeString()}: ${count} ${reason}`;
+      rect.append(title);
+      chart.append(rect);
+    }
+  }
+  const axis = document.createElementNS(ns, "text");
+  axis.setAttribute("x", "0");
+  axis.setAttribute("y", "136");
+  axis.setAttribute("class", "axis");
+  axis.textContent = `${new Date(first * 60000).toLocaleTimeString()} to ${new Date(last * 60000).toLocaleTimeString()}`;
+  chart.append(axis);
+  for (const reason of reasons) {
+    const item = document.createElement("span");
+    item.className = "reason";
+    item.dataset.reason = reason;
+    const swatch = document.createElement("i");
+    swatch.style.background = reasonColor(reason);
+    item.append(swatch, `${reason} ${totals.get(reason)}`);
+    legend.append(item);
+  }
 }
 
 // Only the newest refresh renders: an older poll that answers late must not overwrite what an action just showed.
@@ -260,6 +340,7 @@ async function refresh() {
     renderSessions(sessions, recent.session_totals);
     renderSystems(systems);
     renderRequests(recent);
+    renderReasons(recent);
     setStatus("updated " + new Date().toLocaleTimeString(), false);
   } catch (error) {
     if (seq === refreshes) setStatus(String(error.message || error), true);
