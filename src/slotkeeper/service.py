@@ -336,6 +336,10 @@ class StreamTurn:
         try:
             async for chunk in self.response.aiter_raw():
                 self._scanner.feed(chunk)
+                if self._scanner.saw_done:
+                    # The client has the whole answer once it has `[DONE]`; one that hangs up before the backend's
+                    # connection ends (the openai client closes at `[DONE]`) did not cut the turn short.
+                    self._end = TurnEnd.COMPLETED
                 yield chunk
         except TransportError as exc:
             error = iter_errors_as_unavailable(exc, self._base_url)

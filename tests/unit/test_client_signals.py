@@ -85,8 +85,11 @@ def test_a_system_prompt_without_the_line_is_left_alone() -> None:
 
 @pytest.mark.parametrize(("user_id", "session"), [
     (json.dumps({"device_id": "d" * 64, "account_uuid": "", "session_id": "0b6e-uuid"}), "0b6e-uuid"),
-    ("user_" + "a" * 64 + "_account__session_7f3c-uuid", "7f3c-uuid"),  # before v2.1.78
-    ("user_" + "a" * 64 + "_account_acc-uuid_session_7f3c-uuid", "7f3c-uuid"),
+    ("user_" + "a" * 64 + "_account__session_7f3c2a10-5b6d-4e8f-9a01-23456789abcd",  # before v2.1.78
+     "7f3c2a10-5b6d-4e8f-9a01-23456789abcd"),
+    ("user_" + "a" * 64 + "_account_0c1d2e3f-4a5b-6c7d-8e9f-0a1b2c3d4e5f_session_7f3c2a10-5b6d-4e8f-9a01-23456789abcd",
+     "7f3c2a10-5b6d-4e8f-9a01-23456789abcd"),
+    ("user_42_session_abc", "user_42_session_abc"),  # not Claude Code's shape: the whole value, as before
     ("someone-else", "someone-else"),  # another client's user id: used as it is, a weak hint
     ("{not json", "{not json"),
     (json.dumps({"device_id": "d"}), json.dumps({"device_id": "d"})),

@@ -16,6 +16,7 @@ side requests. Pure functions over a parsed /v1/messages request.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 
 from slotkeeper.dialects.anthropic.requests import MessagesRequest, TextBlock
@@ -34,6 +35,8 @@ _SIDE_MARKERS = (
     "[SUGGESTION MODE:",
 )
 _SIDE_USER_TEXTS = frozenset({"Warmup", "quota"})
+# Claude Code's `metadata.user_id` before v2.1.78: user_<64 hex>_account_<uuid or nothing>_session_<uuid>.
+_LEGACY_USER_ID = re.compile(r"^user_[0-9a-f]{64}_account_[0-9a-f-]*_session_([0-9a-f]{8}-[0-9a-f-]{27})$")
 
 
 def without_attribution(request: MessagesRequest) -> tuple[MessagesRequest, int]:
@@ -81,8 +84,8 @@ def session_from_user_id(user_id: str | None) -> str | None:
             return value
         session = parsed.get("session_id") if isinstance(parsed, dict) else None
         return session.strip() if isinstance(session, str) and session.strip() else value
-    _, marker, session = value.rpartition("_session_")
-    return session if marker and session else value
+    legacy = _LEGACY_USER_ID.match(value)
+    return legacy.group(1) if legacy else value
 
 
 def is_side_request(headers: Mapping[str, str], request: MessagesRequest) -> bool:
