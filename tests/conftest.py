@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -17,15 +18,24 @@ BACKEND_KINDS = ["binary", "embedded"]
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _ram_dirs_removed() -> Iterator[None]:
+def _ram_dirs_removed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """slotkeeper removes its RAM dir (under /dev/shm) at a clean exit; the tests that kill it on purpose leave theirs
-    behind, and tmpfs memory is not given back by itself: remove the ones this run made."""
+    behind, and tmpfs memory is not given back by itself: remove the ones this run made. A RAM dir is named after its
+    slot dir (Settings.effective_ram_dir), so only those of this run's slot dirs go: another test run beside this one
+    keeps its own."""
     parent = Path(f"/dev/shm/slotkeeper-{os.getuid()}")
     before = set(parent.iterdir()) if parent.is_dir() else set()
     yield
-    if parent.is_dir():
-        for path in set(parent.iterdir()) - before:
-            shutil.rmtree(path, ignore_errors=True)
+    if not parent.is_dir():
+        return
+    new = {path.name: path for path in set(parent.iterdir()) - before}
+    if not new:
+        return
+    for root, dirs, _files in os.walk(tmp_path_factory.getbasetemp()):
+        for name in dirs:
+            digest = hashlib.sha256(str(Path(root, name).resolve()).encode()).hexdigest()[:16]
+            if digest in new:
+                shutil.rmtree(new.pop(digest), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
