@@ -153,8 +153,12 @@ def test_dashboard_clears_one_slot_and_prewarms_a_system_prompt(stack: Stack, cl
     assert client.get("/api/sessions", params={"kind": "system"}).json()["sessions"] == []
     assert page.inner_text("#action").startswith(f"deleted system prompt {key[:12]} (")
 
-    # A session's pin toggle works the same way.
+    # A session's pin toggle works the same way. The page's polls keep what did not change (its "last used" text is
+    # patched in place), so a click that lands while one re-renders still reaches its button.
     session_row = page.locator('#sessions tbody tr[data-session="steer-b"]')
+    pin = session_row.locator("button.pin").element_handle()
+    page.wait_for_timeout(2500)  # more than one poll (POLL_MS)
+    assert pin.evaluate("b => b.isConnected")
     session_row.locator("button.pin").click()
     expect(session_row.locator("td.pinned")).to_have_text("yes")
     assert client.get("/api/sessions/steer-b").json()["pinned"] is True

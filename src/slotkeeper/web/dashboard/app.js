@@ -91,9 +91,34 @@ function actions(...buttons) {
   return td;
 }
 
+// Rows are patched in place, not rebuilt on every poll: a row (or a cell holding buttons) that looks the same is kept,
+// so a click that lands while the page refreshes reaches the button it was aimed at.
 function fillBody(table, rows) {
   const body = document.querySelector("#" + table + " tbody");
-  body.replaceChildren(...rows);
+  const old = [...body.children];
+  if (old.length !== rows.length || rows.some((row, i) => !sameRow(old[i], row))) {
+    body.replaceChildren(...rows);
+    return;
+  }
+  rows.forEach((row, i) => patchRow(old[i], row));
+}
+
+function sameRow(a, b) {
+  return a.children.length === b.children.length && JSON.stringify(a.dataset) === JSON.stringify(b.dataset);
+}
+
+function patchRow(old, row) {
+  [...row.children].forEach((td, j) => {
+    const current = old.children[j];
+    if (current.outerHTML === td.outerHTML) return;  // unchanged: its buttons and their handlers stay
+    if (td.querySelector("button") || current.querySelector("button")) current.replaceWith(td);
+    else {
+      current.textContent = td.textContent;
+      current.className = td.className;
+      current.title = td.title;
+      current.style.cssText = td.style.cssText;
+    }
+  });
 }
 
 function bytes(n) {
@@ -182,6 +207,7 @@ function renderSlots(current) {
   fillBody("slots", current.slots.map((slot) => {
     const tr = document.createElement("tr");
     tr.dataset.slot = String(slot.id);
+    tr.dataset.model = model || "";  // what its clear button acts on
     const state = [slot.busy ? "busy" : "idle", slot.dirty ? "unsaved changes" : "saved"].join(", ");
     const clear = button("clear", "danger clear", "Save this slot's session if it changed, then erase the slot",
       () => clearSlot(slot.id, model));
@@ -202,6 +228,7 @@ function renderSessions(sessions, totals) {
   fillBody("sessions", sessions.map((s) => {
     const tr = document.createElement("tr");
     tr.dataset.session = s.session;
+    tr.dataset.model = s.model;  // what its buttons act on
     const t = saved.get(s.model + "\u0000" + s.session);
     const remove = button("delete", "danger delete", "", () => deleteSnapshot(s));
     tr.append(cell(s.session, "session"), cell(s.model), cell(s.tokens, "num"), cell(bytes(s.bytes), "num"),
@@ -217,6 +244,7 @@ function renderSystems(systems) {
   fillBody("systems", systems.map((s) => {
     const tr = document.createElement("tr");
     tr.dataset.system = s.session;
+    tr.dataset.model = s.model;  // what its buttons act on
     const key = cell(s.session.slice(0, 12), "key");
     key.title = s.session;
     const remove = button("delete", "danger delete", "", () => deleteSnapshot(s));
