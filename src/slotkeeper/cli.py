@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -178,7 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("sessions", "doctor", "prewarm", "export", "import"):
         from slotkeeper.manage import run
 
-        return run(args)
+        try:
+            return run(args)
+        except BrokenPipeError:  # the reader closed the pipe (`| head`, `| grep -q`): it has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush fails no more
+            return 0
     parser.print_help()
     return 2
 

@@ -155,3 +155,25 @@ def test_tiny_model_relative_path(tmp_path: Path) -> None:
     result = run("tiny-model", "rel.gguf", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "rel.gguf").is_file()
+
+
+def test_a_reader_that_closes_the_pipe_early_is_not_an_error() -> None:
+    """`slotkeeper sessions explain ID | grep -q WORD`: grep exits at its first match, and the next write of the
+    command meets a closed pipe. That is the reader's choice, not a failure (exit status 0, no traceback)."""
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "from unittest import mock\n"
+              "import slotkeeper.manage as manage\n"
+              "def run(args):\n"
+              "    for i in range(100000):\n"
+              "        print('line', i)\n"
+              "    return 0\n"
+              "with mock.patch.object(manage, 'run', run):\n"
+              "    from slotkeeper.cli import main\n"
+              "    sys.exit(main(['sessions', 'ls']))\n")
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", f"{sys.executable} -c \"$0\" | head -n 1", script],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "line 0\n" and "Traceback" not in result.stderr, result.stderr
