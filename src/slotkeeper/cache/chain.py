@@ -28,10 +28,15 @@ def message_chain(messages: Sequence[Any], tools: Any = None) -> list[Link]:
     """The chain of an OpenAI-style message list (the backend's own format, whatever the client's dialect)."""
     running = hashlib.sha256(b"slotkeeper-chain-v1\0")
     running.update(canonical_json(tools).encode("utf-8", "surrogatepass"))
+    return _links(running, messages)
+
+
+def _links(running: Any, items: Sequence[Any]) -> list[Link]:
+    """One link per item: the running hash over the items so far, and their characters in canonical JSON."""
     links: list[Link] = []
     chars = 0
-    for message in messages:
-        text = canonical_json(message)
+    for item in items:
+        text = canonical_json(item)
         chars += len(text)
         running.update(b"\0")
         running.update(text.encode("utf-8", "surrogatepass"))
@@ -45,17 +50,9 @@ def infill_chain(body: Mapping[str, Any]) -> list[Link]:
     the text after it (`input_suffix`). A request that keeps the extra context and the file before the cursor shares
     two positions with the last one; a request in another file, only the first. Seeded apart from message chains,
     so an infill never matches a chat."""
-    running = hashlib.sha256(b"slotkeeper-infill-v1\0")
-    links: list[Link] = []
-    chars = 0
-    for part in (body.get("input_extra") or [], body.get("input_prefix", ""), body.get("prompt", ""),
-                 body.get("input_suffix", "")):
-        text = canonical_json(part)
-        chars += len(text)
-        running.update(b"\0")
-        running.update(text.encode("utf-8", "surrogatepass"))
-        links.append(Link(running.copy().hexdigest()[:32], chars))
-    return links
+    parts = (body.get("input_extra") or [], body.get("input_prefix", ""), body.get("prompt", ""),
+             body.get("input_suffix", ""))
+    return _links(hashlib.sha256(b"slotkeeper-infill-v1\0"), parts)
 
 
 def common_prefix(a: Sequence[Link], b: Sequence[Link]) -> int:
