@@ -1,4 +1,5 @@
-"""Session identity: which conversation a request belongs to, from its headers, body fields or system prompt.
+"""Session identity: which conversation a request belongs to, from its headers, body fields, or its messages (the
+system prompt and the conversation's first message).
 
 Pure functions over already-parsed input; the precedence is the one users were promised (README "Session rules").
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 
+from slotkeeper.cache.chain import canonical_json
 from slotkeeper.errors import BadRequest
 from slotkeeper.types import IdSource, SessionKey
 
@@ -37,6 +39,8 @@ OWN_BODY_FIELDS: frozenset[str] = frozenset(SESSION_BODY_FIELDS)
 _RESPONSE_ID_PREFIXES: tuple[str, ...] = ("chatcmpl-", "cmpl-", "msg_", "resp_")
 
 DEFAULT_SESSION = "default"
+# Between a conversation id's system prompt group and its own part: `sys-<16 hex>.c<12 hex>`.
+CONVERSATION_MARK = ".c"
 MAX_ID_LENGTH = 256
 
 
@@ -47,12 +51,18 @@ def resolve_session(
     system_texts: Sequence[str],
     extra_headers: Iterable[str] = (),
     hint: str | None = None,
+    opening: object = None,
 ) -> SessionKey:
     """Return the session a request belongs to.
 
     `headers` must be case-insensitive or lower-cased. `system_texts` are the texts of the request's system prompt
-    in order (the dialect extracts them). `hint` is a dialect's weaker id (Anthropic's metadata.user_id), used after
-    the explicit ids and before the system prompt. Raises BadRequest for an explicit id that cannot be an id.
+    in order, and `opening` is the conversation's first message after it (the dialect extracts both; None when there
+    is none). `hint` is a dialect's weaker id (Anthropic's metadata.user_id), used after the explicit ids and before
+    the messages. Raises BadRequest for an explicit id that cannot be an id.
+
+    Without an id, a request belongs to the conversation its messages continue: the one on the same system prompt
+    that opened with the same message, `sys-<system hash>.c<opening hash>` (see `conversation_id`). Two agents on
+    one system prompt are two conversations; both start from that system prompt's snapshot.
     """
     explicit = _explicit_id(headers, body, extra_headers, hint)
     if explicit is not None:
@@ -62,7 +72,7 @@ def resolve_session(
             value = f"{value}.agent-{agent}"
         return SessionKey(model, _checked(value, where), source)
     if any(text for text in system_texts):
-        return SessionKey(model, system_session_id(system_texts), IdSource.SYSTEM_PROMPT)
+        return SessionKey(model, conversation_id(system_texts, opening), IdSource.SYSTEM_PROMPT)
     return SessionKey(model, DEFAULT_SESSION, IdSource.DEFAULT)
 
 
@@ -84,10 +94,29 @@ def _explicit_id(headers: Mapping[str, str], body: Mapping[str, object], extra_h
 
 
 def system_session_id(system_texts: Sequence[str]) -> str:
-    """`sys-<sha256[:16]>` of the system prompt, so conversations on one system prompt share a base state."""
+    """`sys-<sha256[:16]>` of the system prompt: the group of the conversations on it (they share its system
+    snapshot, never each other's state)."""
     joined = "\n\n".join(system_texts)
     # JSON allows lone surrogate escapes; hash them as they came rather than fail on them.
     return "sys-" + hashlib.sha256(joined.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def conversation_id(system_texts: Sequence[str], opening: object = None) -> str:
+    """The id of a conversation without an explicit one: its system prompt's group id (`system_session_id`), then
+    `.c` and 12 hex digits of sha256 over the canonical JSON of its first message. Without a first message (a
+    system prompt alone), the group id itself."""
+    group = system_session_id(system_texts)
+    if opening is None:
+        return group
+    digest = hashlib.sha256(canonical_json(opening).encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{group}{CONVERSATION_MARK}{digest[:12]}"
+
+
+def session_group(session_id: str) -> str | None:
+    """The system prompt group a conversation id of `conversation_id` belongs to (`sys-<hash>`), else None."""
+    if not session_id.startswith("sys-"):
+        return None
+    return session_id.split(CONVERSATION_MARK, 1)[0]
 
 
 def _body_id(body: Mapping[str, object], field: str) -> str | None:

@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 from starlette.datastructures import Headers
 
 from slotkeeper.errors import BadRequest
-from slotkeeper.identity import DEFAULT_SESSION, MAX_ID_LENGTH, resolve_session, system_session_id
+from slotkeeper.identity import (
+    DEFAULT_SESSION,
+    MAX_ID_LENGTH,
+    conversation_id,
+    resolve_session,
+    session_group,
+    system_session_id,
+)
 from slotkeeper.types import IdSource, SessionKey
 
 MODEL = "tiny"
@@ -278,6 +285,37 @@ def test_system_session_id_format(texts: list[str]) -> None:
     sid = resolve(system=texts).session_id
     assert sid == expected_sys_id(*texts) == system_session_id(texts)
     assert re.fullmatch(r"sys-[0-9a-f]{16}", sid)
+
+
+AGENT_A = {"role": "user", "content": "fix the failing test in parser.py"}
+AGENT_B = {"role": "user", "content": "write the release notes"}
+
+
+def test_conversations_on_one_system_prompt_are_told_apart_by_their_first_message() -> None:
+    system = ["You are a coding agent."]
+    a1 = resolve_session("m", {}, {}, system, opening=AGENT_A)
+    b1 = resolve_session("m", {}, {}, system, opening=AGENT_B)
+    assert a1 != b1 and a1.source is b1.source is IdSource.SYSTEM_PROMPT
+    # The later turns of each keep its id: only the first message after the system part names it.
+    assert resolve_session("m", {}, {}, system, opening=dict(AGENT_A)) == a1
+    group = system_session_id(system)
+    assert re.fullmatch(group.replace("-", "\\-") + r"\.c[0-9a-f]{12}", a1.session_id), a1.session_id
+    assert session_group(a1.session_id) == session_group(b1.session_id) == group
+    assert a1.session_id == conversation_id(system, AGENT_A)
+    # Keys that never change what the model sees do not make another conversation.
+    marked = {**AGENT_A, "cache_control": {"type": "ephemeral"}}
+    assert resolve_session("m", {}, {}, system, opening=marked) == a1
+    # Another system prompt, the same first message: another group.
+    other = resolve_session("m", {}, {}, ["You are a reviewer."], opening=AGENT_A)
+    assert other != a1 and session_group(other.session_id) != group
+
+
+def test_a_system_prompt_alone_is_its_group_and_explicit_ids_still_win() -> None:
+    system = ["You are a coding agent."]
+    assert resolve_session("m", {}, {}, system).session_id == system_session_id(system)
+    assert resolve_session("m", {"x-session-id": "s1"}, {}, system, opening=AGENT_A).session_id == "s1"
+    assert resolve_session("m", {}, {}, [], opening=AGENT_A).is_default  # no system prompt, no id: default
+    assert session_group("s1") is None and session_group("default") is None
 
 
 @pytest.mark.parametrize("texts", [[], [""], ["", ""]], ids=["none", "one-empty", "two-empty"])

@@ -44,7 +44,7 @@ class Row:
 
 
 ROWS = [
-    # 1. The session's own snapshot.
+    # 1. The longest prefix: the session's own snapshot.
     Row("own snapshot, request extends it", Request(5, 0, 1), RESTORE, cand("own", 3, 400, True), None, SYSTEM,
         Why.OWN, "own", CacheOutcome.RESTORED, 400),
     Row("own snapshot of a raw prompt (no messages)", Request(0, 0, None), RESTORE, cand("own", 0, 400, True), None,
@@ -61,7 +61,7 @@ ROWS = [
         None, Why.TOO_SHORT),
     Row("own snapshot longer than a slot", Request(5, 0, 1), RESTORE, cand("own", 3, 9000, True, n_tokens=9000),
         None, None, Why.TOO_LONG),
-    # 2. Another conversation's snapshot that shares more than the system part.
+    # 1. The longest prefix: another conversation's snapshot that shares more than the system part.
     Row("a fork: another session shares 3 messages", Request(5, 0, 1), RESTORE, None, cand("other", 3, 300), SYSTEM,
         Why.PREFIX, "other", CacheOutcome.PREFIX, 300),
     Row("another session shares only the system part", Request(5, 0, 1), RESTORE, None, cand("other", 1, 300), SYSTEM,
@@ -70,11 +70,22 @@ ROWS = [
         SYSTEM, Why.IN_SLOT),
     Row("a longer own share beats another session's", Request(5, 0, 1), RESTORE, cand("own", 4, 450),
         cand("other", 3, 300), SYSTEM, Why.OWN, "own", CacheOutcome.RESTORED, 450),
+    Row("a longer prefix elsewhere beats the own snapshot (two agents that were one session)", Request(9, 0, 1),
+        RESTORE, cand("own", 2, 3000), cand("other", 7, 3900), SYSTEM, Why.PREFIX, "other", CacheOutcome.PREFIX, 3900),
+    Row("a near-tie with another session's prefix goes to the own snapshot", Request(9, 0, 1), RESTORE,
+        cand("own", 6, 3895), cand("other", 7, 3900), SYSTEM, Why.OWN, "own", CacheOutcome.RESTORED, 3895),
+    Row("the best prefix is the own snapshot itself", Request(9, 0, 1), RESTORE, cand("own", 7, 3900, True),
+        cand("own", 7, 3900, True), SYSTEM, Why.OWN, "own", CacheOutcome.RESTORED, 3900),
+    Row("a longer prefix that does not fit a slot: the own snapshot", Request(9, 0, 1), RESTORE, cand("own", 2, 3000),
+        cand("other", 7, 9000, n_tokens=9000), SYSTEM, Why.OWN, "own", CacheOutcome.RESTORED, 3000),
+    Row("prompt-end: a longer prefix it does not extend, the own snapshot it does", Request(9, 0, 1), PROMPT_END,
+        cand("own", 4, 2000, True, n_prompt=500), cand("other", 7, 3900), SYSTEM, Why.OWN, "own",
+        CacheOutcome.RESTORED, 2000),
     Row("own too short, another session's prefix worth it", Request(5, 0, 1), RESTORE, cand("own", 1, 50),
         cand("other", 3, 300), None, Why.PREFIX, "other", CacheOutcome.PREFIX, 300),
     Row("another session's prefix too short", Request(5, 0, 1), RESTORE, None, cand("other", 3, 100), None,
         Why.TOO_SHORT),
-    # 3. The system snapshot of a new conversation.
+    # 2. The system snapshot of a new conversation.
     Row("new conversation on a known system prompt", Request(2, 0, 1), RESTORE, None, None, SYSTEM, Why.SYSTEM, "sys",
         CacheOutcome.RESTORED, 300),
     Row("new system prompt: warm it up", Request(2, 0, 1, worth_warming=True), RESTORE, None, None, None,
@@ -85,7 +96,7 @@ ROWS = [
         cand("own", 0, 0), None, SYSTEM, Why.NOTHING_SHARED),
     Row("system snapshot too short", Request(2, 0, 1), RESTORE, None, None, snap("sys", 100, 100, SnapshotKind.SYSTEM),
         Why.TOO_SHORT),
-    # 4. Nothing.
+    # 3. Nothing.
     Row("no system part, nothing found", Request(2, 0, None), RESTORE, None, None, None, Why.NOTHING_SHARED),
     Row("the catch-all session is never restored", Request(2, 0, None, default=True), RESTORE, cand("own", 2, 400),
         None, None, Why.DEFAULT),

@@ -28,6 +28,10 @@ class Why(enum.StrEnum):
     DEFAULT = "default-session"  # the catch-all session: never restored
 
 
+# Candidates whose shared tokens differ by no more than this are a tie: the session's own snapshot wins it.
+NEAR_TIE_TOKENS = 8
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A snapshot the request could start from: `messages` of the request's messages it shares, about `tokens`
@@ -85,9 +89,10 @@ def extends(candidate: Candidate, request_messages: int) -> bool:
 
 def plan(request: Request, rules: Rules, own: Candidate | None = None, prefix: Candidate | None = None,
          system: Snapshot | None = None) -> Plan:
-    """What to bring into the request's slot. `own`: the session's own snapshot (messages and tokens it shares with
-    the request); `prefix`: the store's best match among other conversations' snapshots; `system`: the system
-    part's snapshot. Candidates are already checked (size, checksum, fingerprint)."""
+    """What to bring into the request's slot: the state that shares the longest prefix with it. `own`: the session's
+    own snapshot (messages and tokens it shares with the request); `prefix`: the store's best match among all
+    conversations' snapshots; `system`: the system part's snapshot. Candidates are already checked (size,
+    checksum, fingerprint). Near-ties (`NEAR_TIE_TOKENS`) go to the own snapshot, and a tie with the slot to it."""
     if request.default:
         return Plan(Why.DEFAULT)
     if rules.strategy is Strategy.KEEP_HOT:
@@ -97,27 +102,28 @@ def plan(request: Request, rules: Rules, own: Candidate | None = None, prefix: C
     floor_tokens = max(rules.min_restore_tokens, 1)
     held_back = False
     fits = True
-    if own is not None:
-        # On a tie with what the slot holds, the session's own state wins: it usually shares more than whole
-        # messages (the next message often starts with the old one's text). A raw prompt (no messages) shares all.
-        shares = request.messages == 0 or (own.messages > 0 and request.kept <= own.messages)
-        if shares and own.tokens >= floor_tokens:
-            if strict and not extends(own, request.messages):
-                held_back = True
-            elif own.snapshot.n_tokens > rules.n_ctx_slot:
-                fits = False
-            else:
-                return Plan(Why.OWN, own, CacheOutcome.RESTORED)
-    # Another conversation's state is used only where it shares more than the system part: conversations on one
-    # system prompt share its system snapshot, never each other's.
+    # On a tie with what the slot holds, the session's own state wins: it usually shares more than whole messages
+    # (the next message often starts with the old one's text). A raw prompt (no messages) shares all of it.
+    own_ok = own is not None and own.tokens >= floor_tokens and (
+        request.messages == 0 or (own.messages > 0 and request.kept <= own.messages))
+    if prefix is not None and own is not None and prefix.snapshot.filename == own.snapshot.filename:
+        prefix = None  # the best match is the own snapshot
+    # Another conversation's state must share more than the system part and than the slot: conversations on one
+    # system prompt share its system snapshot; a longer prefix anywhere beats the own snapshot's.
     floor = max(request.kept, request.n_system or 0)
+    choices: list[tuple[Why, Candidate, CacheOutcome]] = []
+    if own is not None and own_ok:
+        choices.append((Why.OWN, own, CacheOutcome.RESTORED))
     if prefix is not None and prefix.messages > floor and prefix.tokens >= rules.min_restore_tokens:
-        if strict and not extends(prefix, request.messages):
+        longer = not choices or prefix.tokens > choices[0][1].tokens + NEAR_TIE_TOKENS
+        choices.insert(0 if longer else len(choices), (Why.PREFIX, prefix, CacheOutcome.PREFIX))
+    for why, candidate, outcome in choices:
+        if strict and not extends(candidate, request.messages):
             held_back = True
-        elif prefix.snapshot.n_tokens > rules.n_ctx_slot:
+        elif candidate.snapshot.n_tokens > rules.n_ctx_slot:
             fits = False
         else:
-            return Plan(Why.PREFIX, prefix, CacheOutcome.PREFIX)
+            return Plan(why, candidate, outcome)
     if request.n_system is None or own is not None:
         return Plan(_miss(own, prefix, held_back, fits, request.kept), held_back=held_back)
     if system is None:

@@ -324,9 +324,9 @@ class SlotPool:
     # -- bringing a state in --------------------------------------------------------------------------------
 
     async def _bring_in(self, slot: SlotState, lease: SlotLease, in_slot: Sequence[Link]) -> None:
-        """Look up what the request could start from and do what the planner says (planner.py): restore the
-        session's own snapshot, another conversation's that shares more than the system part, or the system part's
-        (or warm a new system part up first), or nothing."""
+        """Look up what the request could start from and do what the planner says (planner.py): restore the state
+        that shares the longest prefix with it (the session's own snapshot, or another conversation's that shares
+        more than the system part), or the system part's (or warm a new system part up first), or nothing."""
         key = lease.key
         known = Known(seen=key in self._seen)
         left = self._left.pop(key, None)
@@ -344,17 +344,15 @@ class SlotPool:
         rules = Rules(self.policy.strategy, self._min_restore_tokens, self._n_ctx_slot)
         restoring = not key.is_default and rules.strategy is not Strategy.KEEP_HOT
         own: Candidate | None = None
+        prefix: Candidate | None = None
         if restoring:
             own, fate = await self.snapshots.own(key, lease.chain)
             known = Known(fate, known.left, known.left_detail, known.seen)
-            chosen = plan(request, rules, own)
-            if chosen.restore is not None:  # the own snapshot comes first: nothing found later would change that
-                await self._act(slot, lease, chosen, own, known)
-                return
-        prefix: Candidate | None = None
-        if restoring:
-            floor = max(kept, request.n_system or 0)  # a match must share more messages than this
-            prefix = await self.snapshots.best_prefix(key.model, lease.chain, floor + 1)
+            # Any conversation's state may share more than the own one (two agents that were one session, a fork):
+            # the planner takes the longest. A match must share more messages than the slot and the system part.
+            if lease.chain:
+                floor = max(kept, request.n_system or 0)
+                prefix = await self.snapshots.best_prefix(key.model, lease.chain, floor + 1)
         system_snapshot: Snapshot | None = None
         if system is not None and own is None and not key.is_default:
             # Where nothing is restored, only whether there is one matters: its row, unchecked.

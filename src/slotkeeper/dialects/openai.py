@@ -93,6 +93,14 @@ def system_texts(messages: object) -> list[str]:
     return texts
 
 
+def opening(messages: object) -> object:
+    """The conversation's first message after its system (and developer) messages, as sent; None without one."""
+    if not isinstance(messages, list):
+        return None
+    return next((m for m in messages if not (isinstance(m, Mapping) and m.get("role") in ("system", "developer"))),
+                None)
+
+
 def check_chat_request(body: Mapping[str, Any]) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

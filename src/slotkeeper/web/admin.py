@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from slotkeeper.errors import BadRequest, NotFound
+from slotkeeper.identity import session_group
 from slotkeeper.types import IdSource, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.web.state import AppState, app_state, backends, caught_up
 
@@ -16,14 +17,17 @@ router = APIRouter(prefix="/api/sessions")
 
 @router.get("")
 async def list_sessions(request: Request) -> dict[str, Any]:
-    """Saved sessions; `?kind=system` lists system-prompt snapshots instead, `?kind=all` both."""
+    """Saved sessions; `?kind=system` lists system-prompt snapshots instead, `?kind=all` both; `?group=sys-<hash>`
+    only the conversations without an id of their own on that system prompt."""
     kind = _kind_filter(request)
     model = request.query_params.get("model")
+    group = request.query_params.get("group")
     states = [app_state(request, model)] if model else backends(request).all
     sessions = []
     for state in states:
         snapshots = await state.snapshots.list(None, kind)
-        sessions += [_snapshot_json(s, _hot_slot(state, s.model, s.session_id)) for s in snapshots]
+        sessions += [_snapshot_json(s, _hot_slot(state, s.model, s.session_id)) for s in snapshots
+                     if group is None or session_group(s.session_id) == group]
     sessions.sort(key=lambda s: s["last_used"], reverse=True)
     return {"slot_dir": str(states[0].snapshots.slot_dir), "sessions": sessions}
 
@@ -204,6 +208,8 @@ def _hot_slot(state: AppState, model: str, session_id: str) -> int | None:
 def _snapshot_json(snapshot: Snapshot, hot_slot: int | None) -> dict[str, Any]:
     return {
         "session": snapshot.session_id,
+        # The system prompt group of a conversation known by its messages (sys-<hash>), else null.
+        "group": session_group(snapshot.session_id) if snapshot.kind is SnapshotKind.SESSION else None,
         "model": snapshot.model,
         "file": snapshot.filename,
         "bytes": snapshot.n_bytes,

@@ -31,13 +31,14 @@ async def create_message(request: Request) -> Response:
     state = app_state(request, message.model)
     if not state.settings.keep_attribution_block:
         message, _ = anthropic.without_attribution(message)  # before hashing and before forwarding
+    chat = anthropic.chat_body(message, raw)
     key = resolve_session(
         state.backend.model_id, request.headers, raw, anthropic.system_texts(message),
         state.settings.session_headers, hint=anthropic.session_from_user_id(anthropic.metadata_user_id(message)),
+        opening=openai.opening(chat.get("messages")),
     )
     side = (is_side_task(request.headers, raw.get("messages"), message.stream)
             or anthropic.is_side_request(request.headers, message))
-    chat = anthropic.chat_body(message, raw)
 
     def build(slot_id: int) -> dict[str, Any]:
         return openai.upstream_body(chat, slot_id)

@@ -87,11 +87,13 @@ async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping
     body = openai.parse_body(await request.body())
     check(body)
     state = app_state(request, _model_of(body))
-    key = resolve_session(state.backend.model_id, request.headers, body, system(body), state.settings.session_headers)
+    chat = as_chat(body) if as_chat is not None else None
+    messages = (chat if chat is not None else body).get("messages")
+    key = resolve_session(state.backend.model_id, request.headers, body, system(body), state.settings.session_headers,
+                          opening=openai.opening(messages))
 
     stream = bool(body.get("stream"))
-    chat = as_chat(body) if as_chat is not None else None
-    side = is_side_task(request.headers, (chat if chat is not None else body).get("messages"), stream)
+    side = is_side_task(request.headers, messages, stream)
 
     def build(slot_id: int) -> dict[str, Any]:
         return openai.upstream_body(body, slot_id)
