@@ -171,3 +171,19 @@ def scale(r: dict[str, Any]) -> list[str]:
         *(f"| {name} | {unit} | {value} |" for name, unit, value in rows),
         "",
     ]
+
+
+def title(r: dict[str, Any]) -> list[str]:
+    lines = [f"## title: a new chat's title task sent {_fmt(r['title_lead_ms'], 0)} ms before the chat, one slot", "",
+             f"{r['pairs']} new chats per target with the title task and {r['pairs']} without, alternating; the chat's "
+             f"first message pastes a document of about {r['document_tokens']} tokens, the title task runs "
+             f"{r['title_tokens']} tokens. TTFT = the chat's time to first streamed token. *Title first* = chats "
+             "whose title task was done before the chat's first token (it took the slot first).", "",
+             "| target | TTFT without title (median ms) | TTFT with title (median ms) | with / without | title first | "
+             "title ms (median) |", "|---|---:|---:|---:|---:|---:|"]
+    for name in r["targets"]:
+        s = r["summary"][name]
+        lines.append(f"| {name} | {_fmt(s['ttft_without_title']['median'])} | {_fmt(s['ttft_with_title']['median'])} "
+                     f"| {s['ratio_of_medians']:.2f}x | {s['title_ran_first']} of {s['pairs']} | "
+                     f"{_fmt(s['title_ms_median'])} |")
+    return [*lines, "", _model(r), ""]

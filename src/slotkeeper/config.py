@@ -98,6 +98,10 @@ class Settings:
     # Seconds a request that arrives while the backend is down (restarting, or not answering) waits for it to come
     # back before it fails in its client's dialect; 0 fails it at once.
     backend_wait_seconds: float = 30.0
+    # Seconds a side task (a title or tags request of OpenWebUI) waits before it asks for a slot, and queued side
+    # tasks go after requests of conversations: OpenWebUI sends a new chat's title task just before the chat's own
+    # request, and the user's answer should not wait for the title. 0: side tasks queue like any request.
+    side_task_hold_seconds: float = 0.25
     log_level: str = "info"
     # One JSON object per log line (the request line's fields as keys) instead of text.
     log_json: bool = False
@@ -209,6 +213,8 @@ class Settings:
             raise ValueError("--shutdown-timeout and --start-timeout must be more than 0 seconds")
         if self.backend_wait_seconds < 0:
             raise ValueError("--backend-wait-seconds must be 0 (fail at once) or more")
+        if self.side_task_hold_seconds < 0:
+            raise ValueError("--side-task-hold-seconds must be 0 (no hold) or more")
 
     def _validate_backends(self) -> None:
         if self.upstream is not None or self.launch_command or self.model is not None:
@@ -429,6 +435,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "slot_op_timeout": float,
     "upstream_read_timeout": float,
     "backend_wait_seconds": float,
+    "side_task_hold_seconds": float,
     "start_timeout": float,
     "shutdown_timeout": float,
     "launch_command": _command,
@@ -455,7 +462,8 @@ _FILE_TYPES: dict[str, tuple[type, ...]] = {
     **{name: (int,) for name in ("port", "ctx_size", "parallel", "min_restore_tokens", "max_queue", "cache_ram_mib",
                                  "max_body_bytes")},
     **{name: (int, float) for name in ("save_idle_seconds", "slot_op_timeout", "upstream_read_timeout",
-                                       "backend_wait_seconds", "start_timeout", "shutdown_timeout")},
+                                       "backend_wait_seconds", "start_timeout", "shutdown_timeout",
+                                       "side_task_hold_seconds")},
     "launch_command": (list, str),
     "session_headers": (list, str),
     "allowed_hosts": (list, str),

@@ -61,7 +61,8 @@ class RunningBackend:
         pool = SlotPool(backend.n_slots, client, snapshots, backend.fingerprint, backend.n_ctx_slot,
                         settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue,
                         settings.system_snapshots, DiskBudget(settings.disk_budget, settings.max_snapshot_age,
-                                                              settings.max_system_snapshots), capability, health)
+                                                              settings.max_system_snapshots), capability, health,
+                        settings.side_task_hold_seconds)
         await asyncio.to_thread(pool.learn_from_disk)
         await pool.enforce_budget()
         service = TurnService(client, pool, health, settings.backend_wait_seconds)

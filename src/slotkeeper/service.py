@@ -144,7 +144,7 @@ class TurnService:
         context = self.client.stream(path, body)
         if lease.warm_up:
             return StreamTurn(record, None, context, self.client.base_url,
-                              warm_up=lambda progress: self._warm_up(lease, progress))
+                              warm_up=lambda progress: self._warm_up(lease, progress, wait=False))
         try:
             response = await context.__aenter__()
         except UpstreamError as exc:
@@ -176,7 +176,7 @@ class TurnService:
         if lease.warm_up and warm_now:
             lease.warm_up = False
             try:
-                await self._warm_up(lease)
+                await self._warm_up(lease, wait=False)
             except SlotkeeperError:
                 pass  # logged; the turn prefills as it would have without a system snapshot
             except BaseException:
@@ -209,9 +209,11 @@ class TurnService:
         return Prewarm(system.digest, status, snapshot.n_tokens, snapshot.n_bytes, snapshot.pinned,
                        _ms_since(started))
 
-    async def _warm_up(self, lease: SlotLease, progress: ProgressCallback | None = None) -> Snapshot | None:
-        """Evaluate the lease's system part into its slot and save it as the system snapshot. A failed warm-up is
-        logged and raised, and saves nothing."""
+    async def _warm_up(self, lease: SlotLease, progress: ProgressCallback | None = None,
+                       wait: bool = True) -> Snapshot | None:
+        """Evaluate the lease's system part into its slot and save it as the system snapshot (returned when `wait`:
+        once committed; a turn goes on without waiting for the commit). A failed warm-up is logged and raised, and
+        saves nothing."""
         system = lease.system
         assert system is not None
         started = time.perf_counter()
@@ -224,7 +226,7 @@ class TurnService:
             raise
         finally:
             lease.cache.warm_ms = _ms_since(started)
-        snapshot = await self.pool.save_system(lease, n_tokens)
+        snapshot = await self.pool.save_system(lease, n_tokens, wait=wait)
         log.info("system prompt %s warmed up in slot %d: %d tokens in %.0f ms%s", system.short_id, lease.slot_id,
                  n_tokens, lease.cache.warm_ms, ", saved" if snapshot is not None else "")
         return snapshot
@@ -266,8 +268,8 @@ class TurnService:
     async def _system_prefix(self, system: SystemPrompt) -> str | None:
         """The rendered text every conversation on `system` starts with, from the backend's own chat template."""
         try:
-            first = await self.client.post_json("/apply-template", system.template_body("a"))
-            second = await self.client.post_json("/apply-template", system.template_body("b"))
+            first, second = await asyncio.gather(self.client.post_json("/apply-template", system.template_body("a")),
+                                                 self.client.post_json("/apply-template", system.template_body("b")))
         except SlotkeeperError as exc:
             log.debug("no /apply-template on the backend (%s): warming up with an empty user message", exc.message)
             return None

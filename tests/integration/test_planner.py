@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import Stack
-from tests.support import Backend, Conversation, Slotkeeper, chat, snapshot_tokens, timings, words
+from tests.support import Backend, Conversation, Slotkeeper, chat, snapshot_tokens, timings, wait_until, words
 
 pytestmark = pytest.mark.backend
 
@@ -78,8 +78,11 @@ def test_new_chat_on_a_known_system_prompt_starts_from_its_system_snapshot(stack
 
 
 def test_a_full_queue_answers_503_in_the_clients_dialect(stack: Stack, client_for) -> None:
+    """One request streams, one waits for the slot (the queue's one place), a third gets 503 at once. The first
+    one's answer is long enough (6000 tokens) to outlast a loaded machine's setting up of the other two; its client
+    then hangs up, which frees the slot for the one waiting."""
     keeper = stack.slotkeeper(stack.backend(parallel=1), "--max-queue", "1")
-    long = {"messages": [{"role": "user", "content": "hold"}], "max_tokens": 1500, "stream": True,
+    long = {"messages": [{"role": "user", "content": "hold"}], "max_tokens": 6000, "stream": True,
             "ignore_eos": True}
     waited: dict[str, int] = {}
 
@@ -87,26 +90,25 @@ def test_a_full_queue_answers_503_in_the_clients_dialect(stack: Stack, client_fo
         with httpx.Client(base_url=keeper.url, timeout=120) as c:
             waited["status"] = chat(c, [{"role": "user", "content": "wait"}], "second").status_code
 
+    thread = threading.Thread(target=queued)
     with httpx.Client(base_url=keeper.url, timeout=60) as client, client.stream(
         "POST", "/v1/chat/completions", json=long, headers={"X-Session-Id": "holder"}
     ) as response:
-        chunks = response.iter_raw()
+        chunks = response.iter_raw()  # kept: a dropped iterator closes the response (a hang-up)
         next(chunks)
-        thread = threading.Thread(target=queued)
         thread.start()
-        with httpx.Client(base_url=keeper.url, timeout=10) as other:
-            deadline_ok = False
-            for _ in range(100):
-                if other.get("/api/sessions/current").json()["queue"] == 1:
-                    deadline_ok = True
-                    break
-                threading.Event().wait(0.05)
-            assert deadline_ok
+        with httpx.Client(base_url=keeper.url, timeout=30) as other:
+            def queue() -> int:
+                length: int = other.get("/api/sessions/current").json()["queue"]
+                return length
+
+            assert wait_until(lambda: queue() == 1 or not thread.is_alive(), timeout=60), queue()
+            assert thread.is_alive(), f"the second request did not wait for the slot: {waited}"
             rejected = chat(other, [{"role": "user", "content": "third"}], "third")
-        assert rejected.status_code == 503
+            assert not response.is_closed and thread.is_alive(), "the first answer ended before the third request"
+        assert rejected.status_code == 503, rejected.text
         assert rejected.json()["error"]["type"] == "overloaded_error"
-        for _ in chunks:
-            pass
+    # The first client hung up: its generation stops and the one waiting gets the slot.
     thread.join(120)
     assert waited == {"status": 200}
 

@@ -854,6 +854,48 @@ async def test_a_side_task_still_prefers_an_empty_slot(client: FakeClient, store
     assert (await turn(pool, B)).cache.outcome is CacheOutcome.HOT
 
 
+async def test_a_title_task_sent_just_before_its_chat_goes_after_it(client: FakeClient, store: SnapshotStore) -> None:
+    """OpenWebUI sends a new chat's title task a few ms before the chat's own request: held back, the task runs once
+    the chat's turn is done, on one slot. Without the hold it would take the slot first."""
+    for hold, expected in ((0.2, ["chat", "title"]), (0.0, ["title", "chat"])):
+        pool = SlotPool(1, client, Snapshots(store), FP, 4096, save_idle_seconds=-1,  # type: ignore[arg-type]
+                        side_hold_seconds=hold)
+        served: list[str] = []
+
+        async def request(name: str, k: SessionKey, side: bool, pool: SlotPool = pool,
+                          served: list[str] = served) -> None:
+            lease = await pool.acquire(k, side=side)
+            served.append(name)
+            await asyncio.sleep(0.05)
+            lease.release(TurnEnd.COMPLETED)
+
+        title = asyncio.create_task(request("title", key(f"chat-{hold}"), True))
+        await asyncio.sleep(0.03)
+        chat = asyncio.create_task(request("chat", key(f"chat-{hold}"), False))
+        await asyncio.wait_for(asyncio.gather(title, chat), 2)
+        assert served == expected, (hold, served)
+
+
+async def test_queued_side_tasks_go_after_conversations(client: FakeClient, store: SnapshotStore) -> None:
+    pool = SlotPool(1, client, Snapshots(store), FP, 4096, save_idle_seconds=-1,  # type: ignore[arg-type]
+                    side_hold_seconds=0.01)
+    first = await pool.acquire(A)
+    served: list[str] = []
+
+    async def request(name: str, k: SessionKey, side: bool) -> None:
+        lease = await pool.acquire(k, side=side)
+        served.append(name)
+        lease.release(TurnEnd.COMPLETED)
+
+    task = asyncio.create_task(request("tags", A, True))
+    await asyncio.sleep(0.05)  # the task is queued, past its hold
+    later = asyncio.create_task(request("B", B, False))
+    await asyncio.sleep(0.01)
+    first.release(TurnEnd.COMPLETED)
+    await asyncio.wait_for(asyncio.gather(task, later), 2)
+    assert served == ["B", "tags"]
+
+
 # -- strategies per architecture and build ----------------------------------------------------------------------
 
 

@@ -69,6 +69,7 @@ async def test_a_new_system_prompt_is_warmed_up_and_saved_once(client: ChatClien
     _, first = await turns.unary("t", key("a"), "/v1/chat/completions", builder("first chat"))
     assert first.lease.cache.outcome is CacheOutcome.COLD
     assert len(client.warm_ups()) == 1
+    await turns.pool.settle()  # the turn did not wait for the system snapshot's commit
     rows = system_rows(store)
     part = system_prompt_of(builder("x")(0))
     assert part is not None and [r.session_id for r in rows] == [part.digest]

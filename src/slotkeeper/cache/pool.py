@@ -81,6 +81,7 @@ class _Waiter:
 
     choose: Callable[[], SlotState | None]
     future: asyncio.Future[SlotState]
+    side: bool = False
 
 
 @dataclass
@@ -144,6 +145,7 @@ class SlotPool:
         budget: DiskBudget | None = None,
         capability: Capability | None = None,
         health: BackendHealth | None = None,
+        side_hold_seconds: float = 0.0,
     ) -> None:
         self.slots = [SlotState(i) for i in range(n_slots)]
         self._client = client
@@ -153,6 +155,7 @@ class SlotPool:
         self._save_idle_seconds = save_idle_seconds
         self._min_restore_tokens = min_restore_tokens
         self._max_queue = max_queue
+        self._side_hold_seconds = side_hold_seconds
         self._system_snapshots = system_snapshots
         self._short_systems: deque[str] = deque(maxlen=_SHORT_SYSTEMS_KEPT)
         self._seen: OrderedDict[SessionKey, None] = OrderedDict()
@@ -213,7 +216,11 @@ class SlotPool:
         it gets a slot that holds no unsaved session when there is one, the slot's changed occupant is saved first,
         nothing is restored, and afterwards the slot is attributed to nobody.
         """
-        slot = await self._take((lambda: self._choose_side(key)) if side else lambda: self._choose(key), bounded=True)
+        if side and self._side_hold_seconds > 0:
+            # OpenWebUI sends a new chat's title task a few ms before the chat's request: that one goes first.
+            await asyncio.sleep(self._side_hold_seconds)
+        slot = await self._take((lambda: self._choose_side(key)) if side else lambda: self._choose(key), bounded=True,
+                                side=side)
         previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
         held = _Held(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end)
         slot.occupant, slot.dirty = (None if side else key), False
@@ -263,9 +270,11 @@ class SlotPool:
         return min(idle, key=lambda s: (s.occupant is not None, key is None or s.occupant != key, s.dirty,
                                         s.last_used))
 
-    async def _take(self, choose: Callable[[], SlotState | None], bounded: bool = False) -> SlotState:
-        """Queue for a slot; slots are handed out in arrival order to the first waiter that can use them."""
-        waiter = _Waiter(choose, asyncio.get_running_loop().create_future())
+    async def _take(self, choose: Callable[[], SlotState | None], bounded: bool = False,
+                    side: bool = False) -> SlotState:
+        """Queue for a slot; slots are handed out in arrival order to the first waiter that can use them, side tasks
+        after every conversation's request (when side tasks are held back at all)."""
+        waiter = _Waiter(choose, asyncio.get_running_loop().create_future(), side)
         self._waiters.append(waiter)
         self._dispatch()
         if bounded and self._max_queue and not waiter.future.done() and len(self._waiters) > self._max_queue:
@@ -282,8 +291,12 @@ class SlotPool:
             raise
 
     def _dispatch(self) -> None:
-        """Give free slots to queued waiters, oldest first. Synchronous: no state is read across an await."""
-        for waiter in list(self._waiters):
+        """Give free slots to queued waiters, oldest first (side tasks last, when they are held back). Synchronous:
+        no state is read across an await."""
+        waiters = list(self._waiters)
+        if self._side_hold_seconds > 0:
+            waiters.sort(key=lambda w: w.side)  # stable: arrival order within each
+        for waiter in waiters:
             if waiter.future.done():
                 self._waiters.remove(waiter)
                 continue
@@ -374,9 +387,13 @@ class SlotPool:
         # About two characters of canonical JSON per token at the least: shorter prompts cannot reach the threshold.
         return system.chars >= 2 * self._min_restore_tokens and system.digest not in self._short_systems
 
-    async def save_system(self, lease: SlotLease, n_tokens: int) -> Snapshot | None:
+    async def save_system(self, lease: SlotLease, n_tokens: int, wait: bool = True) -> Snapshot | None:
         """The caller warmed the leased slot up with the lease's system part (`n_tokens` prompt tokens): keep it as
-        the system snapshot, unless it is too short to be worth one. Only called after a warm-up that succeeded."""
+        the system snapshot, unless it is too short to be worth one. Only called after a warm-up that succeeded.
+
+        With `wait`, the snapshot is returned once committed (a pre-warm reports it). Without, only the backend's
+        write of the slot is waited for, and the commit (the copy to the slot dir, fsync, checksum, index row) goes
+        on behind the turn: a turn need not wait for it, and whoever looks the snapshot up waits for its commit."""
         system = lease.system
         assert system is not None
         self.warm_ups += 1
@@ -390,9 +407,8 @@ class SlotPool:
                      system.short_id, n_tokens)
             return None
         key = SessionKey(lease.key.model, system.digest)
-        # Awaited, commit included: the caller gets the snapshot.
-        lease.cache.save_ms += await self._save(slot.slot_id, key, _Held.of(slot), SnapshotKind.SYSTEM)
-        return await self.snapshots.get(key, SnapshotKind.SYSTEM)
+        lease.cache.save_ms += await self._save(slot.slot_id, key, _Held.of(slot), SnapshotKind.SYSTEM, wait=wait)
+        return await self.snapshots.get(key, SnapshotKind.SYSTEM) if wait else None
 
     def warm_up_failed(self, lease: SlotLease) -> None:
         """The warm-up request failed: nothing is saved, and the slot's content is not known any more."""
