@@ -40,7 +40,7 @@ def _header(results: dict[str, dict[str, Any]]) -> list[str]:
     ]
 
 
-OWN_HEADER = ("system", "agent", "scale")
+OWN_HEADER = ("system", "agent", "scale", "day")
 
 
 def _switch(r: dict[str, Any]) -> list[str]:
@@ -144,7 +144,8 @@ def _restart(r: dict[str, Any]) -> list[str]:
 
 
 SECTIONS = {"switch": _switch, "overhead": _overhead, "restart": _restart, "system": sections.system,
-            "agent": sections.agent, "scale": sections.scale}
+            "agent": sections.agent, "scale": sections.scale,
+            "day": sections.day}
 
 
 def write_report(out: Path) -> Path:

@@ -19,7 +19,7 @@ from tests.support import REPO
 pytestmark = pytest.mark.backend
 
 
-SCENARIOS = ("switch", "overhead", "restart", "system", "agent", "scale")
+SCENARIOS = ("switch", "overhead", "restart", "system", "agent", "scale", "day")
 TARGETS = ["llama-server cram0", "llama-server default", "slotkeeper"]
 
 
@@ -197,3 +197,27 @@ def test_scale(results: Path) -> None:
     assert summary["index_bytes"] > 0
     assert len(summary["startup_ms"]) == 3
     assert all(positive(t["median"]) for t in summary["startup_ms"].values())
+
+
+def test_day(results: Path) -> None:
+    data = load(results, "day")
+    traffic, summary = data["traffic"], data["summary"]["targets"]
+    required = ["llama-server cram0", "llama-server default", "llama-server small-ram", "slotkeeper"]
+    assert data["targets"][:4] == required and set(data["targets"]) | set(data["skipped_targets"]) == {
+        *required, "hearth-llm"}
+    assert all(n > 0 for n in traffic["requests"].values())
+    assert 0 < traffic["restart_after_step"] < traffic["steps"]
+    assert data["state_probe"]["small_ram_mib"] >= 1 and positive(data["state_probe"]["bytes_per_token"])
+    n = sum(traffic["requests"].values())
+    assert len(data["samples"]) == n * len(data["targets"])
+    for target in data["targets"]:
+        t = summary[target]
+        assert t["requests"] == n and t["errors"] == 0
+        assert t["prompt_tokens"] == traffic["prompt_tokens"] > t["shared_prefix_tokens"] > 0
+        assert 0 < t["prefilled"] <= t["prompt_tokens"] * 2 and positive(t["wall_seconds"])
+        assert t["prompt_check"]["mismatched"] == 0
+        for kind, n_kind in traffic["requests"].items():
+            assert t["ttft_ms"][kind]["n"] == n_kind and positive(t["ttft_ms"][kind]["p50"])
+    # slotkeeper brings conversations back after the restart and past the small RAM cache: it prefills less than
+    # llama-server without a cache.
+    assert summary["slotkeeper"]["prefilled"] < summary["llama-server cram0"]["prefilled"]
