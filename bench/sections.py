@@ -184,8 +184,8 @@ def day(r: dict[str, Any]) -> list[str]:
         f"{len(tr['conversations'])} conversations, sent to each target in turn (order: {', '.join(r['order'])}): "
         "OpenWebUI-like chats without chat ids on one shared system prompt (a new chat's title task sent from a "
         "thread 30 ms before its first turn; tags and follow-up tasks now and then), two coding agents and a "
-        "subagent without session ids on one shared agent prompt, and a Claude-Code-shaped client "
-        f"({tr['claude_code_route']}). Every target is `--parallel 1`, stopped and started again after step "
+        "subagent without session ids on one shared agent prompt, and a Claude-Code-shaped client; its route: "
+        f"{tr['claude_code_route']}. Every target is `--parallel 1`, stopped and started again after step "
         f"{tr['restart_after_step']} (slotkeeper's cache dir kept, its RAM dir emptied). *small-ram* is llama-server "
         f"with `--cache-ram {probe['small_ram_mib']}`: about {probe['small_ram_states']} of the conversations' "
         f"states at the measured {probe['bytes_per_token']:,.0f} bytes per token (a saved slot of "
@@ -212,7 +212,11 @@ def day(r: dict[str, Any]) -> list[str]:
     kinds = sorted({k for t in s.values() for k in t["by_step_kind"]})
     lines += ["", "Prefilled tokens by kind of step (a title task and the first turn it comes with are one step):", "",
               "| target | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
+    first = next(iter(s.values()))["by_step_kind"]
+    least = [f"{first[k]['prompt_tokens'] - first[k]['shared_prefix_tokens']:,}" if k in first else "" for k in kinds]
+    lines.append("| *least possible: prompt - shared* | " + " | ".join(least) + " |")
     for target, t in s.items():
         lines.append(f"| {target} | " + " | ".join(f"{t['by_step_kind'][k]['prefilled']:,}"
                                                   if k in t["by_step_kind"] else "" for k in kinds) + " |")
+    lines += [f"\n{note}" for note in r.get("notes", [])]
     return [*lines, ""]
