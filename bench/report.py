@@ -40,7 +40,7 @@ def _header(results: dict[str, dict[str, Any]]) -> list[str]:
     ]
 
 
-OWN_HEADER = ("system", "agent", "scale", "title")
+OWN_HEADER = ("system", "agent", "scale", "day", "title")
 
 
 def _switch(r: dict[str, Any]) -> list[str]:
@@ -144,7 +144,7 @@ def _restart(r: dict[str, Any]) -> list[str]:
 
 
 SECTIONS = {"switch": _switch, "overhead": _overhead, "restart": _restart, "system": sections.system,
-            "agent": sections.agent, "scale": sections.scale, "title": sections.title}
+            "agent": sections.agent, "scale": sections.scale, "day": sections.day, "title": sections.title}
 
 
 def write_report(out: Path) -> Path:

@@ -1,4 +1,4 @@
-"""README sections of the `system`, `agent` and `scale` scenarios (see report.py for the page around them)."""
+"""README sections of the `system`, `agent`, `scale` and `day` scenarios (see report.py for the page around them)."""
 
 from __future__ import annotations
 
@@ -171,6 +171,55 @@ def scale(r: dict[str, Any]) -> list[str]:
         *(f"| {name} | {unit} | {value} |" for name, unit, value in rows),
         "",
     ]
+
+
+def day(r: dict[str, Any]) -> list[str]:
+    tr, probe, s = r["traffic"], r["state_probe"], r["summary"]["targets"]
+    counts = ", ".join(f"{kind} {n}" for kind, n in tr["requests"].items())
+    skipped = "".join(f" Skipped: {name} ({why})." for name, why in r.get("skipped_targets", {}).items())
+    lines = [
+        "## day: a replayed day of mixed traffic, with a restart halfway",
+        "",
+        f"One request list ({sum(tr['requests'].values())} requests in {tr['steps']} steps: {counts}) from "
+        f"{len(tr['conversations'])} conversations, sent to each target in turn (order: {', '.join(r['order'])}): "
+        "OpenWebUI-like chats without chat ids on one shared system prompt (a new chat's title task sent from a "
+        "thread 30 ms before its first turn; tags and follow-up tasks now and then), two coding agents and a "
+        "subagent without session ids on one shared agent prompt, and a Claude-Code-shaped client; its route: "
+        f"{tr['claude_code_route']}. Every target is `--parallel 1`, stopped and started again after step "
+        f"{tr['restart_after_step']} (slotkeeper's cache dir kept, its RAM dir emptied). *small-ram* is llama-server "
+        f"with `--cache-ram {probe['small_ram_mib']}`: about {probe['small_ram_states']} of the conversations' "
+        f"states at the measured {probe['bytes_per_token']:,.0f} bytes per token (a saved slot of "
+        f"{probe['tokens']} tokens); *default* is `--cache-ram {probe['default_cache_ram_mib']}`, llama-server's "
+        "default. *Shared* is, summed over requests, the longest token prefix each prompt shares with any earlier "
+        "prompt (the backend's own template and tokenizer); *reused* is prompt tokens minus what the backend "
+        "prefilled (its `/metrics`, warm-ups included, summed across the restart); *efficiency* = reused / shared. "
+        f"TTFT of the non-streamed tasks is their whole response time. {_model(r)}{skipped}",
+        "",
+        "| target | efficiency | prefilled | reused | shared | wall s | errors | chat p50/p95 ms | title p50/p95 "
+        "| agent p50/p95 | subagent p50/p95 | claude-code p50/p95 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def pp(t: dict[str, Any], kind: str) -> str:
+        x = t["ttft_ms"][kind]
+        return f"{_fmt(x['p50'], 0)} / {_fmt(x['p95'], 0)}" if x["n"] else ""
+
+    for target, t in s.items():
+        eff = f"{t['efficiency'] * 100:.1f}%" if t["efficiency"] is not None else ""
+        lines.append(f"| {target} | {eff} | {t['prefilled']:,} | {t['reused']:,} | {t['shared_prefix_tokens']:,} "
+                     f"| {_fmt(t['wall_seconds'])} | {t['errors']} | {pp(t, 'chat')} | {pp(t, 'title')} "
+                     f"| {pp(t, 'agent')} | {pp(t, 'subagent')} | {pp(t, 'claude-code')} |")
+    kinds = sorted({k for t in s.values() for k in t["by_step_kind"]})
+    lines += ["", "Prefilled tokens by kind of step (a title task and the first turn it comes with are one step):", "",
+              "| target | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
+    first = next(iter(s.values()))["by_step_kind"]
+    least = [f"{first[k]['prompt_tokens'] - first[k]['shared_prefix_tokens']:,}" if k in first else "" for k in kinds]
+    lines.append("| *least possible: prompt - shared* | " + " | ".join(least) + " |")
+    for target, t in s.items():
+        lines.append(f"| {target} | " + " | ".join(f"{t['by_step_kind'][k]['prefilled']:,}"
+                                                  if k in t["by_step_kind"] else "" for k in kinds) + " |")
+    lines += [f"\n{note}" for note in r.get("notes", [])]
+    return [*lines, ""]
 
 
 def title(r: dict[str, Any]) -> list[str]:

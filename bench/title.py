@@ -100,4 +100,5 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
                          "title_ms_median": statistics.median(r["title_ms"] for r in rows[name] if r["with_title"])}
     return {"scenario": "title", "config": config.as_json(), "machine": machine(), "targets": list(TARGETS),
             "pairs": pairs, "document_tokens": document, "title_tokens": title_tokens,
-            "title_lead_ms": TITLE_LEAD_SECONDS * 1000, "summary": summary, "rows": rows}
+            "title_lead_ms": TITLE_LEAD_SECONDS * 1000, "summary": summary,
+            "samples": [{"target": name, **row} for name in TARGETS for row in rows[name]]}

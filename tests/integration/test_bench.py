@@ -16,10 +16,11 @@ import pytest
 
 from tests.support import REPO
 
-pytestmark = pytest.mark.backend
+# The whole --small run is the module fixture's setup, counted in the first test's timeout.
+pytestmark = [pytest.mark.backend, pytest.mark.timeout(900)]
 
 
-SCENARIOS = ("switch", "overhead", "restart", "system", "agent", "scale")
+SCENARIOS = ("switch", "overhead", "restart", "system", "agent", "scale", "day", "title")
 TARGETS = ["llama-server cram0", "llama-server default", "slotkeeper"]
 
 
@@ -31,7 +32,7 @@ def positive(value: Any) -> bool:
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench")
     run = subprocess.run([sys.executable, "-m", "bench", "--scenario", "all", "--small", "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+                         cwd=REPO, capture_output=True, text=True, timeout=850)
     assert run.returncode == 0, run.stderr[-4000:]
     return out
 
@@ -197,3 +198,44 @@ def test_scale(results: Path) -> None:
     assert summary["index_bytes"] > 0
     assert len(summary["startup_ms"]) == 3
     assert all(positive(t["median"]) for t in summary["startup_ms"].values())
+
+
+def test_day(results: Path) -> None:
+    data = load(results, "day")
+    traffic, summary = data["traffic"], data["summary"]["targets"]
+    required = ["llama-server cram0", "llama-server default", "llama-server small-ram", "slotkeeper"]
+    assert data["targets"][:4] == required and set(data["targets"]) | set(data["skipped_targets"]) == {
+        *required, "hearth-llm"}
+    assert all(n > 0 for n in traffic["requests"].values())
+    assert 0 < traffic["restart_after_step"] < traffic["steps"]
+    assert data["state_probe"]["small_ram_mib"] >= 1 and positive(data["state_probe"]["bytes_per_token"])
+    n = sum(traffic["requests"].values())
+    assert len(data["samples"]) == n * len(data["targets"])
+    for target in data["targets"]:
+        t = summary[target]
+        assert t["requests"] == n and t["errors"] == 0
+        assert t["prompt_tokens"] == traffic["prompt_tokens"] > t["shared_prefix_tokens"] > 0
+        assert 0 < t["prefilled"] <= t["prompt_tokens"] * 2 and positive(t["wall_seconds"])
+        assert t["prompt_check"]["mismatched"] == 0
+        for kind, n_kind in traffic["requests"].items():
+            assert t["ttft_ms"][kind]["n"] == n_kind and positive(t["ttft_ms"][kind]["p50"])
+    # slotkeeper brings conversations back after the restart and past the small RAM cache: it prefills less than
+    # llama-server without a cache.
+    assert summary["slotkeeper"]["prefilled"] < summary["llama-server cram0"]["prefilled"]
+
+
+def test_title(results: Path) -> None:
+    data = load(results, "title")
+    assert data["targets"] == ["slotkeeper", "slotkeeper hold 0", "llama-server cram0"]
+    assert len(data["samples"]) == 2 * data["pairs"] * len(data["targets"])
+    for sample in data["samples"]:
+        assert positive(sample["ttft_ms"]) and sample["total_ms"] >= sample["ttft_ms"]
+        if sample["with_title"]:
+            assert sample["title_status"] == 200 and positive(sample["title_ms"])
+            # slotkeeper takes the title task for a side task (the shape OpenWebUI's has).
+            assert sample["title_kind"] == ("side" if sample["target"].startswith("slotkeeper") else None)
+    for name in data["targets"]:
+        summary = data["summary"][name]
+        assert summary["pairs"] == data["pairs"] and positive(summary["ratio_of_medians"])
+    # Held back, the title task never takes the slot ahead of its chat.
+    assert data["summary"]["slotkeeper"]["title_ran_first"] == 0

@@ -1,0 +1,564 @@
+"""Scenario `day`: a replayed day of mixed traffic on one llama-server slot (`--parallel 1`), with a restart halfway.
+
+The traffic is one request list, generated deterministically and sent unchanged to every target:
+
+- OpenWebUI-like chats (streamed /v1/chat/completions) without chat ids, on one shared system prompt, as OpenWebUI
+  sends them by default. A new chat's title task (non-streamed, one `### Task:` user message quoting the chat's
+  first message) is sent from a thread about 30 ms before the chat's first turn; after a reply, tags and follow-up
+  tasks now and then.
+- Two coding agents without session ids on one shared agent system prompt, each history growing by a tool call and
+  its result per turn, taking turns; a subagent (same system prompt, its own first user message) runs a few turns
+  after the first agent's third. llama-server refuses a grammar next to `tools`, and every request carries the
+  grammar, so these agents describe their tools in the system text (the generated model's ChatML template renders
+  no `tools` field anyway).
+- A Claude-Code-shaped client: streamed Anthropic /v1/messages with `metadata.user_id`, tools and reminder blocks.
+  Every target gets it on /v1/messages, llama-server's own route for the direct ones.
+
+Eight conversations in all, more than the small RAM cache target holds. Halfway through, the target is stopped
+and started again (slotkeeper too, its cache dir kept and its RAM dir emptied, so it restores from disk).
+
+Reuse efficiency: each request's prompt is rendered (/apply-template, the Anthropic ones as their equivalent chat
+messages) and tokenized (/tokenize) once on a scratch llama-server; S_i is the longest token prefix it shares with
+any earlier request's prompt. reused = prompt tokens - what the backend prefilled (its /metrics counter, read around
+every step and before each stop, so slotkeeper's warm-ups count), and efficiency = sum(reused) / sum(S)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.agent import AgentSession
+from bench.common import GRAMMAR, BenchConfig, machine, make_model, percentile, prime, processes
+from bench.messages import CHARS_PER_TOKEN, PrefillCounters, prefill_counters, system_part
+from bench.openwebui import TASKS
+from slotkeeper.upstream.launcher import free_port
+from tests.support import Backend, Slotkeeper, wait_healthy, words
+
+TARGETS = ("llama-server cram0", "llama-server default", "llama-server small-ram", "slotkeeper", "hearth-llm")
+KINDS = ("chat", "title", "tags", "follow_ups", "agent", "subagent", "claude-code")
+# llama-server's own default --cache-ram (MiB); the Backend helper always passes the option, so it is given.
+DEFAULT_CACHE_RAM = 8192
+# The RAM cache of the small-ram target holds about this many of the day's conversation states.
+SMALL_RAM_STATES = 2
+HEARTH_ENV = "SLOTKEEPER_BENCH_HEARTH"
+HEARTH_DEFAULT = Path("/tmp/hearth-venv/bin/hearth")
+TITLE_LEAD_S = 0.03
+TASK_KINDS = ("title", "tags", "follow_ups")
+
+
+@dataclass
+class Request:
+    """One request of the day: its route, body, and the chat body that renders to the same prompt."""
+
+    kind: str
+    conversation: str
+    api: str  # "chat" (/v1/chat/completions) or "messages" (/v1/messages)
+    body: dict[str, Any]
+    render: dict[str, Any]
+    tokens: list[int] = field(default_factory=list)
+    shared: int = 0  # S_i: longest token prefix shared with any earlier request's prompt
+
+
+# A step is one request, or a new chat's title task and, 30 ms after it, the chat's first turn.
+Step = list[Request]
+
+
+@dataclass(frozen=True)
+class Shape:
+    chats: int
+    chat_turns: int
+    owui_tokens: int
+    first_message_tokens: int
+    agent_tokens: int
+    agent_turns: int
+    subagent_turns: int
+    claude_turns: int
+    result_tokens: int
+    answer_tokens: tuple[int, int]  # each answer's length is drawn from this range
+
+
+def shape(config: BenchConfig) -> Shape:
+    if config.small:
+        return Shape(chats=3, chat_turns=2, owui_tokens=300, first_message_tokens=80, agent_tokens=500,
+                     agent_turns=2, subagent_turns=1, claude_turns=2, result_tokens=80, answer_tokens=(4, 6))
+    return Shape(chats=4, chat_turns=3, owui_tokens=1500, first_message_tokens=200, agent_tokens=3000,
+                 agent_turns=6, subagent_turns=3, claude_turns=4, result_tokens=300, answer_tokens=(8, 12))
+
+
+def _chat_body(messages: list[dict[str, Any]], max_tokens: int, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "stream": stream,
+                            "temperature": 0, "ignore_eos": True, "grammar": GRAMMAR}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _text(tokens: int, seed: int) -> str:
+    return words(int(tokens * CHARS_PER_TOKEN), seed)
+
+
+def anthropic_as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat body llama-server renders a /v1/messages body as: system blocks as a system message, text blocks as
+    content parts, tool_use as tool_calls, tool_result as tool messages (checked against its input_tokens +
+    cache_read_input_tokens, see `prompt_check` in the results)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "\n".join(b["text"] for b in body["system"])}]
+    for m in body["messages"]:
+        blocks = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+        texts = [{"type": "text", "text": b["text"]} for b in blocks if b["type"] == "text"]
+        calls = [{"id": b["id"], "type": "function",
+                  "function": {"name": b["name"], "arguments": json.dumps(b["input"])}}
+                 for b in blocks if b["type"] == "tool_use"]
+        for b in blocks:
+            if b["type"] == "tool_result":
+                messages.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": b["content"]})
+        if m["role"] == "assistant":
+            out: dict[str, Any] = {"role": "assistant", "content": "\n".join(t["text"] for t in texts)}
+            if calls:
+                out["tool_calls"] = calls
+            messages.append(out)
+        elif texts:
+            messages.append({"role": m["role"], "content": texts})
+    tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                               "parameters": t["input_schema"]}} for t in body.get("tools", [])]
+    return {"messages": messages, "tools": tools}
+
+
+def traffic(config: BenchConfig) -> list[Step]:
+    """The day's steps, the same on every call."""
+    s = shape(config)
+    rng = random.Random(20261201)
+
+    def answer() -> int:
+        return rng.randint(*s.answer_tokens)
+
+    owui_system = "You are a helpful assistant in OpenWebUI. " + _text(s.owui_tokens, 61)
+    tool_text = "\n".join(f"- {name}(arg: string): " + _text(60, 70 + i)
+                          for i, name in enumerate(("read_file", "edit_file", "run_command", "search", "task")))
+    agent_system = (f"You are a coding agent working in a repository.\n# Tools\n{tool_text}\n# Rules\n"
+                    + _text(max(0, s.agent_tokens - 400), 81))
+    chats: dict[str, list[dict[str, Any]]] = {}
+    agents: dict[str, list[dict[str, Any]]] = {}
+    claude = AgentSession(system_part(s.agent_tokens, 909), "day-claude", 100, s.result_tokens)
+
+    def chat_steps(name: str, k: int) -> list[Step]:
+        history = chats.setdefault(name, [{"role": "system", "content": owui_system}])
+        n = len(history)
+        if n == 1:
+            text = f"Chat {k}: please look at this. " + _text(s.first_message_tokens, 100 + k) + " What now?"
+        else:
+            text = _text(60, 1000 * k + n)
+        history.append({"role": "user", "content": text})
+        main = Request("chat", name, "chat", _chat_body(list(history), answer(), True), {})
+        steps: list[Step] = []
+        if n == 1:
+            steps.append([task("title", name, history), main])
+        else:
+            steps.append([main])
+        history.append({"role": "assistant", "content": _text(40, 2000 * k + n)})
+        if n == 1 and rng.random() < 0.75:
+            steps.append([task("tags", name, history)])
+        if rng.random() < 0.5:
+            steps.append([task("follow_ups", name, history)])
+        return steps
+
+    def task(kind: str, name: str, history: list[dict[str, Any]]) -> Request:
+        instruction, last = TASKS[kind]
+        quoted = "\n".join(f"{m['role'].upper()}: {m['content'][:500]}" for m in history[1:][-last:])
+        content = (f"### Task:\n{instruction}\n### Chat History:\n<chat_history>\n{quoted}\n</chat_history>")
+        return Request(kind, name, "chat", _chat_body([{"role": "user", "content": content}], answer(), False), {})
+
+    def agent_step(name: str, kind: str, seed: int) -> Step:
+        history = agents.setdefault(name, [{"role": "system", "content": agent_system}])
+        if len(history) == 1:
+            history.append({"role": "user", "content": f"{name}: fix the failing test. " + _text(120, seed)})
+        else:
+            n = len(history)
+            call = f"call_{name}_{n}"
+            history += [
+                {"role": "assistant", "content": _text(30, seed + n),
+                 "tool_calls": [{"id": call, "type": "function",
+                                 "function": {"name": "read_file", "arguments": json.dumps({"arg": f"src/m{n}.py"})}}]},
+                {"role": "tool", "tool_call_id": call, "content": _text(s.result_tokens, seed + 500 + n)},
+            ]
+        return [Request(kind, name, "chat", _chat_body(list(history), answer(), True), {})]
+
+    def claude_step() -> Step:
+        if claude.messages:
+            claude.answered()
+        body = claude.request(answer())
+        body["messages"] = json.loads(json.dumps(body["messages"]))
+        body["grammar"] = GRAMMAR
+        return [Request("claude-code", "claude-code", "messages", body, anthropic_as_chat(body))]
+
+    # Which conversation speaks next: an interleaving of every conversation's turns, the subagent's turns right
+    # after the first agent's third (the parent waits for it).
+    labels = ([f"chat-{k}" for k in range(s.chats) for _ in range(s.chat_turns)]
+              + ["agent-1"] * s.agent_turns + ["agent-2"] * s.agent_turns + ["claude-code"] * s.claude_turns)
+    rng.shuffle(labels)
+    steps: list[Step] = []
+    agent_turns = 0
+    for label in labels:
+        if label.startswith("chat-"):
+            k = int(label.removeprefix("chat-"))
+            steps += chat_steps(label, k)
+        elif label == "claude-code":
+            steps.append(claude_step())
+        else:
+            steps.append(agent_step(label, "agent", 3000 if label == "agent-1" else 4000))
+            if label == "agent-1":
+                agent_turns += 1
+                if agent_turns == min(3, s.agent_turns):
+                    steps += [agent_step("subagent", "subagent", 5000) for _ in range(s.subagent_turns)]
+    for step in steps:
+        for r in step:
+            if r.api == "chat":
+                r.render = {"messages": r.body["messages"]}
+    return steps
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # the longest n with a[:n] == b[:n]
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def tokenize(client: httpx.Client, url: str, steps: list[Step]) -> None:
+    """Each request's prompt tokens and S_i, in the order the requests are sent."""
+    seen: list[tuple[int, ...]] = []
+    for step in steps:
+        for r in step:
+            prompt = client.post(f"{url}/apply-template", json=r.render)
+            prompt.raise_for_status()
+            tokens = client.post(f"{url}/tokenize", json={"content": prompt.json()["prompt"], "add_special": True})
+            tokens.raise_for_status()
+            r.tokens = list(tokens.json()["tokens"])
+            mine = tuple(r.tokens)
+            r.shared = max((_common_prefix(mine, other) for other in seen), default=0)
+            seen.append(mine)
+
+
+def state_bytes_per_token(client: httpx.Client, backend: Backend, request: Request) -> dict[str, Any]:
+    """A slot state's size per token, measured: prefill one long prompt and save the slot."""
+    body = {**request.render, "max_tokens": 1, "temperature": 0}
+    client.post(f"{backend.url}/v1/chat/completions", json=body).raise_for_status()
+    saved = client.post(f"{backend.url}/slots/0?action=save", json={"filename": "probe.bin"})
+    saved.raise_for_status()
+    data = saved.json()
+    return {"tokens": int(data["n_saved"]), "bytes": int(data["n_written"]),
+            "bytes_per_token": int(data["n_written"]) / int(data["n_saved"])}
+
+
+@dataclass
+class Hearth:
+    """hearth-llm's proxy (`hearth serve --upstream`) in a child process, from its own venv."""
+
+    binary: Path
+    upstream: Backend
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Hearth:
+        argv = [str(self.binary), "serve", "--upstream", self.upstream.url, "--port", str(self.port),
+                "--cache-dir", str(self.upstream.slot_dir)]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        wait_healthy(self.url, self.process, 60)
+        return self
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def hearth_binary() -> Path | None:
+    path = Path(os.environ.get(HEARTH_ENV, str(HEARTH_DEFAULT)))
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+@dataclass
+class Sent:
+    status: int
+    ttft_ms: float
+    total_ms: float
+    reported_prompt: int  # prompt tokens the response reports (evaluated + from cache), -1 if none
+    error: str = ""
+
+
+def send(client: httpx.Client, url: str, r: Request) -> Sent:
+    try:
+        return _send(client, url, r)
+    except httpx.RemoteProtocolError:  # a pooled keep-alive connection the server had closed: once more
+        return _send(client, url, r)
+
+
+def _send(client: httpx.Client, url: str, r: Request) -> Sent:
+    path = "/v1/messages" if r.api == "messages" else "/v1/chat/completions"
+    t0 = time.perf_counter()
+    if not r.body.get("stream"):
+        response = client.post(f"{url}{path}", json=r.body)
+        total = (time.perf_counter() - t0) * 1000
+        if response.status_code != 200:
+            return Sent(response.status_code, total, total, -1, response.text[:300])
+        t = response.json().get("timings") or {}
+        return Sent(200, total, total, int(t.get("prompt_n", -1)) + int(t.get("cache_n", 0)))
+    first: float | None = None
+    reported = -1
+    with client.stream("POST", f"{url}{path}", json=r.body) as response:
+        if response.status_code != 200:
+            response.read()
+            total = (time.perf_counter() - t0) * 1000
+            return Sent(response.status_code, total, total, -1, response.text[:300])
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if r.api == "messages":
+                if event.get("type") == "content_block_delta" and first is None:
+                    first = time.perf_counter()
+                usage = event.get("usage") or (event.get("message") or {}).get("usage") or {}
+                n = int(usage.get("input_tokens", 0)) + int(usage.get("cache_read_input_tokens", 0))
+                if n > 0:
+                    reported = n
+                continue
+            if "timings" in event:
+                reported = int(event["timings"].get("prompt_n", -1)) + int(event["timings"].get("cache_n", 0))
+            if first is None and any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return Sent(200, ((first or end) - t0) * 1000, (end - t0) * 1000, reported)
+
+
+class Target:
+    """One target's processes: the llama-server whose counters are read, and what the client talks to."""
+
+    def __init__(self, name: str, backend: Backend, front: Slotkeeper | Hearth | None) -> None:
+        self.name = name
+        self.backend = backend
+        self.front = front
+
+    @property
+    def url(self) -> str:
+        return self.front.url if self.front is not None else self.backend.url
+
+    def counters(self, client: httpx.Client) -> PrefillCounters:
+        return prefill_counters(client, self.backend.url)
+
+    def stop(self) -> None:
+        if self.front is not None:
+            self.front.stop()  # first: slotkeeper saves its changed slot on SIGTERM
+        self.backend.stop()
+
+    def start(self, client: httpx.Client) -> PrefillCounters:
+        """Start (again): the backend, primed, its counters read, then the proxy in front of it."""
+        if not self.backend.alive():
+            if isinstance(self.front, Slotkeeper) and self.front.disk_slot_dir is not None:
+                # The RAM dir starts empty, as after a reboot: slotkeeper restores from its slot dir on disk.
+                for child in self.backend.slot_dir.iterdir():
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+            self.backend.start()
+        prime(client, self.backend.url)
+        base = self.counters(client)
+        if self.front is not None and (self.front.process is None or self.front.process.poll() is not None):
+            self.front.start()
+        return base
+
+
+def run(config: BenchConfig, root: Path) -> dict[str, Any]:
+    model = make_model(root, config.model_size)
+    steps = traffic(config)
+    requests = [r for step in steps for r in step]
+    with processes(root, model) as procs, httpx.Client(timeout=600) as client:
+        scratch = procs.backend("day-scratch", 0, 32768, extra_args=("--metrics",))
+        tokenize(client, scratch.url, steps)
+        longest = max(requests, key=lambda r: len(r.tokens))
+        probe = state_bytes_per_token(client, scratch, longest)
+        scratch.stop()
+    finals: dict[str, int] = {}
+    for r in requests:
+        if r.kind not in TASK_KINDS:
+            finals[r.conversation] = len(r.tokens)
+    state_mib = [n * probe["bytes_per_token"] / 2**20 for n in finals.values()]
+    small_ram = max(1, math.ceil(SMALL_RAM_STATES * sum(state_mib) / len(state_mib)))
+    ctx = max(len(r.tokens) for r in requests) + 256
+    # hearth-llm is another project's proxy, installed by hand: left out of the CI size.
+    hearth = None if config.small else hearth_binary()
+    targets = [t for t in TARGETS if t != "hearth-llm" or hearth is not None]
+    half = len(steps) // 2
+    samples: list[dict[str, Any]] = []
+    totals: dict[str, dict[str, Any]] = {}
+    for name in targets:
+        rows, total = run_target(config, root / name.replace(" ", "-"), model, name, steps, half, ctx, small_ram,
+                                 hearth)
+        samples += rows
+        totals[name] = total
+    summary = summarize(requests, samples, totals, targets)
+    skipped = {} if hearth is not None else {"hearth-llm": "left out of the CI size" if config.small else
+                                             f"not installed ({HEARTH_ENV} or {HEARTH_DEFAULT})"}
+    notes = [] if hearth is None else [
+        "hearth-llm keys a snapshot on the request's messages plus the answer it generated; this replay sends the "
+        "same fixed assistant text to every target, not what the model answered, so a later turn never matches a "
+        "hearth snapshot (a real client that sends the answers back would)."]
+    return {
+        "scenario": "day", "config": config.as_json(), "machine": machine(), "targets": targets,
+        "skipped_targets": skipped, "order": targets, "notes": notes,
+        "traffic": {
+            "shape": {**shape(config).__dict__, "answer_tokens": list(shape(config).answer_tokens)},
+            "steps": len(steps), "restart_after_step": half,
+            "requests": {kind: sum(1 for r in requests if r.kind == kind) for kind in KINDS},
+            "conversations": sorted(finals), "final_prompt_tokens": finals,
+            "prompt_tokens": sum(len(r.tokens) for r in requests), "shared_prefix_tokens": sum(r.shared for r in
+                                                                                                requests),
+            "claude_code_route": "/v1/messages on every target (llama-server's own for the direct ones)",
+        },
+        "state_probe": {**probe, "conversation_state_mib": {k: round(v, 2) for k, v in zip(finals, state_mib,
+                                                                                            strict=True)},
+                        "small_ram_mib": small_ram, "small_ram_states": SMALL_RAM_STATES,
+                        "default_cache_ram_mib": DEFAULT_CACHE_RAM, "ctx_per_slot": ctx},
+        "samples": samples, "summary": summary,
+    }
+
+
+def run_target(config: BenchConfig, root: Path, model: Path, name: str, steps: list[Step], half: int, ctx: int,
+               small_ram: int, hearth: Path | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    metrics = ("--metrics",)
+    rows: list[dict[str, Any]] = []
+    with processes(root, model) as procs:
+        client = httpx.Client(timeout=600)
+        procs.stack.callback(lambda: client.close())
+        label = name.replace(" ", "-")
+        front: Slotkeeper | Hearth | None = None
+        if name == "slotkeeper":
+            backend = procs.backend(f"{label}-behind", 0, ctx, extra_args=metrics, ram_dir=True)
+            # slotkeeper's own default idle save (the test helper turns it off)
+            front = Slotkeeper(root / label / "cache", root / f"{label}.log", backend, ("--save-idle-seconds", "2"),
+                               disk_slot_dir=root / label / "slots")
+        elif name == "hearth-llm":
+            assert hearth is not None
+            backend = procs.backend(f"{label}-behind", 0, ctx, extra_args=metrics)
+            front = Hearth(hearth, backend, root / f"{label}.log")
+        else:
+            cache_ram = {"llama-server cram0": 0, "llama-server default": DEFAULT_CACHE_RAM,
+                         "llama-server small-ram": small_ram}[name]
+            backend = procs.backend(label, cache_ram, ctx, extra_args=metrics)
+        if front is not None:
+            procs.stack.callback(front.stop)
+        target = Target(name, backend, front)
+        base = target.start(client)
+        done = PrefillCounters(0, 0, 0.0)  # counted before the restart (the counters start again at 0)
+        wall = 0.0
+        restart_s = 0.0
+        for index, step in enumerate(steps):
+            if index == half:
+                done = _plus(done, target.counters(client) - base)
+                t0 = time.monotonic()
+                target.stop()
+                client.close()
+                client = httpx.Client(timeout=600)
+                base = target.start(client)
+                restart_s = time.monotonic() - t0
+            counted = target.counters(client)
+            t0 = time.perf_counter()
+            results = run_step(client, target.url, step)
+            wall += time.perf_counter() - t0
+            cost = target.counters(client) - counted
+            for r, sent in zip(step, results, strict=True):
+                rows.append({"target": name, "step": index, "kind": r.kind, "conversation": r.conversation,
+                             "status": sent.status, "ttft_ms": sent.ttft_ms, "total_ms": sent.total_ms,
+                             "prompt_tokens": len(r.tokens), "shared_prefix": r.shared,
+                             "reported_prompt_tokens": sent.reported_prompt, "step_prefilled": cost.prefilled,
+                             "step_kinds": "+".join(x.kind for x in step), "after_restart": index >= half,
+                             **({"error": sent.error} if sent.error else {})})
+        prefilled = _plus(done, target.counters(client) - base)
+        client.close()
+    return rows, {"prefilled": prefilled.prefilled, "cached": prefilled.reused,
+                  "prompt_seconds": prefilled.seconds, "wall_seconds": wall, "restart_seconds": restart_s}
+
+
+def _plus(a: PrefillCounters, b: PrefillCounters) -> PrefillCounters:
+    return PrefillCounters(a.prefilled + b.prefilled, a.reused + b.reused, a.seconds + b.seconds)
+
+
+def run_step(client: httpx.Client, url: str, step: Step) -> list[Sent]:
+    if len(step) == 1:
+        return [send(client, url, step[0])]
+    # a new chat: its title task from a thread, the chat's first turn 30 ms later
+    out: dict[int, Sent] = {}
+
+    def worker() -> None:
+        out[0] = send(client, url, step[0])
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    time.sleep(TITLE_LEAD_S)
+    out[1] = send(client, url, step[1])
+    thread.join()
+    return [out[0], out[1]]
+
+
+def _ttft(values: list[float]) -> dict[str, float]:
+    return {"n": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95)} if values else {"n": 0}
+
+
+def summarize(requests: list[Request], samples: list[dict[str, Any]], totals: dict[str, dict[str, Any]],
+              targets: list[str]) -> dict[str, Any]:
+    prompt = sum(len(r.tokens) for r in requests)
+    shared = sum(r.shared for r in requests)
+    out: dict[str, Any] = {}
+    for name in targets:
+        mine = [s for s in samples if s["target"] == name]
+        t = totals[name]
+        reused = prompt - t["prefilled"]
+        by_kind: dict[str, dict[str, Any]] = {}
+        for kinds in sorted({s["step_kinds"] for s in mine}):
+            rows = [s for s in mine if s["step_kinds"] == kinds]
+            steps = {s["step"]: s["step_prefilled"] for s in rows}
+            step_prompt = sum(s["prompt_tokens"] for s in rows)
+            step_shared = sum(s["shared_prefix"] for s in rows)
+            step_prefilled = sum(steps.values())
+            by_kind[kinds] = {"steps": len(steps), "prompt_tokens": step_prompt, "shared_prefix_tokens": step_shared,
+                              "prefilled": step_prefilled,
+                              "efficiency": (step_prompt - step_prefilled) / step_shared if step_shared else None}
+        check = [s for s in mine if s["reported_prompt_tokens"] >= 0]
+        out[name] = {
+            "requests": len(mine),
+            "errors": sum(1 for s in mine if s["status"] != 200),
+            "prompt_tokens": prompt, "shared_prefix_tokens": shared,
+            "prefilled": t["prefilled"], "reused": reused,
+            "efficiency": reused / shared if shared else None,
+            "prompt_seconds": t["prompt_seconds"], "wall_seconds": t["wall_seconds"],
+            "restart_seconds": t["restart_seconds"],
+            "ttft_ms": {kind: _ttft([s["ttft_ms"] for s in mine if s["kind"] == kind and s["status"] == 200])
+                        for kind in KINDS},
+            "by_step_kind": by_kind,
+            "prompt_check": {"reported": len(check),
+                             "mismatched": sum(1 for s in check if s["reported_prompt_tokens"] != s["prompt_tokens"])},
+        }
+    return {"targets": out}
