@@ -24,19 +24,64 @@ from slotkeeper.upstream.launcher import free_port
 REPO = Path(__file__).resolve().parent.parent
 
 
+class PortTaken(RuntimeError):
+    """The process exited before it was ready, and another one listens on its port: a free port was taken between
+    choosing it and binding it (other test runs or benchmarks on the machine). The caller starts again elsewhere."""
+
+
 def wait_healthy(url: str, process: subprocess.Popen[bytes] | None, timeout: float) -> None:
-    """Poll GET /health until it answers 200; fail early if the process exits."""
+    """Poll GET /health until it answers 200 from `process` itself; fail early if the process exits. A /health
+    answered by some other process that holds the port (a race for a free port with a test run beside this one) is
+    not taken for it."""
+    port = int(url.rsplit(":", 1)[1])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
+            if _listeners(port):
+                raise PortTaken(f"{process.args!r} exited with code {process.returncode}: port {port} is taken")
             raise RuntimeError(f"{process.args!r} exited with code {process.returncode} before it was ready")
         try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200 and (
+                    process is None or _listens(process.pid, port)):
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{url} was not ready after {timeout:.0f} s")
+
+
+def _listeners(port: int) -> set[str]:
+    """Socket inodes listening on a local TCP `port` (Linux /proc/net/tcp and tcp6)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a socket listening on `port` (True where /proc cannot tell)."""
+    inodes = _listeners(port)
+    if not inodes:
+        return not Path("/proc/net/tcp").exists()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return True
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            return True
+    return False
 
 
 def llama_server_binary() -> Path:
@@ -92,9 +137,17 @@ class Backend:
 
     def start(self) -> Backend:
         self.slot_dir.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(self.argv(), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
-        wait_healthy(self.url, self.process, 60)
+        for attempt in range(3):
+            with self.log_path.open("ab") as log:
+                self.process = subprocess.Popen(self.argv(), stdin=subprocess.PIPE, stdout=log,
+                                                stderr=subprocess.STDOUT)
+            try:
+                wait_healthy(self.url, self.process, 60)
+                return self
+            except PortTaken:
+                if attempt == 2:
+                    raise
+                self.port = free_port()
         return self
 
     def alive(self) -> bool:
@@ -133,10 +186,18 @@ class Slotkeeper:
         elif self.upstream is not None:
             argv += ["--upstream", self.upstream.url, "--slot-dir", str(self.upstream.slot_dir)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTKEEPER_")}
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                            process_group=0 if self.own_group else None)
-        wait_healthy(self.url, self.process, timeout)
+        for attempt in range(3):
+            with self.log_path.open("ab") as log:
+                self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                                process_group=0 if self.own_group else None)
+            try:
+                wait_healthy(self.url, self.process, timeout)
+                return self
+            except PortTaken:
+                if attempt == 2:
+                    raise
+                self.port = free_port()
+                argv[argv.index("--port") + 1] = str(self.port)
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> int | None:

@@ -65,6 +65,7 @@ class RunningBackend:
                         settings.side_task_hold_seconds)
         await asyncio.to_thread(pool.learn_from_disk)
         await pool.enforce_budget()
+        await pool.drop_stale_side_states()
         service = TurnService(client, pool, health, settings.backend_wait_seconds)
         watch = BackendWatch(client, pool, health)
         supervisor = _supervisor(started, health, pool, settings)

@@ -15,7 +15,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from slotkeeper.cache.chain import Link, message_chain
+from slotkeeper.cache.chain import Link, canonical_json, message_chain
 from slotkeeper.cache.pool import SlotLease, SlotPool, TurnEnd
 from slotkeeper.cache.systemprompt import SystemPrompt, common_prefix_text, system_prompt_of, warmup_prompt_body
 from slotkeeper.dialects.framing import KEEPALIVE, SseDecoder, TimingsScanner, UpstreamEvent
@@ -170,7 +170,9 @@ class TurnService:
         if chain is None:
             chain = message_chain(messages, body.get("tools")) if isinstance(messages, list) else []
         system = None if side else system_prompt_of(body)
-        lease = await self.pool.acquire(key, chain, side=side, system=system)
+        # A side task is matched to the states earlier ones left by its text (it has no history of its own).
+        side_text = canonical_json([body.get("tools"), messages]) if side and isinstance(messages, list) else None
+        lease = await self.pool.acquire(key, chain, side=side, system=system, side_text=side_text)
         if lease.cache.changed_at is not None and isinstance(messages, list):
             lease.cache.detail = _with_role(lease.cache.detail, lease.cache.changed_at, messages)
         if lease.warm_up and warm_now:

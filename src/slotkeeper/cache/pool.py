@@ -25,6 +25,7 @@ from slotkeeper.cache.planner import Candidate, Plan, Request, Rules, plan
 from slotkeeper.cache.promptend import Replay, replay_body
 from slotkeeper.cache.proof import RestorePolicy
 from slotkeeper.cache.reasons import Known, Reason, explain
+from slotkeeper.cache.sidestates import SideStates, is_side_key
 from slotkeeper.cache.snapshots import Snapshots, key_of
 from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.errors import NotFound, Overloaded, SaveFailed, SlotkeeperError, UpstreamError
@@ -40,6 +41,9 @@ _INVALID_FILE = "invalid slot save file"
 
 # System prompts found too short to be worth a snapshot, remembered so they are not warmed up again.
 _SHORT_SYSTEMS_KEPT = 1024
+# The least a side task must share with a kept side state for a restore of it (the tasks' template alone, a few
+# dozen tokens, is not worth one), whatever --min-restore-tokens says.
+_SIDE_MIN_TOKENS = 64
 # Sessions remembered for their next turn's reason: seen since start, and what became of their slot state.
 _SESSIONS_KEPT = 4096
 
@@ -120,6 +124,8 @@ class SlotLease:
     existing: Snapshot | None = None
     # The request sent for the turn (set by the caller), kept by the slot to bring it back to the prompt's end.
     replay: Replay | None = None
+    # A side task's request as text: what its state is matched by (sidestates.py).
+    side_text: str | None = None
     _release: Callable[[SlotLease, TurnEnd, int, int | None, int], None] | None = field(default=None, repr=False)
 
     def release(self, end: TurnEnd, n_tokens: int = 0, cache_n: int | None = None, n_prompt: int = 0) -> None:
@@ -163,6 +169,8 @@ class SlotPool:
         # backend lost it (reason and words), for that session's next turn.
         self._left: OrderedDict[SessionKey, tuple[Reason, str]] = OrderedDict()
         self._waiters: deque[_Waiter] = deque()
+        # The states the last side tasks left, for the next ones that start the same way.
+        self.side_states = SideStates()
         self._timers: set[asyncio.Task[None]] = set()
         self.restores = 0
         # Restores the backend refused or broke off (the turn ran without the snapshot).
@@ -206,7 +214,7 @@ class SlotPool:
     # -- leasing --------------------------------------------------------------------------------------------
 
     async def acquire(self, key: SessionKey, chain: Sequence[Link] = (), side: bool = False,
-                      system: SystemPrompt | None = None) -> SlotLease:
+                      system: SystemPrompt | None = None, side_text: str | None = None) -> SlotLease:
         """Wait for a slot for `key`, bring the best state for its messages (`chain`) into it, and lease it.
 
         `system` is the request's system part: a new conversation starts from its system snapshot, or, when there
@@ -214,7 +222,9 @@ class SlotPool:
 
         A side request (a title or tag task sent under the conversation's id) must not become the session's state:
         it gets a slot that holds no unsaved session when there is one, the slot's changed occupant is saved first,
-        nothing is restored, and afterwards the slot is attributed to nobody.
+        nothing is restored but the state an earlier side task left that starts the same way (`side_text`: the
+        request as text), and afterwards the slot holds the task's own state, kept as a side state when it is long
+        enough to be worth one (sidestates.py), or is attributed to nobody.
         """
         if side and self._side_hold_seconds > 0:
             # OpenWebUI sends a new chat's title task a few ms before the chat's request: that one goes first.
@@ -225,7 +235,8 @@ class SlotPool:
         held = _Held(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end)
         slot.occupant, slot.dirty = (None if side else key), False
         slot.generation += 1
-        lease = SlotLease(slot.slot_id, key, side=side, chain=list(chain), system=system, _release=self._finish)
+        lease = SlotLease(slot.slot_id, key, side=side, chain=list(chain), system=system, side_text=side_text,
+                          _release=self._finish)
         if previous is not None and previous != key:
             taker = "a side task" if side else f"session {key.session_id}"
             self._remember(self._left, previous, (Reason.SLOT_TAKEN, f"slot {slot.slot_id} was taken by {taker}"))
@@ -245,6 +256,8 @@ class SlotPool:
                 lease.cache.save_ms = await self._save(slot.slot_id, previous, held, wait=False)
             if not side:
                 await self._bring_in(slot, lease, in_slot)
+            elif side_text is not None:
+                await self._bring_in_side(slot, lease, side_text, previous)
         except BaseException:
             lease.release(TurnEnd.FAILED)
             raise
@@ -320,6 +333,8 @@ class SlotPool:
             slot.forgotten_in = None
             slot.n_prompt = slot.n_tokens if keeps_system else 0
             slot.replay, slot.at_prompt_end = None, keeps_system
+            if end is TurnEnd.COMPLETED and lease.side and not keeps_system:
+                self._keep_side_state(slot, lease, n_tokens, n_prompt)
         elif end in (TurnEnd.COMPLETED, TurnEnd.CANCELLED):
             slot.dirty = not lease.key.is_default
             slot.n_tokens = n_tokens or slot.n_tokens
@@ -382,6 +397,56 @@ class SlotPool:
                                                                       explained.changed_at)
         if chosen.restore is not None:
             await self._restore(slot, lease, chosen.restore.snapshot, chosen.outcome, chosen.owes)
+
+    async def _bring_in_side(self, slot: SlotState, lease: SlotLease, text: str, previous: SessionKey | None) -> None:
+        """Restore the side state sharing the longest beginning with the task, where that is worth a restore (and
+        the slot does not hold it already)."""
+        if self.policy.strategy is not Strategy.RESTORE:
+            return  # only a plain attention state can be cut back to the part the next task shares
+        match = self.side_states.best(lease.key.model, text)
+        if match is None or match.tokens < max(self._min_restore_tokens, _SIDE_MIN_TOKENS) or match.key == previous:
+            return
+        own, _ = await self.snapshots.own(match.key, [])
+        if own is None:
+            self.side_states.drop(match.key)
+            return
+        await self._restore(slot, lease, own.snapshot, CacheOutcome.PREFIX, 0)
+        if lease.cache.outcome is CacheOutcome.PREFIX:
+            self.side_states.used(match.key)
+            lease.cache.detail = f"started from an earlier side task's state (about {match.tokens} tokens shared)"
+
+    def _keep_side_state(self, slot: SlotState, lease: SlotLease, n_tokens: int, n_prompt: int) -> None:
+        """A side task ended: where its prompt is long enough for a later task to be worth restoring from, the slot
+        keeps its state under a side key, saved like a session's (on a switch, when idle, at exit)."""
+        text = lease.side_text
+        if text is None or self.policy.strategy is not Strategy.RESTORE:
+            return
+        if n_prompt < 2 * max(self._min_restore_tokens, _SIDE_MIN_TOKENS):
+            return
+        key, dropped = self.side_states.keep(lease.key.model, text, n_prompt)
+        slot.occupant, slot.dirty = key, True
+        slot.n_tokens, slot.n_prompt = n_tokens or n_prompt, n_prompt
+        for old in dropped:
+            self._drop_side_state(old)
+
+    def _drop_side_state(self, key: SessionKey) -> None:
+        self.forget(key)
+        task = asyncio.get_running_loop().create_task(self._delete_quietly(key))
+        self._timers.add(task)
+        task.add_done_callback(self._timers.discard)
+
+    async def _delete_quietly(self, key: SessionKey) -> None:
+        try:
+            await self.snapshots.delete(key)
+        except Exception as exc:  # bookkeeping: a side state left behind costs only disk, and ages out
+            log.warning("deleting the side state %s failed: %s", key, exc)
+
+    async def drop_stale_side_states(self) -> int:
+        """At start: the side states an earlier run left are of no use (what matched them is gone): delete them."""
+        stale = [s for s in await self.snapshots.list(None) if is_side_key(s.session_id)]
+        for snapshot in stale:
+            await self._delete_quietly(key_of(snapshot))
+        return len(stale)
 
     def _worth_warming(self, system: SystemPrompt) -> bool:
         # About two characters of canonical JSON per token at the least: shorter prompts cannot reach the threshold.
