@@ -12,7 +12,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -431,7 +431,11 @@ class SlotPool:
 
     def _drop_side_state(self, key: SessionKey) -> None:
         self.forget(key)
-        task = asyncio.get_running_loop().create_task(self._delete_quietly(key))
+        self._in_background(self._delete_quietly(key))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` as a task the pool keeps (aclose cancels and awaits them)."""
+        task = asyncio.get_running_loop().create_task(work)
         self._timers.add(task)
         task.add_done_callback(self._timers.discard)
 
@@ -612,9 +616,7 @@ class SlotPool:
     def _schedule_idle_save(self, slot: SlotState) -> None:
         if self._save_idle_seconds < 0:
             return
-        task = asyncio.get_running_loop().create_task(self._idle_save(slot, slot.generation))
-        self._timers.add(task)
-        task.add_done_callback(self._timers.discard)
+        self._in_background(self._idle_save(slot, slot.generation))
 
     async def _idle_save(self, slot: SlotState, generation: int) -> None:
         await asyncio.sleep(self._save_idle_seconds)
