@@ -547,6 +547,15 @@ def summarize(requests: list[Request], samples: list[dict[str, Any]], totals: di
                               "prefilled": step_prefilled,
                               "efficiency": (step_prompt - step_prefilled) / step_shared if step_shared else None}
         check = [s for s in mine if s["reported_prompt_tokens"] >= 0]
+        # A resumed turn: a conversation's request after its first one (the tasks are not conversations).
+        seen: set[str] = set()
+        resumed: list[float] = []
+        for s in mine:
+            if s["kind"] in TASK_KINDS:
+                continue
+            if s["conversation"] in seen and s["status"] == 200:
+                resumed.append(s["ttft_ms"])
+            seen.add(s["conversation"])
         out[name] = {
             "requests": len(mine),
             "errors": sum(1 for s in mine if s["status"] != 200),
@@ -557,6 +566,7 @@ def summarize(requests: list[Request], samples: list[dict[str, Any]], totals: di
             "restart_seconds": t["restart_seconds"],
             "ttft_ms": {kind: _ttft([s["ttft_ms"] for s in mine if s["kind"] == kind and s["status"] == 200])
                         for kind in KINDS},
+            "resumed_ttft_ms": _ttft(resumed),
             "by_step_kind": by_kind,
             "prompt_check": {"reported": len(check),
                              "mismatched": sum(1 for s in check if s["reported_prompt_tokens"] != s["prompt_tokens"])},

@@ -15,6 +15,7 @@ from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.files import make_private_dir
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.ramdir import RamDir
+from slotkeeper.cache.sidestates import SideStates
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.config import Settings
 from slotkeeper.service import TurnService
@@ -62,10 +63,10 @@ class RunningBackend:
                         settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue,
                         settings.system_snapshots, DiskBudget(settings.disk_budget, settings.max_snapshot_age,
                                                               settings.max_system_snapshots), capability, health,
-                        settings.side_task_hold_seconds)
+                        settings.side_task_hold_seconds, SideStates(path=settings.side_states_path))
         await asyncio.to_thread(pool.learn_from_disk)
         await pool.enforce_budget()
-        await pool.drop_stale_side_states()
+        await pool.load_side_states()
         service = TurnService(client, pool, health, settings.backend_wait_seconds)
         watch = BackendWatch(client, pool, health)
         supervisor = _supervisor(started, health, pool, settings)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slotkeeper.cache.chain import Link, canonical_json, message_chain
-from slotkeeper.cache.pool import SlotLease, SlotPool, TurnEnd
+from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.slots import SlotLease, TurnEnd
 from slotkeeper.cache.systemprompt import SystemPrompt, common_prefix_text, system_prompt_of, warmup_prompt_body
 from slotkeeper.dialects.framing import KEEPALIVE, SseDecoder, TimingsScanner, UpstreamEvent
 from slotkeeper.errors import SlotkeeperError, UpstreamError

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from slotkeeper.cache import store as store_mod
-from slotkeeper.cache.pool import TurnEnd
+from slotkeeper.cache.slots import TurnEnd
 from slotkeeper.cache.store import SnapshotStore, file_checksum
 from slotkeeper.config import Settings
 from slotkeeper.errors import UpstreamError

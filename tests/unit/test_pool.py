@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from slotkeeper.cache.capability import Strategy
-from slotkeeper.cache.pool import SlotPool, TurnEnd
+from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.slots import TurnEnd
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore
 from slotkeeper.errors import NotFound, SlotkeeperError, UpstreamError, UpstreamUnavailable

@@ -4,13 +4,15 @@ it): against the fake backend client of test_pool and a real SnapshotStore."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
 
 from slotkeeper.cache.capability import ArchKind, Capability
-from slotkeeper.cache.pool import SlotPool, TurnEnd
+from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.sidestates import KEPT, SideStates, is_side_key
+from slotkeeper.cache.slots import TurnEnd
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.types import CacheOutcome, IdSource, SessionKey
@@ -101,5 +103,87 @@ async def test_side_states_past_the_last_few_are_deleted(client: FakeClient, sto
     await p.settle()
     kept = [s for s in store.list() if is_side_key(s.session_id)]
     assert len(kept) == KEPT
-    assert await p.drop_stale_side_states() == KEPT  # what a restart does with them
+    # A restart without the side states file (an older run's, or a lost one): they are of no use, and go.
+    assert await pool(client, store).load_side_states() == 0
+    await asyncio.sleep(0.05)
     assert [s for s in store.list() if is_side_key(s.session_id)] == []
+
+
+async def _fill(p: SlotPool, n: int) -> None:
+    for i in range(n):
+        await side_task(p, f"### Task {i}:\n" + HISTORY)
+        other = await p.acquire(CHAT)  # saves the task's state
+        other.release(TurnEnd.COMPLETED, 10, n_prompt=10)
+    await p.settle()
+
+
+def persisted(client: FakeClient, store: SnapshotStore, path: Path) -> SlotPool:
+    return SlotPool(1, client, Snapshots(store), FP, 4096, save_idle_seconds=-1,  # type: ignore[arg-type]
+                    capability=Capability("x", ArchKind.DENSE, None), side_states=SideStates(path=path))
+
+
+async def test_side_states_come_back_after_a_restart(client: FakeClient, store: SnapshotStore,
+                                                     tmp_path: Path) -> None:
+    path = tmp_path / "side-states.json"
+    first = persisted(client, store, path)
+    await _fill(first, 2)
+    assert len(json.loads(path.read_text())["states"]) == 2
+    # The next run: both are back, and a follow-up of the first task starts from its state.
+    again = persisted(client, store, path)
+    assert await again.load_side_states() == 2
+    follow_up = await side_task(again, "### Task 0:\n" + HISTORY + "\nUSER: and then?")
+    assert follow_up.cache.outcome is CacheOutcome.PREFIX
+    assert follow_up.cache.restored_from is not None and is_side_key(follow_up.cache.restored_from)
+
+
+async def test_a_listed_state_without_its_snapshot_is_forgotten_and_an_unlisted_one_deleted(
+        client: FakeClient, store: SnapshotStore, tmp_path: Path) -> None:
+    path = tmp_path / "side-states.json"
+    first = persisted(client, store, path)
+    await _fill(first, 2)
+    listed = json.loads(path.read_text())["states"]
+    gone = SessionKey("m", listed[0]["session_id"])
+    store.delete(gone)  # its snapshot went (the budget, an operator)
+    # A side snapshot the file does not list (the file was written before it, then the process was killed).
+    path.write_text(json.dumps({"format": 1, "states": listed[:1]}))
+    again = persisted(client, store, path)
+    assert await again.load_side_states() == 0
+    await asyncio.sleep(0.05)
+    await again.settle()
+    assert [s for s in store.list() if is_side_key(s.session_id)] == []
+    assert json.loads(path.read_text())["states"] == []
+
+
+@pytest.mark.parametrize("damage", [b"{not json", b'{"format": 99, "states": []}', b"\xff\xfe",
+                                    b'{"format": 1, "states": [{"model": "m"}]}'])
+async def test_a_damaged_side_states_file_starts_without_them(client: FakeClient, store: SnapshotStore,
+                                                            tmp_path: Path, damage: bytes) -> None:
+    path = tmp_path / "side-states.json"
+    await _fill(persisted(client, store, path), 1)
+    path.write_bytes(damage)
+    again = persisted(client, store, path)
+    assert await again.load_side_states() == 0  # no failure: the states are deleted as stale
+    await asyncio.sleep(0.05)
+    assert [s for s in store.list() if is_side_key(s.session_id)] == []
+
+
+async def test_an_entry_whose_key_does_not_match_its_text_is_left_out(tmp_path: Path) -> None:
+    path = tmp_path / "side-states.json"
+    states = SideStates(path=path)
+    key, _ = states.keep("m", TEMPLATE + HISTORY, 900)
+    raw = json.loads(path.read_text())
+    raw["states"][0]["text"] = TEMPLATE + "something else"
+    path.write_text(json.dumps(raw))
+    assert SideStates(path=path).load() == set()
+    assert SideStates(path=path.with_name("missing.json")).load() == set()
+    path.write_text(json.dumps({"format": 1, "states": [{"model": "m", "session_id": key.session_id,
+                                                          "text": TEMPLATE + HISTORY, "n_tokens": 900}]}))
+    assert SideStates(path=path).load() == {key}
+
+
+async def test_a_side_states_file_that_cannot_be_written_costs_nothing_else(tmp_path: Path) -> None:
+    blocked = tmp_path / "dir-in-the-way"
+    blocked.mkdir()
+    states = SideStates(path=blocked)  # a directory where the file should go: os.replace fails
+    states.keep("m", TEMPLATE + HISTORY, 900)
+    assert states.best("m", TEMPLATE + HISTORY) is not None and blocked.is_dir()

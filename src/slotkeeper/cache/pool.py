@@ -8,12 +8,11 @@ except a save's commit, which need not hold the slot (snapshots.py). See docs/de
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from slotkeeper.cache.budget import DiskBudget, SnapshotId
@@ -22,22 +21,20 @@ from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.evidence import CheckpointEvidence
 from slotkeeper.cache.planner import Candidate, Plan, Request, Rules, plan
-from slotkeeper.cache.promptend import Replay, replay_body
 from slotkeeper.cache.proof import RestorePolicy
 from slotkeeper.cache.reasons import Known, Reason, explain
+from slotkeeper.cache.restoring import Restorer
+from slotkeeper.cache.saving import Saver
 from slotkeeper.cache.sidestates import SideStates, is_side_key
+from slotkeeper.cache.slots import Held, SlotLease, SlotState, TurnEnd
 from slotkeeper.cache.snapshots import Snapshots, key_of
 from slotkeeper.cache.systemprompt import SystemPrompt
-from slotkeeper.errors import NotFound, Overloaded, SaveFailed, SlotkeeperError, UpstreamError
+from slotkeeper.errors import NotFound, Overloaded, SaveFailed
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
-from slotkeeper.upstream.client import SlotActionResult, UpstreamClient
+from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import BackendHealth
 
 log = logging.getLogger("slotkeeper.pool")
-
-# What llama-server says when it cannot restore a file: an invalid file, or (with several slots) no room in the KV
-# cache for it.
-_INVALID_FILE = "invalid slot save file"
 
 # System prompts found too short to be worth a snapshot, remembered so they are not warmed up again.
 _SHORT_SYSTEMS_KEPT = 1024
@@ -48,37 +45,6 @@ _SIDE_MIN_TOKENS = 64
 _SESSIONS_KEPT = 4096
 
 
-class TurnEnd(enum.Enum):
-    """How a leased turn ended, which decides what the slot holds afterwards."""
-
-    COMPLETED = "completed"  # the slot holds the session's state up to this turn: save it later
-    CANCELLED = "cancelled"  # the client hung up: the slot holds a prefix of the session's state
-    REJECTED = "rejected"  # the backend refused the request before touching the slot
-    FAILED = "failed"  # the backend broke mid-turn: the slot's content is unknown, nothing is saved from it
-
-
-@dataclass
-class SlotState:
-    slot_id: int
-    occupant: SessionKey | None = None
-    dirty: bool = False
-    busy: bool = False
-    generation: int = 0
-    last_used: float = 0.0
-    n_tokens: int = 0
-    # The message chain of the last turn that ran in the slot: what a save of it will cover.
-    chain: list[Link] = field(default_factory=list)
-    # The last turn's prompt tokens, and its request (to bring the slot back to the end of that prompt before a
-    # save, on backends that need it: see promptend.py); `at_prompt_end` once it was.
-    n_prompt: int = 0
-    replay: Replay | None = None
-    at_prompt_end: bool = False
-    # The slot's session was deleted while the slot was busy (a turn, or a save of it, running): the lease
-    # generation it was deleted in. When the turn or save of that generation gives the slot back, the slot's state
-    # is not attributed (or saved) any more; a later lease never sees it (it has a newer generation).
-    forgotten_in: int | None = None
-
-
 @dataclass(eq=False)
 class _Waiter:
     """A queued request for a slot: `choose` says which slot would do right now, or None."""
@@ -86,54 +52,6 @@ class _Waiter:
     choose: Callable[[], SlotState | None]
     future: asyncio.Future[SlotState]
     side: bool = False
-
-
-@dataclass
-class TurnCache:
-    """What the cache did for one turn: the record its journal row, log line, response headers and metrics are
-    made of. The pool fills it in while it brings a state in; the lease only carries it to the caller."""
-
-    outcome: CacheOutcome = CacheOutcome.COLD
-    # Why the backend prefilled what it did (reasons.py), in a word and in words; for a rewritten history, the
-    # message (0-based) where it changed.
-    why: str = ""
-    detail: str = ""
-    changed_at: int | None = None
-    restored_tokens: int = 0
-    # Tokens the restore should let the backend reuse (the whole snapshot, or the shared prefix of another one).
-    expected_reuse: int = 0
-    restored_from: str | None = None
-    restore_ms: float = 0.0
-    save_ms: float = 0.0
-    warm_ms: float = 0.0
-
-
-@dataclass
-class SlotLease:
-    """A slot held for one turn. `release` is synchronous so it is safe in cancelled code paths."""
-
-    slot_id: int
-    key: SessionKey
-    side: bool = False
-    chain: list[Link] = field(default_factory=list)
-    cache: TurnCache = field(default_factory=TurnCache)
-    # The request's system part; `warm_up` asks the caller to evaluate it into the slot (and `save_system` it) first.
-    system: SystemPrompt | None = None
-    warm_up: bool = False
-    # The system snapshot already on disk, for a lease taken only to warm a system prompt up (see `warm_lease`).
-    existing: Snapshot | None = None
-    # The request sent for the turn (set by the caller), kept by the slot to bring it back to the prompt's end.
-    replay: Replay | None = None
-    # A side task's request as text: what its state is matched by (sidestates.py).
-    side_text: str | None = None
-    _release: Callable[[SlotLease, TurnEnd, int, int | None, int], None] | None = field(default=None, repr=False)
-
-    def release(self, end: TurnEnd, n_tokens: int = 0, cache_n: int | None = None, n_prompt: int = 0) -> None:
-        """Give the slot back; `cache_n` is the backend's reported reuse, checked against what a restore owed, and
-        `n_prompt` the turn's prompt tokens (cached and processed)."""
-        if self._release is not None:
-            release, self._release = self._release, None
-            release(self, end, n_tokens, cache_n, n_prompt)
 
 
 class SlotPool:
@@ -152,6 +70,7 @@ class SlotPool:
         capability: Capability | None = None,
         health: BackendHealth | None = None,
         side_hold_seconds: float = 0.0,
+        side_states: SideStates | None = None,
     ) -> None:
         self.slots = [SlotState(i) for i in range(n_slots)]
         self._client = client
@@ -170,23 +89,18 @@ class SlotPool:
         self._left: OrderedDict[SessionKey, tuple[Reason, str]] = OrderedDict()
         self._waiters: deque[_Waiter] = deque()
         # The states the last side tasks left, for the next ones that start the same way.
-        self.side_states = SideStates()
+        self.side_states = side_states or SideStates()
         self._timers: set[asyncio.Task[None]] = set()
-        self.restores = 0
-        # Restores the backend refused or broke off (the turn ran without the snapshot).
-        self.failed_restores = 0
         # System prompts evaluated into a slot (a new one met by a turn, or an operator's pre-warm), and failures.
         self.warm_ups = 0
         self.failed_warm_ups = 0
         self.policy = RestorePolicy(capability or Capability("", ArchKind.UNKNOWN, None))
-        # Prompt-end steps made before saves, and the tokens they processed (what that strategy costs).
-        self.prompt_end_steps = 0
-        self.prompt_end_tokens = 0
-        self.prompt_end_ms = 0.0
         self._evidence = CheckpointEvidence(self.policy, snapshots.slot_dir)
         self.events = CacheEvents()
         # The one holder of the snapshots: the pool saves and looks up through it, and so does the web layer.
         self.snapshots = snapshots
+        self.saver = Saver(client, snapshots, self._evidence, self.policy, self.slots)
+        self.restorer = Restorer(client, snapshots, self.events, self.policy, n_ctx_slot)
         snapshots.attach(client, fingerprint, budget or DiskBudget(), self.events,
                          lambda: [s.occupant for s in self.slots if s.occupant is not None], self._evidence.inspect)
 
@@ -202,6 +116,28 @@ class SlotPool:
     @property
     def evictions(self) -> int:
         return self.snapshots.evictions
+
+    # Restores, and those the backend refused or broke off: counted by the restorer.
+    @property
+    def restores(self) -> int:
+        return self.restorer.restores
+
+    @property
+    def failed_restores(self) -> int:
+        return self.restorer.failed_restores
+
+    # Prompt-end steps made before saves, the tokens they processed and the time they took: counted by the saver.
+    @property
+    def prompt_end_steps(self) -> int:
+        return self.saver.prompt_end_steps
+
+    @property
+    def prompt_end_tokens(self) -> int:
+        return self.saver.prompt_end_tokens
+
+    @property
+    def prompt_end_ms(self) -> float:
+        return self.saver.prompt_end_ms
 
     @property
     def budget(self) -> DiskBudget:
@@ -232,7 +168,7 @@ class SlotPool:
         slot = await self._take((lambda: self._choose_side(key)) if side else lambda: self._choose(key), bounded=True,
                                 side=side)
         previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
-        held = _Held(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end)
+        held = Held(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end)
         slot.occupant, slot.dirty = (None if side else key), False
         slot.generation += 1
         lease = SlotLease(slot.slot_id, key, side=side, chain=list(chain), system=system, side_text=side_text,
@@ -253,7 +189,7 @@ class SlotPool:
             return lease
         try:
             if previous is not None and previous_dirty:
-                lease.cache.save_ms = await self._save(slot.slot_id, previous, held, wait=False)
+                lease.cache.save_ms = await self.saver.save(slot.slot_id, previous, held, wait=False)
             if not side:
                 await self._bring_in(slot, lease, in_slot)
             elif side_text is not None:
@@ -344,7 +280,7 @@ class SlotPool:
             slot.replay = lease.replay if end is TurnEnd.COMPLETED else None
             slot.at_prompt_end = False
         if end is TurnEnd.COMPLETED and cache_n is not None and lease.cache.expected_reuse > 0:
-            self._judge_restore(lease, cache_n)
+            self.restorer.judge(lease, cache_n)
         self._dispatch()
         if slot.dirty:
             self._schedule_idle_save(slot)
@@ -445,12 +381,17 @@ class SlotPool:
         except Exception as exc:  # bookkeeping: a side state left behind costs only disk, and ages out
             log.warning("deleting the side state %s failed: %s", key, exc)
 
-    async def drop_stale_side_states(self) -> int:
-        """At start: the side states an earlier run left are of no use (what matched them is gone): delete them."""
-        stale = [s for s in await self.snapshots.list(None) if is_side_key(s.session_id)]
-        for snapshot in stale:
-            await self._delete_quietly(key_of(snapshot))
-        return len(stale)
+    async def load_side_states(self) -> int:
+        """At start: the side states an earlier run kept come back where their snapshot is still on disk (the rest are
+        forgotten), and side snapshots no longer listed (what matched them is gone) are deleted. Returns how many came
+        back."""
+        listed = self.side_states.load()
+        on_disk = {key_of(s) for s in await self.snapshots.list(None) if is_side_key(s.session_id)}
+        for key in listed - on_disk:
+            self.side_states.drop(key)
+        for key in on_disk - listed:
+            await self._delete_quietly(key)
+        return len(listed & on_disk)
 
     def _worth_warming(self, system: SystemPrompt) -> bool:
         # About two characters of canonical JSON per token at the least: shorter prompts cannot reach the threshold.
@@ -476,7 +417,7 @@ class SlotPool:
                      system.short_id, n_tokens)
             return None
         key = SessionKey(lease.key.model, system.digest)
-        lease.cache.save_ms += await self._save(slot.slot_id, key, _Held.of(slot), SnapshotKind.SYSTEM, wait=wait)
+        lease.cache.save_ms += await self.saver.save(slot.slot_id, key, Held.of(slot), SnapshotKind.SYSTEM, wait=wait)
         return await self.snapshots.get(key, SnapshotKind.SYSTEM) if wait else None
 
     def warm_up_failed(self, lease: SlotLease) -> None:
@@ -488,7 +429,7 @@ class SlotPool:
         """Lease a slot to warm `system` up ahead of time (an operator's pre-warm). The lease's `existing` is the
         system snapshot already on disk, if any (then there is nothing to do). Release it like a side request."""
         slot = await self._take(self._choose_side, bounded=True)
-        previous, previous_dirty, held = slot.occupant, slot.dirty, _Held.of(slot)
+        previous, previous_dirty, held = slot.occupant, slot.dirty, Held.of(slot)
         slot.occupant, slot.dirty = None, False
         slot.generation += 1
         key = SessionKey(model, system.digest)
@@ -496,7 +437,7 @@ class SlotPool:
         try:
             lease.existing = await self.snapshots.system(key)
             if lease.existing is None and previous is not None and previous_dirty:
-                lease.cache.save_ms = await self._save(slot.slot_id, previous, held, wait=False)
+                lease.cache.save_ms = await self.saver.save(slot.slot_id, previous, held, wait=False)
         except BaseException:
             lease.release(TurnEnd.FAILED)
             raise
@@ -507,111 +448,18 @@ class SlotPool:
 
     async def _restore(self, slot: SlotState, lease: SlotLease, snapshot: Snapshot, outcome: CacheOutcome,
                        expected: int) -> None:
-        if snapshot.n_tokens > self._n_ctx_slot:
-            log.warning("snapshot of %s/%s has %d tokens, more than a slot's %d: not restored", snapshot.model,
-                        snapshot.session_id, snapshot.n_tokens, self._n_ctx_slot)
+        if not self.restorer.fits(snapshot):
             return
-        started = time.perf_counter()
-        result = await self._restore_or_none(slot, snapshot)
+        restored = await self.restorer.restore(slot.slot_id, lease.cache, snapshot, outcome, expected)
         slot.chain = []  # a restore replaces the slot's content, a failed one empties it
-        if result is None:
-            lease.cache.why, lease.cache.detail = Reason.RESTORE_FAILED, "the backend refused it (see the log)"
-            return
-        lease.cache.restore_ms = (time.perf_counter() - started) * 1000
-        lease.cache.outcome = outcome
-        lease.cache.restored_tokens = result.n_tokens
-        lease.cache.expected_reuse = min(expected, result.n_tokens)
-        lease.cache.restored_from = snapshot.session_id if snapshot.kind is SnapshotKind.SESSION else (
-            f"system:{snapshot.session_id[:12]}")
-        self.restores += 1
-        self.events.restored(lease.cache.restore_ms, snapshot.n_bytes, result.n_tokens)
-        slot.n_tokens = result.n_tokens
-        self.snapshots.used(snapshot)
-
-    async def _restore_or_none(self, slot: SlotState, snapshot: Snapshot) -> SlotActionResult | None:
-        """The backend's restore of `snapshot` into the slot, or None when it failed (the turn then runs cold).
-
-        Only a file the backend refuses as invalid twice, the second time into the slot the first attempt emptied
-        (so lack of room in the KV cache is ruled out), is quarantined: the file passed our own checks, and any other
-        failure (a busy or loading backend, a 500) says nothing about it."""
-        for attempt in (1, 2):
-            try:
-                return await self._client.slot_action(slot.slot_id, "restore", snapshot.filename)
-            except UpstreamError as exc:
-                refused_file = exc.status_code == 400 and _INVALID_FILE in exc.message
-                if refused_file and attempt == 1:
-                    continue
-                self.failed_restores += 1
-                if refused_file:
-                    await self.snapshots.quarantine(snapshot, f"backend refused the restore twice: {exc.message}")
-                else:
-                    log.warning("restoring %s/%s into slot %d failed (%s); the turn runs without it, and the "
-                                "snapshot is kept", snapshot.model, snapshot.session_id, slot.slot_id, exc.message)
-                return None
-        return None
-
-    def _judge_restore(self, lease: SlotLease, cache_n: int) -> None:
-        """The proof of reuse: the restore owed the tokens the request shares with it (`expected_reuse`)."""
-        if not self.policy.judged(lease.cache.expected_reuse, cache_n):
-            log.warning("restore for %s did not help: %d tokens restored, %d shared with the request, %d reused by "
-                        "the backend", lease.key, lease.cache.restored_tokens, lease.cache.expected_reuse, cache_n)
+        if restored is not None:
+            slot.n_tokens = restored
 
     def learn_from_disk(self) -> None:
         """In a worker thread at start: what the newest snapshots of this backend tell about its build."""
         self._evidence.from_files(self.snapshots.mine_now())
 
-    # -- saving ---------------------------------------------------------------------------------------------
-
-    async def _save(self, slot_id: int, key: SessionKey, held: _Held,
-                    kind: SnapshotKind = SnapshotKind.SESSION, *, wait: bool = True) -> float:
-        """Save the slot's state (`held`: what it holds) as `key`'s snapshot, waiting for its commit or not (see
-        snapshots.py); returns the milliseconds waited (0 when it failed: logged, and it costs only the snapshot's
-        freshness). Where the backend needs it, the slot is brought back to its last prompt's end first."""
-        started = time.perf_counter()
-        commit = await self._start_save(slot_id, key, held, kind)
-        if commit is None or (wait and not await asyncio.shield(commit)):
-            return 0.0
-        return (time.perf_counter() - started) * 1000
-
-    async def _start_save(self, slot_id: int, key: SessionKey, held: _Held,
-                          kind: SnapshotKind = SnapshotKind.SESSION) -> asyncio.Task[bool] | None:
-        """`_save` until the backend wrote the slot's state; returns the commit going on in the background (its
-        result: whether the save succeeded), or None when the backend's write failed."""
-        self._evidence.saving()
-        n_prompt = held.n_prompt
-        if kind is SnapshotKind.SESSION and self.policy.prompt_end_saves and not held.at_prompt_end and (
-                held.replay is not None):
-            n_prompt = await self._to_prompt_end(slot_id, key, held.replay) or n_prompt
-        return await self.snapshots.start_save(slot_id, key, held.chain, kind, n_prompt=n_prompt)
-
-    async def _to_prompt_end(self, slot_id: int, key: SessionKey, replay: Replay) -> int:
-        """Send the slot's last request again without generating: the backend rolls the slot back to its checkpoint
-        just before the prompt's end and evaluates the last few tokens, so the slot holds exactly that prompt.
-        Returns the prompt's tokens, or 0 when it failed (the state is saved as it is)."""
-        path, body = replay
-        started = time.perf_counter()
-        try:
-            data = await self._client.post_json(path, replay_body(path, body, slot_id))
-        except SlotkeeperError as exc:
-            log.warning("bringing slot %d (%s) back to its prompt's end failed: %s; saving it as it is", slot_id, key,
-                        exc.message)
-            return 0
-        timings = data.get("timings") if isinstance(data, dict) else None
-        if not isinstance(timings, dict):
-            return 0
-        processed = int(timings.get("prompt_n") or 0)
-        if int(timings.get("cache_n") or 0) > 0:
-            self._evidence.rolled_back(key)
-        self.prompt_end_steps += 1
-        self.prompt_end_tokens += processed
-        self.prompt_end_ms += (time.perf_counter() - started) * 1000
-        slot = self.slots[slot_id]
-        slot.at_prompt_end = True
-        n_prompt = int(timings.get("cache_n") or 0) + processed
-        slot.n_tokens = slot.n_prompt = n_prompt
-        log.debug("slot %d (%s) brought back to its prompt's end: %d tokens, %d processed", slot_id, key, n_prompt,
-                  processed)
-        return n_prompt
+    # -- idle saves ----------------------------------------------------------------------------------------
 
     def _schedule_idle_save(self, slot: SlotState) -> None:
         if self._save_idle_seconds < 0:
@@ -636,7 +484,7 @@ class SlotPool:
         generation = slot.generation
         saved = 0.0
         try:
-            saved = await self._save(slot.slot_id, key, _Held.of(slot), wait=False)  # free again once written
+            saved = await self.saver.save(slot.slot_id, key, Held.of(slot), wait=False)  # free again once written
         finally:
             self._give_back(slot)
         if (not saved and self._health is not None and not self._health.up and slot.generation == generation
@@ -689,7 +537,7 @@ class SlotPool:
                 if slot.dirty and slot.occupant is not None:
                     slot.dirty = False
                     # Not waited for here: the next slot's save overlaps this one's commit.
-                    commit = await self._start_save(slot.slot_id, slot.occupant, _Held.of(slot))
+                    commit = await self.saver.start(slot.slot_id, slot.occupant, Held.of(slot))
                     if commit is None:
                         failed += 1
                     else:
@@ -727,7 +575,7 @@ class SlotPool:
         try:
             held = slot.occupant  # read after taking the slot: nothing else can change it now
             # An operator's action: done when it answers, commit included. 0 ms waited: the save failed.
-            if slot.dirty and held is not None and not await self._save(slot.slot_id, held, _Held.of(slot)):
+            if slot.dirty and held is not None and not await self.saver.save(slot.slot_id, held, Held.of(slot)):
                 raise SaveFailed(f"saving slot {slot_id} ({held}) failed, so it was not erased: it keeps its "
                                  "unsaved state (see the log for why)")
             await self._client.slot_action(slot.slot_id, "erase")
@@ -793,20 +641,6 @@ class Flushed(NamedTuple):
 
     saved: int
     failed: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Held:
-    """What a slot holds, as a save of it needs it: taken before the slot changes hands."""
-
-    chain: list[Link]
-    n_prompt: int = 0
-    replay: Replay | None = None
-    at_prompt_end: bool = False
-
-    @classmethod
-    def of(cls, slot: SlotState) -> _Held:
-        return cls(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end)
 
 
 def _ids(slot_ids: Sequence[int]) -> str:
