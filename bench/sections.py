@@ -195,19 +195,23 @@ def day(r: dict[str, Any]) -> list[str]:
         "prefilled (its `/metrics`, warm-ups included, summed across the restart); *efficiency* = reused / shared. "
         f"TTFT of the non-streamed tasks is their whole response time. {_model(r)}{skipped}",
         "",
-        "| target | efficiency | prefilled | reused | shared | wall s | errors | chat p50/p95 ms | title p50/p95 "
-        "| agent p50/p95 | subagent p50/p95 | claude-code p50/p95 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "*Resumed* is every conversation's turns after its first (chats, agents, the subagent, the Claude Code "
+        "client; not the tasks): the turns a cache is for.",
+        "",
+        "| target | efficiency | prefilled | reused | shared | wall s | errors | resumed p50/p95 ms "
+        "| chat p50/p95 | title p50/p95 | agent p50/p95 | subagent p50/p95 | claude-code p50/p95 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def pp(t: dict[str, Any], kind: str) -> str:
-        x = t["ttft_ms"][kind]
+        x = t["ttft_ms"][kind] if kind != "resumed" else t.get("resumed_ttft_ms", {"n": 0})
         return f"{_fmt(x['p50'], 0)} / {_fmt(x['p95'], 0)}" if x["n"] else ""
 
     for target, t in s.items():
         eff = f"{t['efficiency'] * 100:.1f}%" if t["efficiency"] is not None else ""
         lines.append(f"| {target} | {eff} | {t['prefilled']:,} | {t['reused']:,} | {t['shared_prefix_tokens']:,} "
-                     f"| {_fmt(t['wall_seconds'])} | {t['errors']} | {pp(t, 'chat')} | {pp(t, 'title')} "
+                     f"| {_fmt(t['wall_seconds'])} | {t['errors']} | {pp(t, 'resumed')} | {pp(t, 'chat')} "
+                     f"| {pp(t, 'title')} "
                      f"| {pp(t, 'agent')} | {pp(t, 'subagent')} | {pp(t, 'claude-code')} |")
     kinds = sorted({k for t in s.values() for k in t["by_step_kind"]})
     lines += ["", "Prefilled tokens by kind of step (a title task and the first turn it comes with are one step):", "",

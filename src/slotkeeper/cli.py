@@ -116,8 +116,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="a request that arrives while the backend is down waits up to S seconds for it to come "
                        "back (default 30; 0: fail at once)")
     serve.add_argument("--side-task-hold-seconds", type=float, metavar="S",
-                       help="a side task (OpenWebUI's title, tags) waits S seconds before it asks for a slot, and "
-                       "goes after conversations' requests, so a new chat's answer is not held up by its title "
+                       help="a side task (OpenWebUI's title, tags) waits up to S seconds, until a conversation's "
+                       "request comes, before it asks for a slot, and goes after conversations' requests, so a new "
+                       "chat's answer is not held up by its title "
                        "(default 0.25; 0: no hold)")
     serve.add_argument("--slot-op-timeout", type=float, metavar="S",
                        help="give up on a slot save, restore or erase after S seconds (default 120)")

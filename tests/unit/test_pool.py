@@ -877,6 +877,28 @@ async def test_a_title_task_sent_just_before_its_chat_goes_after_it(client: Fake
         assert served == expected, (hold, served)
 
 
+async def test_a_held_title_task_waits_for_its_chat_and_no_longer(client: FakeClient, store: SnapshotStore) -> None:
+    """The hold ends when the chat's request is queued: the title then runs right after the chat's turn, not when
+    a long hold is over (on a fast model the chat's answer is done long before)."""
+    pool = SlotPool(1, client, Snapshots(store), FP, 4096, save_idle_seconds=-1,  # type: ignore[arg-type]
+                    side_hold_seconds=30)
+    loop = asyncio.get_running_loop()
+    served: dict[str, float] = {}
+
+    async def request(name: str, side: bool) -> None:
+        lease = await pool.acquire(key("chat-x"), side=side)
+        served[name] = loop.time()
+        await asyncio.sleep(0.02)
+        lease.release(TurnEnd.COMPLETED)
+
+    started = loop.time()
+    title = asyncio.create_task(request("title", True))
+    await asyncio.sleep(0.03)
+    chat = asyncio.create_task(request("chat", False))
+    await asyncio.wait_for(asyncio.gather(title, chat), 10)  # a 30 s hold would time this out
+    assert served["chat"] < served["title"] < started + 5, served
+
+
 async def test_queued_side_tasks_go_after_conversations(client: FakeClient, store: SnapshotStore) -> None:
     pool = SlotPool(1, client, Snapshots(store), FP, 4096, save_idle_seconds=-1,  # type: ignore[arg-type]
                     side_hold_seconds=0.01)

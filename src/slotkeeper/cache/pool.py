@@ -88,6 +88,8 @@ class SlotPool:
         # backend lost it (reason and words), for that session's next turn.
         self._left: OrderedDict[SessionKey, tuple[Reason, str]] = OrderedDict()
         self._waiters: deque[_Waiter] = deque()
+        # Side tasks held back (see `_hold_side`), each woken when a conversation's request is queued.
+        self._held_sides: set[asyncio.Event] = set()
         # The states the last side tasks left, for the next ones that start the same way.
         self.side_states = side_states or SideStates()
         self._timers: set[asyncio.Task[None]] = set()
@@ -164,7 +166,7 @@ class SlotPool:
         """
         if side and self._side_hold_seconds > 0:
             # OpenWebUI sends a new chat's title task a few ms before the chat's request: that one goes first.
-            await asyncio.sleep(self._side_hold_seconds)
+            await self._hold_side()
         slot = await self._take((lambda: self._choose_side(key)) if side else lambda: self._choose(key), bounded=True,
                                 side=side)
         previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
@@ -199,6 +201,18 @@ class SlotPool:
             raise
         return lease
 
+    async def _hold_side(self) -> None:
+        """Hold a side task back until a conversation's request is queued (side tasks are served after it), or for
+        at most the hold: the task waits for that request, never for the rest of the hold once it came."""
+        came = asyncio.Event()
+        self._held_sides.add(came)
+        try:
+            await asyncio.wait_for(came.wait(), self._side_hold_seconds)
+        except TimeoutError:
+            pass
+        finally:
+            self._held_sides.discard(came)
+
     def _choose(self, key: SessionKey) -> SlotState | None:
         own = next((s for s in self.slots if s.occupant == key), None)
         if own is not None:
@@ -226,6 +240,9 @@ class SlotPool:
         waiter = _Waiter(choose, asyncio.get_running_loop().create_future(), side)
         self._waiters.append(waiter)
         self._dispatch()
+        if not side:
+            for held in self._held_sides:
+                held.set()  # this request is served first now: the held side tasks may queue behind it
         if bounded and self._max_queue and not waiter.future.done() and len(self._waiters) > self._max_queue:
             self._waiters.remove(waiter)
             raise Overloaded(f"{self._max_queue} requests are already waiting for a slot; try again shortly")
