@@ -144,7 +144,8 @@ def _restart(r: dict[str, Any]) -> list[str]:
 
 
 SECTIONS = {"switch": _switch, "overhead": _overhead, "restart": _restart, "system": sections.system,
-            "agent": sections.agent, "scale": sections.scale, "day": sections.day, "title": sections.title}
+            "agent": sections.agent, "scale": sections.scale, "day": sections.day, "title": sections.title,
+            "beyond": sections.beyond, "first": sections.first}
 
 
 def write_report(out: Path) -> Path:

@@ -240,3 +240,57 @@ def title(r: dict[str, Any]) -> list[str]:
                      f"| {s['ratio_of_medians']:.2f}x | {s['title_ran_first']} of {s['pairs']} | "
                      f"{_fmt(s['title_ms_median'])} |")
     return [*lines, "", _model(r), ""]
+
+
+def beyond(r: dict[str, Any]) -> list[str]:
+    sh, s = r["shape"], r["summary"]
+    probe = sh["state_probe"]
+    lines = [
+        "## beyond: more conversations than the RAM cache holds",
+        "",
+        f"{sh['conversations']} conversations of {sh['context_tokens']} tokens round-robin on one slot, "
+        f"{r['config']['rounds']} resumed turns each (history + one new user message). *small-ram* is llama-server "
+        f"with `--cache-ram {sh['small_ram_mib']}`: {sh['small_ram_states']} of the conversations' states at the "
+        f"measured {probe['bytes_per_token']:,.0f} bytes per token (a saved slot of {probe['tokens']} tokens); "
+        f"*default* is `--cache-ram {sh['default_cache_ram_mib']}`, which holds them all here; slotkeeper runs in "
+        "front of a `--cache-ram 0` llama-server with its RAM dir. Every resumed turn goes to each target in "
+        f"rotating order. TTFT = time to the first streamed content chunk. {_model(r)}",
+        "",
+        "| target | TTFT median ms | TTFT p99 ms | prefilled (median) | reused (median) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for target, t in s["targets"].items():
+        lines.append(f"| {target} | {_fmt(t['ttft_ms']['median'])} | {_fmt(t['ttft_ms']['p99'])} "
+                     f"| {t['prompt_n_median']:g} | {t['cache_n_median']:g} |")
+    a, b = s["ratios"]["small_ram_over_slotkeeper"], s["ratios"]["default_over_slotkeeper"]
+    lines += ["", f"small-ram / slotkeeper: {a['of_medians']:.2f}x of medians, {a['median_per_turn']:.2f}x per-turn "
+              f"median; default / slotkeeper: {b['of_medians']:.2f}x, {b['median_per_turn']:.2f}x. slotkeeper's "
+              f"turns: {', '.join(f'{n} {c}' for c, n in s['targets']['slotkeeper']['cache_states'].items())}.", ""]
+    return lines
+
+
+def first(r: dict[str, Any]) -> list[str]:
+    s = r["summary"]
+    t, ratio = s["targets"], s["slotkeeper_over_llama_server"]
+    keeper = t["slotkeeper"]
+    warm = keeper.get("warm_up_ms")
+    lines = [
+        "## first: the first turn on a new system prompt, through slotkeeper and straight to its llama-server",
+        "",
+        f"{r['pairs']} pairs of first turns, each on a system prompt of about {r['config']['system_tokens']} tokens "
+        "never sent before, one straight to a `--cache-ram 0` llama-server and one through the slotkeeper in front "
+        "of that same process (which warms the system part up and saves it before the turn), alternating which goes "
+        f"first, 2 s apart. TTFT = time to the first streamed content chunk. {_model(r)}",
+        "",
+        "| target | TTFT median ms | min | max | prompt tokens (median) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for target, x in t.items():
+        lines.append(f"| {target} | {_fmt(x['ttft_ms']['median'])} | {_fmt(x['ttft_ms']['min'])} "
+                     f"| {_fmt(x['ttft_ms']['max'])} | {x['prompt_n_median']:g} |")
+    lines += ["", f"slotkeeper / llama-server: {ratio['of_medians']:.3f}x of medians, {ratio['median_per_pair']:.3f}x "
+              "per-pair median. slotkeeper's warm-ups: "
+              + (f"{_fmt(warm['median'], 0)} ms median" if warm else "none logged")
+              + f"; save of the system part (the backend's write) {_fmt(keeper['save_ms']['median'])} ms median; "
+              f"its turns: {', '.join(f'{n} {c}' for c, n in keeper['cache_states'].items())}.", ""]
+    return lines

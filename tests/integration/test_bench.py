@@ -20,7 +20,7 @@ from tests.support import REPO
 pytestmark = [pytest.mark.backend, pytest.mark.timeout(900)]
 
 
-SCENARIOS = ("switch", "overhead", "restart", "system", "agent", "scale", "day", "title")
+SCENARIOS = ("switch", "overhead", "restart", "system", "agent", "scale", "day", "title", "beyond", "first")
 TARGETS = ["llama-server cram0", "llama-server default", "slotkeeper"]
 
 
@@ -240,3 +240,37 @@ def test_title(results: Path) -> None:
     # Whether the title went first is timing, measured and reported, not asserted (tests/unit/test_pool.py checks
     # the order itself).
     assert all(0 <= data["summary"][name]["title_ran_first"] <= data["pairs"] for name in data["targets"])
+
+
+def test_beyond(results: Path) -> None:
+    data = load(results, "beyond")
+    shape, summary = data["shape"], data["summary"]
+    assert data["targets"] == ["llama-server small-ram", "llama-server default", "slotkeeper"]
+    assert shape["small_ram_states"] < shape["conversations"] and shape["small_ram_mib"] >= 1
+    assert positive(shape["state_probe"]["bytes_per_token"])
+    assert len(data["samples"]) == len(data["targets"]) * shape["conversations"] * data["config"]["rounds"]
+    for sample in data["samples"]:
+        assert positive(sample["ttft_ms"]) and sample["prompt_n"] >= 1 and sample["cache_n"] >= 0
+    # Round-robin past a cache for fewer of them: every resumed turn of slotkeeper's restores its own history.
+    states = summary["targets"]["slotkeeper"]["cache_states"]
+    assert states == {"restored": shape["conversations"] * data["config"]["rounds"]}, states
+    keeper = [s for s in data["samples"] if s["target"] == "slotkeeper"]
+    assert all(s["cache_n"] >= shape["context_tokens"] // 2 for s in keeper), keeper
+    for name in ("small_ram_over_slotkeeper", "default_over_slotkeeper"):
+        assert positive(summary["ratios"][name]["of_medians"])
+
+
+def test_first(results: Path) -> None:
+    data = load(results, "first")
+    assert data["targets"] == ["llama-server", "slotkeeper"]
+    assert len(data["samples"]) == 2 * data["pairs"]
+    for sample in data["samples"]:
+        assert positive(sample["ttft_ms"]) and sample["prompt_n"] >= 1
+        if sample["target"] == "slotkeeper":
+            # A new system prompt: warmed up and saved before the turn, which then continues from it.
+            assert sample["cache_n"] > sample["prompt_n"], sample
+        else:
+            assert sample["cache_n"] <= 32, sample  # the template's first tokens at most: every prompt is new
+    assert len(data["warm_ups"]) == data["pairs"]
+    ratio = data["summary"]["slotkeeper_over_llama_server"]
+    assert positive(ratio["of_medians"]) and positive(ratio["median_per_pair"])
