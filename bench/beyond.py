@@ -17,9 +17,18 @@ from typing import Any
 
 import httpx
 
-from bench.common import BenchConfig, describe, keeper_record, machine, make_model, processes, ratio, stream_chat
+from bench.common import (
+    BenchConfig,
+    describe,
+    keeper_record,
+    machine,
+    make_model,
+    processes,
+    ratio,
+    state_size,
+    stream_chat,
+)
 from bench.switch import next_turn, opening
-from tests.support import Backend
 
 TARGETS = ("llama-server small-ram", "llama-server default", "slotkeeper")
 DEFAULT_CACHE_RAM = 8192
@@ -40,8 +49,9 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     with processes(root, model) as procs, httpx.Client(timeout=600) as client:
         sessions = {f"b{k}": opening(f"b{k}", tokens, 7000 + k) for k in range(n_sessions)}
-        probe = _probe(client, procs.backend("beyond-scratch", cache_ram=0, ctx_per_slot=ctx),
-                       next(iter(sessions.values())))
+        scratch = procs.backend("beyond-scratch", cache_ram=0, ctx_per_slot=ctx)
+        probe = state_size(client, scratch.url, {"messages": next(iter(sessions.values()))})
+        scratch.stop()
         final_tokens = probe["tokens"] + config.rounds * TOKENS_PER_TURN
         small_ram = max(1, math.ceil(states * final_tokens * probe["bytes_per_token"] / 2**20))
         small = procs.backend("beyond-small-ram", cache_ram=small_ram, ctx_per_slot=ctx)
@@ -73,18 +83,6 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
             "shape": {"conversations": n_sessions, "small_ram_states": states, "small_ram_mib": small_ram,
                       "default_cache_ram_mib": DEFAULT_CACHE_RAM, "context_tokens": tokens, "state_probe": probe},
             "samples": samples, "summary": summarize(samples)}
-
-
-def _probe(client: httpx.Client, backend: Backend, messages: list[dict[str, str]]) -> dict[str, Any]:
-    """A conversation's state size per token, measured: prefill its first turn and save the slot."""
-    body = {"messages": messages, "max_tokens": 1, "temperature": 0}
-    client.post(f"{backend.url}/v1/chat/completions", json=body).raise_for_status()
-    saved = client.post(f"{backend.url}/slots/0?action=save", json={"filename": "probe.bin"})
-    saved.raise_for_status()
-    data = saved.json()
-    backend.stop()
-    return {"tokens": int(data["n_saved"]), "bytes": int(data["n_written"]),
-            "bytes_per_token": int(data["n_written"]) / int(data["n_saved"])}
 
 
 def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -205,6 +205,17 @@ def keeper_record(client: httpx.Client, keeper_url: str, session: str, since: fl
         time.sleep(0.02)
 
 
+def state_size(client: httpx.Client, backend_url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A slot state's size per token, measured: prefill `body` (a chat request) into slot 0 and save the slot."""
+    client.post(f"{backend_url}/v1/chat/completions",
+                json={**body, "max_tokens": 1, "temperature": 0}).raise_for_status()
+    saved = client.post(f"{backend_url}/slots/0?action=save", json={"filename": "probe.bin"})
+    saved.raise_for_status()
+    data = saved.json()
+    return {"tokens": int(data["n_saved"]), "bytes": int(data["n_written"]),
+            "bytes_per_token": int(data["n_written"]) / int(data["n_saved"])}
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of a non-empty list."""
     ordered = sorted(values)

@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from bench.agent import AgentSession
-from bench.common import GRAMMAR, BenchConfig, machine, make_model, percentile, prime, processes
+from bench.common import GRAMMAR, BenchConfig, machine, make_model, percentile, prime, processes, state_size
 from bench.messages import CHARS_PER_TOKEN, PrefillCounters, prefill_counters, system_part
 from bench.openwebui import TASKS
 from slotkeeper.upstream.launcher import free_port
@@ -254,17 +254,6 @@ def tokenize(client: httpx.Client, url: str, steps: list[Step]) -> None:
             seen.append(mine)
 
 
-def state_bytes_per_token(client: httpx.Client, backend: Backend, request: Request) -> dict[str, Any]:
-    """A slot state's size per token, measured: prefill one long prompt and save the slot."""
-    body = {**request.render, "max_tokens": 1, "temperature": 0}
-    client.post(f"{backend.url}/v1/chat/completions", json=body).raise_for_status()
-    saved = client.post(f"{backend.url}/slots/0?action=save", json={"filename": "probe.bin"})
-    saved.raise_for_status()
-    data = saved.json()
-    return {"tokens": int(data["n_saved"]), "bytes": int(data["n_written"]),
-            "bytes_per_token": int(data["n_written"]) / int(data["n_saved"])}
-
-
 @dataclass
 class Hearth:
     """hearth-llm's proxy (`hearth serve --upstream`) in a child process, from its own venv."""
@@ -399,7 +388,7 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
         scratch = procs.backend("day-scratch", 0, 32768, extra_args=("--metrics",))
         tokenize(client, scratch.url, steps)
         longest = max(requests, key=lambda r: len(r.tokens))
-        probe = state_bytes_per_token(client, scratch, longest)
+        probe = state_size(client, scratch.url, longest.render)
         scratch.stop()
     finals: dict[str, int] = {}
     for r in requests:

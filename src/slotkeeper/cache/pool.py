@@ -170,7 +170,7 @@ class SlotPool:
         slot = await self._take((lambda: self._choose_side(key)) if side else lambda: self._choose(key), bounded=True,
                                 side=side)
         previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
-        held = Held(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end)
+        held = Held.of(slot)
         slot.occupant, slot.dirty = (None if side else key), False
         slot.generation += 1
         lease = SlotLease(slot.slot_id, key, side=side, chain=list(chain), system=system, side_text=side_text,
