@@ -24,6 +24,10 @@ from tests.support import Backend, Slotkeeper, llama_server_binary
 MODEL_SPECS: dict[str, TinyModelSpec] = {
     "tiny": TinyModelSpec(),
     "medium": TinyModelSpec(n_embd=1024, n_layer=8, n_head=16, n_head_kv=8, n_ff=2816),
+    # The tiny recurrent and hybrid models (docs/architectures.md), for the scenarios whose state handling differs
+    # there (`first`: the system part's warm-up on a model that rolls back only to checkpoints).
+    "mamba": TinyModelSpec(arch="mamba"),
+    "jamba": TinyModelSpec(arch="jamba"),
 }
 
 
@@ -173,12 +177,12 @@ class Processes:
         (self.root / name).mkdir(parents=True, exist_ok=True)
         return backend.start()
 
-    def slotkeeper(self, name: str, backend: Backend, *extra_args: str) -> Slotkeeper:
-        """slotkeeper in front of `backend`; its snapshots are kept in <name>/slots when the backend saves into a RAM
-        dir, else in the backend's own slot dir."""
+    def slotkeeper(self, name: str, backend: Backend, *extra_args: str, module: str = "slotkeeper.cli") -> Slotkeeper:
+        """slotkeeper in front of `backend` (run as `python -m module`); its snapshots are kept in <name>/slots when
+        the backend saves into a RAM dir, else in the backend's own slot dir."""
         disk = self.root / name / "slots" if backend.slot_dir in self._ram_dirs else None
         keeper = Slotkeeper(self.root / name / "cache", self.root / f"{name}.log", backend, extra_args,
-                            disk_slot_dir=disk)
+                            disk_slot_dir=disk, module=module)
         self.stack.callback(keeper.stop)
         return keeper.start()
 

@@ -40,12 +40,28 @@ def _header(results: dict[str, dict[str, Any]]) -> list[str]:
     ]
 
 
-OWN_HEADER = ("system", "agent", "scale", "day", "title")
+OWN_HEADER = ("system", "agent", "scale", "day", "title", "client")
+
+
+def _reading(r: dict[str, Any]) -> list[str]:
+    c = r["config"]
+    return _switch_table(r, [
+        "## reading: sessions taking turns on one slot, a reading pause before each request",
+        "",
+        f"The turns of `switch` ({c['sessions']} sessions round-robin on one slot, {c['rounds']} resumed turns each), "
+        f"each request sent {r['pause_seconds']:g} s after the previous one ended, to every target alike, as when a "
+        "person reads an answer before going to another conversation. slotkeeper runs with its default idle saves "
+        f"(`{' '.join(r['keeper_args'])}`): a changed slot that stays idle is saved after twice its expected save "
+        "time (at least 0.25 s, at most `--save-idle-seconds`), so the next conversation finds the previous one's "
+        "state already on disk and waits for no save. *Switches with a save* counts the turns that still waited "
+        "for one. Columns as in `switch`.",
+        "",
+    ])
 
 
 def _switch(r: dict[str, Any]) -> list[str]:
     c = r["config"]
-    lines = [
+    return _switch_table(r, [
         "## switch: sessions taking turns on one slot",
         "",
         f"{c['sessions']} sessions round-robin on one slot, {c['rounds']} resumed turns each (history + one new user "
@@ -64,6 +80,12 @@ def _switch(r: dict[str, Any]) -> list[str]:
         "whole life (measured: the same 3,285-token prefill took 5,242 ms on one and 6,679 ms on another), which "
         "the rotating order cannot cancel; the time beyond the prompt is the part that does not depend on it.",
         "",
+    ])
+
+
+def _switch_table(r: dict[str, Any], intro: list[str]) -> list[str]:
+    lines = [
+        *intro,
         "| context tokens | target | TTFT median ms | TTFT p99 ms | backend prompt ms (median) "
         "| beyond it (median) | prefilled (prompt_n) | reused (cache_n) | restore ms | save ms |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -84,6 +106,11 @@ def _switch(r: dict[str, Any]) -> list[str]:
         a, b = s["ratios"]["cram0_over_slotkeeper"], s["ratios"]["default_over_slotkeeper"]
         lines.append(f"| {tokens} | {a['of_medians']:.2f}x, {a['median_per_turn']:.2f}x "
                      f"| {b['of_medians']:.2f}x, {b['median_per_turn']:.2f}x |")
+    keeper = {tokens: s["targets"]["slotkeeper"] for tokens, s in r["summary"].items()}
+    if all("switches_with_save" in k for k in keeper.values()):
+        lines += ["", "Switches with a save (slotkeeper): " + ", ".join(
+            f"{k['switches_with_save']} of {sum(k['cache_states'].values())} at {tokens} tokens"
+            for tokens, k in keeper.items()) + "."]
     return [*lines, ""]
 
 
@@ -143,9 +170,9 @@ def _restart(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-SECTIONS = {"switch": _switch, "overhead": _overhead, "restart": _restart, "system": sections.system,
-            "agent": sections.agent, "scale": sections.scale, "day": sections.day, "title": sections.title,
-            "beyond": sections.beyond, "first": sections.first}
+SECTIONS = {"switch": _switch, "reading": _reading, "overhead": _overhead, "restart": _restart,
+            "system": sections.system, "agent": sections.agent, "scale": sections.scale, "day": sections.day,
+            "title": sections.title, "beyond": sections.beyond, "first": sections.first, "client": sections.client}
 
 
 def write_report(out: Path) -> Path:

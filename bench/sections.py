@@ -294,3 +294,35 @@ def first(r: dict[str, Any]) -> list[str]:
               + f"; save of the system part (the backend's write) {_fmt(keeper['save_ms']['median'])} ms median; "
               f"its turns: {', '.join(f'{n} {c}' for c, n in keeper['cache_states'].items())}.", ""]
     return lines
+
+
+def client(r: dict[str, Any]) -> list[str]:
+    by_threads, cpus = r["summary"]["by_threads"], r["machine"]["cpus"]
+    rounds = next(iter(by_threads.values()))["rounds"]
+    lines = [
+        "## client: slotkeeper's own upstream client against aiohttp's",
+        "",
+        f"{rounds} rounds of the `overhead` request (tiny prompt, {r['config']['overhead_answer_tokens']} streamed "
+        "tokens, a hot session) to one llama-server: directly, through slotkeeper with its own client "
+        "(`upstream/wire.py`), and through slotkeeper with aiohttp's client in its place "
+        "(`bench/aiohttp_upstream.py`), the order rotating. Added = the target minus direct, per round; *aiohttp - "
+        f"wire.py* is per round too. {_model(r)}",
+        "",
+        "| llama-server threads | target | TTFT median ms | added TTFT p50 ms | added total p50 ms "
+        "| chunks/s / direct (per-round median) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for threads, s in by_threads.items():
+        for target, t in s["targets"].items():
+            added = s["over_direct"].get(target)
+            cells = ["", "", ""] if added is None else [
+                _fmt(added["added_ttft_ms"]["p50"], 2), _fmt(added["added_total_ms"]["p50"], 2),
+                f"{added['chunks_per_s_ratio']:.3f}"]
+            lines.append(f"| {threads} of {cpus} | {target} | {_fmt(t['ttft_ms']['median'])} | {' | '.join(cells)} |")
+    lines += ["", "| llama-server threads | aiohttp - wire.py, TTFT p50 ms | total p50 ms "
+              "| aiohttp / wire.py chunks/s (per-round median) |", "|---:|---:|---:|---:|"]
+    for threads, s in by_threads.items():
+        d = s["aiohttp_over_wire"]
+        lines.append(f"| {threads} of {cpus} | {_fmt(d['ttft_ms_difference']['p50'], 2)} "
+                     f"| {_fmt(d['total_ms_difference']['p50'], 2)} | {d['chunks_per_s_ratio']:.3f} |")
+    return [*lines, ""]

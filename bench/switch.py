@@ -5,7 +5,11 @@ so that machine noise falls on all of them alike: llama-server alone with `--cac
 its default host-memory prompt cache (`--cache-ram 8192`), and slotkeeper in front of a `--cache-ram 0`
 llama-server. Measured: time to the first streamed content chunk, tokens prefilled (`prompt_n`) and reused
 (`cache_n`), the backend's own prompt time (`timings.prompt_ms`) and the rest of the time to first token, and
-slotkeeper's own save and restore times."""
+slotkeeper's own save and restore times.
+
+Scenario `reading`: the same turns, each request sent after a pause of READING_PAUSE_SECONDS, as when a person reads
+an answer before going to another conversation, and slotkeeper runs with its default idle saves (so the state of the
+turn that just ended is on disk when the next conversation takes the slot, if the pause is long enough)."""
 
 from __future__ import annotations
 
@@ -29,6 +33,10 @@ from bench.common import (
 from tests.support import SYSTEM, words
 
 TARGETS = ("llama-server cram0", "llama-server default", "slotkeeper")
+# Before each request of the `reading` scenario, for every target alike.
+READING_PAUSE_SECONDS = 1.0
+# slotkeeper's own default (config.py), in place of the `--save-idle-seconds -1` the test helpers start it with.
+DEFAULT_SAVE_IDLE_SECONDS = "2"
 
 
 def opening(session: str, tokens: int, seed: int) -> list[dict[str, str]]:
@@ -44,6 +52,17 @@ def next_turn(messages: list[dict[str, str]], seed: int) -> list[dict[str, str]]
 
 
 def run(config: BenchConfig, root: Path) -> dict[str, Any]:
+    """Back to back, slotkeeper saving only on a switch: every switch waits for the save of the state it evicts."""
+    return _run(config, root, "switch", 0.0, ())
+
+
+def run_reading(config: BenchConfig, root: Path) -> dict[str, Any]:
+    """A pause before every request, slotkeeper with its default idle saves."""
+    return _run(config, root, "reading", READING_PAUSE_SECONDS, ("--save-idle-seconds", DEFAULT_SAVE_IDLE_SECONDS))
+
+
+def _run(config: BenchConfig, root: Path, scenario: str, pause: float, keeper_args: tuple[str, ...]
+         ) -> dict[str, Any]:
     model = make_model(root, config.model_size)
     ctx = max(config.tokens) + config.rounds * 200 + 1024
     samples: list[dict[str, Any]] = []
@@ -51,7 +70,7 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
         cram0 = procs.backend("switch-cram0", cache_ram=0, ctx_per_slot=ctx)
         default = procs.backend("switch-default", cache_ram=8192, ctx_per_slot=ctx)
         behind = procs.backend("switch-behind", cache_ram=0, ctx_per_slot=ctx, ram_dir=True)
-        keeper = procs.slotkeeper("switch-slotkeeper", behind)
+        keeper = procs.slotkeeper("switch-slotkeeper", behind, *keeper_args)
         urls = {TARGETS[0]: cram0.url, TARGETS[1]: default.url, TARGETS[2]: keeper.url}
         turn_no = 0
         for tokens in config.tokens:
@@ -67,6 +86,7 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
                     order = [TARGETS[(turn_no + i) % len(TARGETS)] for i in range(len(TARGETS))]
                     turn_no += 1
                     for target in order:
+                        time.sleep(pause)
                         since = time.time()
                         result = stream_chat(client, urls[target], messages, session, config.answer_tokens)
                         sample: dict[str, Any] = {
@@ -80,8 +100,9 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
                             sample.update({"cache": row["cache"], "restored": row["restored"],
                                            "restore_ms": row["restore_ms"], "save_ms": row["save_ms"]})
                         samples.append(sample)
-    return {"scenario": "switch", "config": config.as_json(), "machine": machine(), "targets": list(TARGETS),
-            "samples": samples, "summary": summarize(samples, config)}
+    return {"scenario": scenario, "config": config.as_json(), "machine": machine(), "targets": list(TARGETS),
+            "pause_seconds": pause, "keeper_args": list(keeper_args), "samples": samples,
+            "summary": summarize(samples, config)}
 
 
 def summarize(samples: list[dict[str, Any]], config: BenchConfig) -> dict[str, Any]:
@@ -105,6 +126,8 @@ def summarize(samples: list[dict[str, Any]], config: BenchConfig) -> dict[str, A
         per_target["slotkeeper"].update({
             "restore_ms": describe([s["restore_ms"] for s in keeper_rows]),
             "save_ms": describe([s["save_ms"] for s in keeper_rows]),
+            # Switches that waited for a save of the evicted state (the others found it saved while the slot idled).
+            "switches_with_save": sum(1 for s in keeper_rows if s["save_ms"] > 0),
             "cache_states": {c: sum(1 for s in keeper_rows if s["cache"] == c)
                              for c in sorted({s["cache"] for s in keeper_rows})},
         })

@@ -172,13 +172,15 @@ class Slotkeeper:
     # With a RAM dir in attach mode: the backend's --slot-save-path (upstream.slot_dir, on tmpfs) becomes
     # --ram-dir, and this directory the --slot-dir where the snapshots are kept.
     disk_slot_dir: Path | None = None
+    # The module run with `python -m`: another entry point that runs slotkeeper's CLI (bench/aiohttp_upstream.py).
+    module: str = "slotkeeper.cli"
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 90) -> Slotkeeper:
-        argv = [sys.executable, "-m", "slotkeeper.cli", "serve", "--port", str(self.port), "--cache-dir",
+        argv = [sys.executable, "-m", self.module, "serve", "--port", str(self.port), "--cache-dir",
                 str(self.cache_dir), "--save-idle-seconds", "-1", *self.extra_args]
         if self.upstream is not None and self.disk_slot_dir is not None:
             argv += ["--upstream", self.upstream.url, "--slot-dir", str(self.disk_slot_dir), "--ram-dir",

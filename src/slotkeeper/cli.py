@@ -79,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep Claude Code's attribution line (x-anthropic-billing-header) in the system prompt; "
                        "it changes between requests, so nothing is reused (default: taken out)")
     serve.add_argument("--save-idle-seconds", type=float, metavar="S",
-                       help="save a changed slot after S idle seconds (default 2; negative: only on switch/exit)")
+                       help="save a changed slot after at most S idle seconds, a state that saves quickly sooner "
+                       "(after twice its save time, at least 0.25 s) while no other slot generates (default 2; "
+                       "negative: only on switch/exit)")
     serve.add_argument("--min-restore-tokens", type=int, metavar="N",
                        help="skip restores that would reuse fewer than N tokens (default 128)")
     serve.add_argument("--system-snapshots", action=argparse.BooleanOptionalAction, default=None,

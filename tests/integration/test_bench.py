@@ -20,7 +20,8 @@ from tests.support import REPO
 pytestmark = [pytest.mark.backend, pytest.mark.timeout(900)]
 
 
-SCENARIOS = ("switch", "overhead", "restart", "system", "agent", "scale", "day", "title", "beyond", "first")
+SCENARIOS = ("switch", "reading", "overhead", "restart", "system", "agent", "scale", "day", "title", "beyond", "first",
+             "client")
 TARGETS = ["llama-server cram0", "llama-server default", "slotkeeper"]
 
 
@@ -57,8 +58,10 @@ def test_files_and_report(results: Path) -> None:
         assert (results / "results.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_switch(results: Path) -> None:
-    data = load(results, "switch")
+@pytest.mark.parametrize("scenario", ["switch", "reading"])
+def test_switch(results: Path, scenario: str) -> None:
+    data = load(results, scenario)
+    assert data["pause_seconds"] == (0 if scenario == "switch" else 1.0)
     config = data["config"]
     targets = data["targets"]
     assert targets == ["llama-server cram0", "llama-server default", "slotkeeper"]
@@ -76,10 +79,39 @@ def test_switch(results: Path) -> None:
             assert positive(summary["targets"][target]["prompt_n_median"])
             assert positive(summary["targets"][target]["prompt_ms_median"])
             assert positive(summary["targets"][target]["beyond_prompt_ms_median"])  # the prefill is inside the TTFT
-        assert "restore_ms" in summary["targets"]["slotkeeper"]
+        keeper = summary["targets"]["slotkeeper"]
+        assert "restore_ms" in keeper
+        switches = sum(keeper["cache_states"].values())
+        assert switches == config["sessions"] * config["rounds"]
+        # Without idle saves every switch waits for the evicted state's save; with them, those that found it saved
+        # while the slot idled do not (how many depends on the machine's speed, so only the range is checked).
+        if scenario == "switch":
+            assert keeper["switches_with_save"] == switches
+        else:
+            assert 0 <= keeper["switches_with_save"] <= switches
         for name in ("cram0_over_slotkeeper", "default_over_slotkeeper"):
             assert positive(summary["ratios"][name]["of_medians"])
             assert positive(summary["ratios"][name]["median_per_turn"])
+
+
+def test_client(results: Path) -> None:
+    data = load(results, "client")
+    cpus = data["machine"]["cpus"]
+    by_threads = data["summary"]["by_threads"]
+    assert data["targets"] == ["direct", "slotkeeper", "slotkeeper aiohttp"]
+    assert list(by_threads) == ([str(cpus), str(cpus - 1)] if cpus > 1 else ["1"])
+    assert len(data["samples"]) == sum(3 * s["rounds"] for s in by_threads.values())
+    for sample in data["samples"]:
+        assert positive(sample["total_ms"]) and positive(sample["ttft_ms"]) and sample["chunks"] >= 1
+    for summary in by_threads.values():
+        assert summary["rounds"] == data["config"]["overhead_requests"] // 2
+        # Both slotkeepers served their session hot, through their own client each.
+        assert summary["cache_states"] == {"slotkeeper": ["hot"], "slotkeeper aiohttp": ["hot"]}
+        for target in ("slotkeeper", "slotkeeper aiohttp"):
+            added = summary["over_direct"][target]
+            assert all(isinstance(added["added_ttft_ms"][q], float) for q in ("p50", "p99", "mean"))
+            assert positive(added["chunks_per_s_ratio"])
+        assert positive(summary["aiohttp_over_wire"]["chunks_per_s_ratio"])
 
 
 def test_overhead(results: Path) -> None:

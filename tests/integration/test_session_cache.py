@@ -227,6 +227,27 @@ def test_a_finished_turn_reaches_disk_when_idle(stack: Stack, client_for) -> Non
     assert row["n_tokens"] == timings(first)["prompt_n"] + timings(first)["predicted_n"] - 1
 
 
+def test_a_state_that_saves_quickly_is_on_disk_before_the_next_conversation(stack: Stack, client_for) -> None:
+    """--save-idle-seconds is the longest a changed slot idles unsaved: a state the backend writes in milliseconds
+    is saved after twice that, at least 0.25 s. With the limit at 120 s, B's state reaches disk long before it, and
+    the switch back to A finds B saved and waits for no save."""
+    keeper = stack.slotkeeper(stack.backend(parallel=1, cache_ram=0), "--save-idle-seconds", "120")
+    client = client_for(keeper)
+    a = Conversation(client, "quick-a", size=600, seed=1)
+    b = Conversation(client, "quick-b", size=600, seed=2)
+    a.turn()
+    b.turn()  # the switch saves A: from then on the backend's write rate is known
+    assert keeper.row("quick-a") is not None
+    started = time.monotonic()
+    assert wait_until(lambda: keeper.row("quick-b") is not None, timeout=60, interval=0.2)
+    assert time.monotonic() - started < 60  # the idle save, not the 120 s limit
+    again = a.turn()
+    assert again.headers["x-slotkeeper-cache"] == "restored"
+    rows = httpx.get(f"{keeper.url}/api/requests/recent", params={"limit": 5}).json()["requests"]
+    newest = next(r for r in rows if r["session"] == "quick-a")
+    assert newest["save_ms"] == 0 and newest["restore_ms"] > 0, newest
+
+
 @pytest.mark.parametrize("marker", ["shape", "header"])
 def test_side_task_does_not_become_the_session(stack: Stack, client_for, marker: str) -> None:
     keeper = stack.slotkeeper(stack.backend(parallel=1, cache_ram=0))

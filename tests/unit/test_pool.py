@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from slotkeeper.cache.capability import Strategy
-from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.pool import IDLE_SAVE_FLOOR_SECONDS, SlotPool
 from slotkeeper.cache.slots import TurnEnd
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore
@@ -412,6 +413,77 @@ async def test_idle_save_generation_check_after_release(client: FakeClient, stor
         await turn(pool, A, TurnEnd.COMPLETED)  # a second timer; the first one's generation is stale
         await asyncio.sleep(0.4)
         assert len(client.actions("save")) == 1
+    finally:
+        await pool.aclose()
+
+
+async def wait_saved(store: SnapshotStore, k: SessionKey, seconds: float) -> float | None:
+    """Seconds until `k`'s snapshot is indexed, or None if it was not within `seconds`."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        if store.get(k) is not None:
+            return time.monotonic() - started
+        await asyncio.sleep(0.01)
+    return None
+
+
+async def test_a_state_that_saves_quickly_is_saved_soon_after_its_turn(client: FakeClient,
+                                                                      store: SnapshotStore) -> None:
+    """--save-idle-seconds is the longest an idle changed slot waits: once a save showed how fast the backend
+    writes, a quick state is saved after twice its expected save time, at least IDLE_SAVE_FLOOR_SECONDS, so the next
+    conversation finds it on disk and waits for no save."""
+    pool = make_pool(client, store, save_idle_seconds=30)
+    try:
+        await turn(pool, A)
+        assert pool.saver.expected_seconds(10) is None  # no save yet: the full idle time
+        assert pool._idle_delay(pool.slots[0]) == 30
+        await turn(pool, B)  # the switch saves A, and the backend's write rate is known from then on
+        assert len(client.actions("save")) == 1
+        expected = pool.saver.expected_seconds(10)
+        assert expected is not None and expected < IDLE_SAVE_FLOOR_SECONDS / 2
+        assert pool._idle_delay(pool.slots[0]) == IDLE_SAVE_FLOOR_SECONDS
+        waited = await wait_saved(store, B, 10)
+        assert waited is not None and waited >= IDLE_SAVE_FLOOR_SECONDS * 0.9
+        assert not pool.slots[0].dirty
+        lease = await pool.acquire(C)  # the next conversation's switch saves nothing
+        assert len(client.actions("save")) == 2 and lease.cache.save_ms == 0
+        lease.release(TurnEnd.REJECTED)
+    finally:
+        await pool.aclose()
+
+
+async def test_a_slow_save_waits_longer_and_never_past_the_idle_seconds(client: FakeClient,
+                                                                       store: SnapshotStore) -> None:
+    pool = make_pool(client, store, save_idle_seconds=30)
+    try:
+        client.save_delay, client.save_tokens = 0.2, 100
+        await turn(pool, A, n_tokens=100)
+        await turn(pool, B, n_tokens=100)  # the backend's write of 100 tokens took 0.2 s
+        assert pool._idle_delay(pool.slots[0]) == pytest.approx(0.4, abs=0.1)
+        pool.slots[0].n_tokens = 100_000  # 200 s expected: the idle seconds are the limit
+        assert pool._idle_delay(pool.slots[0]) == 30
+    finally:
+        await pool.aclose()
+
+
+async def test_no_early_save_while_another_slot_generates(client: FakeClient, store: SnapshotStore) -> None:
+    """A backend's save pauses every slot's decoding: while another slot runs a turn, the idle slot waits the full
+    --save-idle-seconds."""
+    pool = make_pool(client, store, n_slots=2, save_idle_seconds=1.5)
+    try:
+        await turn(pool, A)
+        await turn(pool, B)
+        await turn(pool, C)  # evicts A (saved on the switch): the write rate is known
+        assert len(client.actions("save")) == 1
+        busy = await pool.acquire(D)  # takes B's slot (saved on the switch); it is generating from now on
+        idle = next(s for s in pool.slots if s.slot_id != busy.slot_id)
+        assert idle.occupant == C and idle.dirty
+        assert pool._idle_delay(idle) == IDLE_SAVE_FLOOR_SECONDS
+        saves = len(client.actions("save"))
+        await asyncio.sleep(0.8)
+        assert len(client.actions("save")) == saves and store.get(C) is None  # past the floor, not saved
+        assert await wait_saved(store, C, 5) is not None  # at --save-idle-seconds
+        busy.release(TurnEnd.REJECTED)
     finally:
         await pool.aclose()
 

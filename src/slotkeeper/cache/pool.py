@@ -43,6 +43,9 @@ _SHORT_SYSTEMS_KEPT = 1024
 _SIDE_MIN_TOKENS = 64
 # Sessions remembered for their next turn's reason: seen since start, and what became of their slot state.
 _SESSIONS_KEPT = 4096
+# The shortest idle time before a changed slot is saved (when --save-idle-seconds is longer): an agent's next request
+# after a quick tool call, or a side task right after the answer, comes back within it and waits for no save.
+IDLE_SAVE_FLOOR_SECONDS = 0.25
 
 
 @dataclass(eq=False)
@@ -483,8 +486,24 @@ class SlotPool:
             return
         self._in_background(self._idle_save(slot, slot.generation))
 
+    def _idle_delay(self, slot: SlotState) -> float:
+        """How long a changed slot stays idle before it is saved: `save_idle_seconds` at most; a state the backend
+        writes quickly sooner, after twice its expected save time and at least IDLE_SAVE_FLOOR_SECONDS. A
+        conversation that comes back within that finds its slot unsaved and hot; one that comes back later, or
+        another conversation that needs the slot, finds the state on disk already and waits for no save."""
+        cap = self._save_idle_seconds
+        expected = self.saver.expected_seconds(slot.n_tokens)
+        if expected is None:
+            return cap
+        return min(cap, max(IDLE_SAVE_FLOOR_SECONDS, 2 * expected))
+
     async def _idle_save(self, slot: SlotState, generation: int) -> None:
-        await asyncio.sleep(self._save_idle_seconds)
+        delay = self._idle_delay(slot)
+        await asyncio.sleep(delay)
+        if delay < self._save_idle_seconds and any(s.busy for s in self.slots if s is not slot):
+            # The backend writes a slot between decode steps of every slot: while another slot generates, the save
+            # pauses it (docs/design-pool.md), so it waits the full idle time as it always did.
+            await asyncio.sleep(self._save_idle_seconds - delay)
         if self._health is not None:
             await self._health.wait_up()  # a save sent to a backend that is away would fail and lose the turn
         if slot.busy or slot.generation != generation or not slot.dirty or slot.occupant is None:

@@ -59,6 +59,12 @@ class Saver:
             n_prompt = await self._to_prompt_end(slot_id, key, held.replay) or n_prompt
         return await self._snapshots.start_save(slot_id, key, held.chain, kind, n_prompt=n_prompt)
 
+    def expected_seconds(self, n_tokens: int) -> float | None:
+        """How long the backend's write of a slot of `n_tokens` is expected to take (at the last save's rate), or
+        None before the first save."""
+        rate = self._snapshots.write_seconds_per_token
+        return None if rate is None else rate * n_tokens
+
     async def _to_prompt_end(self, slot_id: int, key: SessionKey, replay: Replay) -> int:
         """Send the slot's last request again without generating: the backend rolls the slot back to its checkpoint
         just before the prompt's end and evaluates the last few tokens, so the slot holds exactly that prompt.

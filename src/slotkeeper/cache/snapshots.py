@@ -80,6 +80,9 @@ class Snapshots:
         self.saves = 0
         self.failed_saves = 0
         self.evictions = 0
+        # Seconds per token of the last backend write (the part of a save the slot waits for), None before one: how
+        # long the next save of a slot is expected to take (the pool's idle saves, pool.py).
+        self.write_seconds_per_token: float | None = None
         self._gone: OrderedDict[SnapshotId, None] = OrderedDict()
         self._gone_lock = threading.Lock()  # budget enforcement runs in worker threads, several at once
 
@@ -157,6 +160,8 @@ class Snapshots:
             ok = False
             try:
                 result = await self._backend_save(slot_id, key, temp)
+                if result.n_tokens > 0:
+                    self.write_seconds_per_token = (time.perf_counter() - started) / result.n_tokens
                 ok = True
             except (UpstreamError, UpstreamUnavailable) as exc:
                 await asyncio.to_thread(self._store.discard_temp, temp)
