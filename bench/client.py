@@ -15,19 +15,15 @@ from typing import Any
 
 import httpx
 
-from bench.common import BenchConfig, describe, machine, make_model, percentile, processes, ratio, stream_chat
-from bench.overhead import MESSAGES, SESSION, thread_counts
+from bench.common import BenchConfig, describe, machine, processes, ratio, stream_chat
+from bench.overhead import MESSAGES, SESSION, per_thread_count, spread
 
 TARGETS = ("direct", "slotkeeper", "slotkeeper aiohttp")
 KEEPERS = TARGETS[1:]
 
 
 def run(config: BenchConfig, root: Path) -> dict[str, Any]:
-    model = make_model(root, config.model_size)
-    samples: list[dict[str, Any]] = []
-    for threads in thread_counts():
-        samples += _rounds(config, root / f"t{threads}", model, threads)
-    by_threads = {str(t): summarize([s for s in samples if s["threads"] == t]) for t in thread_counts()}
+    samples, by_threads = per_thread_count(config, root, _rounds, summarize)
     return {"scenario": "client", "config": config.as_json(), "machine": machine(), "targets": list(TARGETS),
             "samples": samples, "summary": {"by_threads": by_threads}}
 
@@ -56,10 +52,6 @@ def _rounds(config: BenchConfig, root: Path, model: Path, threads: int) -> list[
     return samples
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"p50": statistics.median(values), "p99": percentile(values, 99), "mean": statistics.fmean(values)}
-
-
 def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
     rounds: dict[int, dict[str, dict[str, Any]]] = {}
     for s in samples:
@@ -74,8 +66,8 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
     added = {
         target: {
-            "added_ttft_ms": _spread([r[target]["ttft_ms"] - r["direct"]["ttft_ms"] for r in rounds.values()]),
-            "added_total_ms": _spread([r[target]["total_ms"] - r["direct"]["total_ms"] for r in rounds.values()]),
+            "added_ttft_ms": spread([r[target]["ttft_ms"] - r["direct"]["ttft_ms"] for r in rounds.values()]),
+            "added_total_ms": spread([r[target]["total_ms"] - r["direct"]["total_ms"] for r in rounds.values()]),
             "chunks_per_s_ratio": statistics.median(ratio(r[target]["chunks_per_s"], r["direct"]["chunks_per_s"])
                                                     for r in rounds.values()),
         }
@@ -87,8 +79,8 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "targets": per_target,
         "over_direct": added,
         "aiohttp_over_wire": {
-            "ttft_ms_difference": _spread([r[aio]["ttft_ms"] - r[wire]["ttft_ms"] for r in rounds.values()]),
-            "total_ms_difference": _spread([r[aio]["total_ms"] - r[wire]["total_ms"] for r in rounds.values()]),
+            "ttft_ms_difference": spread([r[aio]["ttft_ms"] - r[wire]["ttft_ms"] for r in rounds.values()]),
+            "total_ms_difference": spread([r[aio]["total_ms"] - r[wire]["total_ms"] for r in rounds.values()]),
             "chunks_per_s_ratio": statistics.median(ratio(r[aio]["chunks_per_s"], r[wire]["chunks_per_s"])
                                                     for r in rounds.values()),
         },

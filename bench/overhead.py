@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,27 @@ def thread_counts() -> list[int]:
     return [cpus, cpus - 1] if cpus > 1 else [1]
 
 
-def run(config: BenchConfig, root: Path) -> dict[str, Any]:
+Samples = list[dict[str, Any]]
+
+
+def per_thread_count(config: BenchConfig, root: Path, run_one: Callable[[BenchConfig, Path, Path, int], Samples],
+                     summarize: Callable[[Samples], dict[str, Any]]) -> tuple[Samples, dict[str, Any]]:
+    """`run_one` once per llama-server thread count (thread_counts), each in its own directory; returns all samples
+    and each count's summary."""
     model = make_model(root, config.model_size)
-    samples: list[dict[str, Any]] = []
+    samples: Samples = []
     for threads in thread_counts():
-        samples += _run_pairs(config, root / f"t{threads}", model, threads)
-    by_threads = {str(t): summarize([s for s in samples if s["threads"] == t]) for t in thread_counts()}
+        samples += run_one(config, root / f"t{threads}", model, threads)
+    return samples, {str(t): summarize([s for s in samples if s["threads"] == t]) for t in thread_counts()}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, 99th percentile and mean of per-pair (or per-round) differences."""
+    return {"p50": statistics.median(values), "p99": percentile(values, 99), "mean": statistics.fmean(values)}
+
+
+def run(config: BenchConfig, root: Path) -> dict[str, Any]:
+    samples, by_threads = per_thread_count(config, root, _run_pairs, summarize)
     return {"scenario": "overhead", "config": config.as_json(), "machine": machine(), "samples": samples,
             "summary": {"by_threads": by_threads}}
 
@@ -76,10 +92,8 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "pairs": len(pairs),
         "targets": per_target,
-        "added_total_ms": {"p50": statistics.median(added_total), "p99": percentile(added_total, 99),
-                           "mean": statistics.fmean(added_total)},
-        "added_ttft_ms": {"p50": statistics.median(added_ttft), "p99": percentile(added_ttft, 99),
-                          "mean": statistics.fmean(added_ttft)},
+        "added_total_ms": spread(added_total),
+        "added_ttft_ms": spread(added_ttft),
         "chunks_per_s_ratio": {"median_per_pair": statistics.median(rate_ratio),
                                "of_medians": ratio(per_target["slotkeeper"]["chunks_per_s"]["median"],
                                                    per_target["direct"]["chunks_per_s"]["median"])},

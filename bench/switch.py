@@ -30,13 +30,14 @@ from bench.common import (
     ratio,
     stream_chat,
 )
+from slotkeeper.config import Settings
 from tests.support import SYSTEM, words
 
 TARGETS = ("llama-server cram0", "llama-server default", "slotkeeper")
 # Before each request of the `reading` scenario, for every target alike.
 READING_PAUSE_SECONDS = 1.0
-# slotkeeper's own default (config.py), in place of the `--save-idle-seconds -1` the test helpers start it with.
-DEFAULT_SAVE_IDLE_SECONDS = "2"
+# slotkeeper's own default, in place of the `--save-idle-seconds -1` the test helpers start it with.
+DEFAULT_SAVE_IDLE_SECONDS = f"{Settings.save_idle_seconds:g}"
 
 
 def opening(session: str, tokens: int, seed: int) -> list[dict[str, str]]:
