@@ -21,7 +21,7 @@ import pytest
 
 from slotkeeper.tinymodel import THINKING_GRAMMAR, TinyModelSpec, write_tiny_model
 from tests.conftest import Stack
-from tests.support import REPO, Backend, chat, timings, words
+from tests.support import REPO, Backend, chat, timings, wait_until, words
 
 pytestmark = pytest.mark.backend
 
@@ -256,14 +256,24 @@ def assert_same_distribution(restored: dict[str, float], fresh: dict[str, float]
     assert worst <= LOGPROB_TOLERANCE, (what, worst, restored, fresh)
 
 
+@pytest.mark.parametrize("saves", ["on a switch", "when idle"])
 @pytest.mark.parametrize("arch", ["llama", "mamba", "jamba", "lfm2", "gemma3"])
 def test_a_restore_never_changes_an_answer(stack: Stack, client_for, models: dict[str, Path], arch: str,
-                                           tmp_path: Path) -> None:
+                                           saves: str, tmp_path: Path) -> None:
     """After a switch (a strict extension), an edited last message (a diverging prompt) and a fork, the next
     token's log-probabilities through slotkeeper equal those of a fresh computation of the same prompt on a second
-    server of the same build (cache_prompt false)."""
-    keeper = stack.slotkeeper(stack.backend(model=models[arch], cache_ram=0))
+    server of the same build (cache_prompt false). Either every switch saves the state it evicts, or (`when idle`)
+    the slot's state was saved while it idled, before the switch, as slotkeeper's default idle saves do."""
+    idle = saves == "when idle"
+    keeper = stack.slotkeeper(stack.backend(model=models[arch], cache_ram=0),
+                              *(("--save-idle-seconds", "2") if idle else ()))
     client = client_for(keeper)
+
+    def saved_while_idle() -> None:
+        if idle:  # the slot's state reaches disk before the next session comes, so its switch saves nothing
+            assert wait_until(lambda: not any(s["dirty"] or s["busy"] for s in current(client)["slots"]),
+                              timeout=30, interval=0.1)
+
     reference = Backend(stack.kind, models[arch], tmp_path / "reference-slots", tmp_path / "reference.log").start()
     try:
         fresh_client = httpx.Client(base_url=reference.url, timeout=120)
@@ -284,12 +294,17 @@ def test_a_restore_never_changes_an_answer(stack: Stack, client_for, models: dic
         a.answer()
         b.turn()
         b.answer()
+        saved_while_idle()
         outcomes = {"extension": probe(a, "extension")}
+        saved_while_idle()
         b.turn()
+        saved_while_idle()
         edited = Session(client, "a", "", 0)
         edited.messages = [dict(m) for m in a.messages[:-1]] + [{"role": "user", "content": words(30, 77)}]
         outcomes["diverging"] = probe(edited, "diverging")
+        saved_while_idle()
         b.turn()
+        saved_while_idle()
         fork = Session(client, "fork", "", 0)
         fork.messages = [dict(m) for m in a.messages[:2]] + [{"role": "assistant", "content": "no"},
                                                              {"role": "user", "content": words(30, 78)}]
@@ -300,3 +315,9 @@ def test_a_restore_never_changes_an_answer(stack: Stack, client_for, models: dic
     # The restores this compared are real ones (where the build and architecture allow any).
     if arch == "llama" or stack.kind == "embedded":
         assert outcomes["extension"] == "restored", outcomes
+    if idle:
+        # Only the two first turns saved anything (their system parts, and B's the state of A it evicted).
+        rows = httpx.get(f"{keeper.url}/api/requests/recent", params={"limit": 50}).json()["requests"]
+        rows.sort(key=lambda r: r["time"])
+        assert [r["session"] for r in rows[:2]] == ["a", "b"] and len(rows) == 7, rows
+        assert all(r["save_ms"] == 0 for r in rows[2:]), rows
