@@ -1,5 +1,5 @@
 """Benchmark runner: `python -m bench [--scenario
-switch|reading|overhead|restart|system|agent|scale|day|title|beyond|first|client|all] [--small]`.
+switch|reading|overhead|restart|system|agent|scale|day|title|beyond|first|client|backends|all] [--small]`.
 
 Starts the llama-server processes (and slotkeepers) each scenario needs on loopback ports, measures slotkeeper
 against llama-server alone side by side, and writes `<out>/<scenario>.json` and `<out>/README.md`."""
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import agent, beyond, client, day, first, overhead, restart, scale, switch, system, title
+from bench import agent, backends, beyond, client, day, first, overhead, restart, scale, switch, system, title
 from bench.chart import write_chart
 from bench.common import MODEL_SPECS, BenchConfig, write_result
 from bench.report import write_report
@@ -23,7 +23,7 @@ from bench.report import write_report
 SCENARIOS: dict[str, Callable[[BenchConfig, Path], dict[str, Any]]] = {
     "switch": switch.run, "reading": switch.run_reading, "overhead": overhead.run, "restart": restart.run,
     "system": system.run, "agent": agent.run, "scale": scale.run, "day": day.run, "title": title.run,
-    "beyond": beyond.run, "first": first.run, "client": client.run,
+    "beyond": beyond.run, "first": first.run, "client": client.run, "backends": backends.run,
 }
 
 

@@ -172,7 +172,8 @@ def _restart(r: dict[str, Any]) -> list[str]:
 
 SECTIONS = {"switch": _switch, "reading": _reading, "overhead": _overhead, "restart": _restart,
             "system": sections.system, "agent": sections.agent, "scale": sections.scale, "day": sections.day,
-            "title": sections.title, "beyond": sections.beyond, "first": sections.first, "client": sections.client}
+            "title": sections.title, "beyond": sections.beyond, "first": sections.first, "client": sections.client,
+            "backends": sections.backends}
 
 
 def write_report(out: Path) -> Path:

@@ -326,3 +326,33 @@ def client(r: dict[str, Any]) -> list[str]:
         lines.append(f"| {threads} of {cpus} | {_fmt(d['ttft_ms_difference']['p50'], 2)} "
                      f"| {_fmt(d['total_ms_difference']['p50'], 2)} | {d['chunks_per_s_ratio']:.3f} |")
     return [*lines, ""]
+
+
+def backends(r: dict[str, Any]) -> list[str]:
+    tr, s = r["traffic"], r["summary"]
+    lines = [
+        "## backends: one model on one llama-server and on three, against round-robin",
+        "",
+        f"The day's traffic ({tr['requests']} requests of {tr['conversations']} conversations, no restart), every "
+        "conversation from its own client thread at once, its turns in order. Each llama-server has one slot, and a "
+        "target's servers share the machine's cores (`-t`), so on a small machine three backends cannot be faster "
+        "than one: compare the two three-backend targets, which run on the same hardware. "
+        "*slotkeeper, 3 backends* is one slotkeeper over three llama-servers of one model (three `[[backends]]` "
+        "tables of one name: sessions stay on their owner, new ones spread within 1.25x the mean); *round-robin* "
+        "sends each request to the next of three plain llama-servers (`--cache-ram 8192`, their default), as a load "
+        "balancer without session affinity does. *Efficiency* is as in `day`, over every backend's `/metrics`; "
+        "*busiest* is the busiest backend's prompt tokens over the mean. "
+        f"{_model(r)}",
+        "",
+        "| target | wall s | requests/s | errors | TTFT p50/p95 ms | resumed p50/p95 ms | efficiency | prefilled "
+        "| busiest |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for target, t in s.items():
+        eff = f"{t['efficiency'] * 100:.1f}%" if t["efficiency"] is not None else ""
+        busiest = f"{t['busiest_backend_vs_mean']:.2f}x" if t["backends"] > 1 and t["busiest_backend_vs_mean"] else ""
+        lines.append(f"| {target} | {_fmt(t['wall_seconds'])} | {t['requests_per_second']:.2f} | {t['errors']} "
+                     f"| {_fmt(t['ttft_ms']['p50'], 0)} / {_fmt(t['ttft_ms']['p95'], 0)} "
+                     f"| {_fmt(t['resumed_ttft_ms']['p50'], 0)} / {_fmt(t['resumed_ttft_ms']['p95'], 0)} "
+                     f"| {eff} | {t['prefilled']:,} | {busiest} |")
+    return [*lines, ""]

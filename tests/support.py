@@ -225,6 +225,49 @@ class Slotkeeper:
         return next((r for r in self.index_rows() if r["session_id"] == session_id), None)
 
 
+@dataclass
+class ObjectStoreServer:
+    """An S3-compatible server on loopback (moto's server mode, a child process), with one bucket."""
+
+    log_path: Path
+    bucket: str = "slotkeeper-test"
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ObjectStoreServer:
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                                             str(self.port)], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(self.url, timeout=2)
+                break
+            except httpx.HTTPError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the S3 server did not start: {self.log_path.read_text()[-2000:]}") from None
+                time.sleep(0.2)
+        self.client().create_bucket(Bucket=self.bucket)
+        return self
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, region_name="us-east-1", aws_access_key_id="test",
+                            aws_secret_access_key="test")
+
+    def keys(self, prefix: str = "") -> list[str]:
+        listed = self.client().list_objects_v2(Bucket=self.bucket, Prefix=prefix)
+        return sorted(o["Key"] for o in listed.get("Contents", []))
+
+    def stop(self) -> None:
+        _stop(self.process, signal.SIGTERM)
+
+
 def _stop(process: subprocess.Popen[bytes] | None, sig: int) -> int | None:
     if process is None or process.poll() is not None:
         return None if process is None else process.returncode

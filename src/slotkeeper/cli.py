@@ -122,6 +122,16 @@ def _parser() -> argparse.ArgumentParser:
                        "request comes, before it asks for a slot, and goes after conversations' requests, so a new "
                        "chat's answer is not held up by its title "
                        "(default 0.25; 0: no hold)")
+    serve.add_argument("--load-factor", type=float, metavar="F",
+                       help="a model on several backends (config file: several [[backends]] of one name): a new "
+                       "session goes to a backend owning at most F times the mean of active sessions, and a "
+                       "session moves off one past that (default 1.25)")
+    serve.add_argument("--shared-store", metavar="s3://BUCKET/PREFIX",
+                       help="also keep snapshots in this S3-compatible object store, which every host's slotkeeper "
+                       "reads: saves are uploaded after their commit, and a session or system prompt this host "
+                       "lacks is brought from there (credentials: the AWS_* variables)")
+    serve.add_argument("--shared-endpoint", metavar="URL",
+                       help="the object store's endpoint when it is not AWS (MinIO, Ceph RGW, R2, ...)")
     serve.add_argument("--slot-op-timeout", type=float, metavar="S",
                        help="give up on a slot save, restore or erase after S seconds (default 120)")
     serve.add_argument("--start-timeout", type=float, metavar="S",

@@ -29,7 +29,8 @@ def default_cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """One model of several (a `[[backends]]` table of the config file): requests naming `name` go to this backend.
+    """One backend (a `[[backends]]` table of the config file): requests naming `name` go to this backend. Several
+    tables of one name are one model on several backends: each session goes to one of them (placement.py).
 
     Exactly as the single-backend settings of the same names: `upstream` + `slot_dir` attach, `launch_command`
     launches, otherwise `model` (or the tiny test model) runs on the embedded server.
@@ -115,6 +116,14 @@ class Settings:
     # Several models: one backend each, chosen by the request's model name (config file `[[backends]]` tables).
     # Each gets its own index, logs and default slot dir under <cache_dir>/backends/<name>.
     backends: tuple[BackendSpec, ...] = ()
+    # A model on several backends (several [[backends]] tables of one name): a new session goes to a backend that
+    # owns at most this many times the mean of active sessions, and a session moves off a backend past it.
+    load_factor: float = 1.25
+    # The shared tier (cache/shared.py): snapshots also kept in an S3-compatible object store, s3://BUCKET/PREFIX,
+    # that every host's slotkeeper reads; `shared_endpoint` for a store other than AWS (MinIO, Ceph RGW, R2, ...).
+    # Credentials come from the usual AWS_* variables or profiles.
+    shared_store: str | None = None
+    shared_endpoint: str | None = None
 
     @property
     def index_path(self) -> Path:
@@ -176,17 +185,24 @@ class Settings:
         if not self.backends:
             return [self]
         units = []
+        seen: dict[str, int] = {}
         for spec in self.backends:
+            seen[spec.name] = seen.get(spec.name, 0) + 1
             units.append(replace(
                 self, backends=(), upstream=spec.upstream, slot_dir=spec.slot_dir, launch_command=spec.launch_command,
                 model=spec.model, ctx_size=spec.ctx_size or self.ctx_size, parallel=spec.parallel or self.parallel,
                 cache_ram_mib=spec.cache_ram_mib if spec.cache_ram_mib is not None else self.cache_ram_mib,
-                model_alias=spec.name, cache_dir=self.cache_dir / "backends" / _dir_name(spec.name),
+                model_alias=spec.name, cache_dir=self.cache_dir / "backends" / _dir_name(spec.name, seen[spec.name]),
                 ram_dir=None,  # each backend gets its own, next to its slot dir's name
             ))
         return units
 
     def validate(self) -> None:
+        if self.shared_store is not None and not re.fullmatch(r"s3://[^/]+(/.*)?", self.shared_store):
+            raise ValueError(f"the shared store must look like s3://BUCKET/PREFIX, not {self.shared_store!r}")
+        if self.load_factor < 1:
+            raise ValueError("load_factor must be 1 or more (1.25: no backend of a model owns more than 1.25 times "
+                             "the mean of its active sessions)")
         if self.backends:
             self._validate_backends()
         if self.launch_command:
@@ -226,9 +242,11 @@ class Settings:
         if self.upstream is not None or self.launch_command or self.model is not None:
             raise ValueError("with [[backends]], give each backend's upstream, launch_command or model in its own "
                              "table, not at the top level")
-        names = [b.name for b in self.backends]
-        if len(set(names)) != len(names):
-            raise ValueError(f"[[backends]] names must differ: {', '.join(names)}")
+        for spec in self.backends:
+            embedded = spec.upstream is None and not spec.launch_command
+            if embedded and sum(1 for b in self.backends if b.name == spec.name) > 1:
+                raise ValueError(f"model {spec.name!r}: a model on several backends needs each to be attached "
+                                 "(upstream) or launched (launch_command); the embedded server runs one per process")
         slot_dirs: dict[Path, str] = {}
         for unit in self.backend_settings():
             try:
@@ -418,10 +436,12 @@ def _backends(value: Any) -> tuple[BackendSpec, ...]:
     return tuple(specs)
 
 
-def _dir_name(name: str) -> str:
-    """A directory name for a backend's own cache: readable, and distinct for names that differ."""
+def _dir_name(name: str, nth: int = 1) -> str:
+    """A directory name for a backend's own cache: readable, and distinct for names that differ (the second and
+    later backends of one model get .2, .3...)."""
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
-    return f"{readable[:48]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    suffix = "" if nth == 1 else f".{nth}"
+    return f"{readable[:48]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}{suffix}"
 
 
 def _headers(value: Any) -> tuple[str, ...]:
@@ -442,6 +462,8 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "upstream_read_timeout": float,
     "backend_wait_seconds": float,
     "side_task_hold_seconds": float,
+    "load_factor": float,
+    "shared_endpoint": lambda v: str(v).rstrip("/"),
     "start_timeout": float,
     "shutdown_timeout": float,
     "launch_command": _command,
@@ -469,7 +491,7 @@ _FILE_TYPES: dict[str, tuple[type, ...]] = {
                                  "max_body_bytes")},
     **{name: (int, float) for name in ("save_idle_seconds", "slot_op_timeout", "upstream_read_timeout",
                                        "backend_wait_seconds", "start_timeout", "shutdown_timeout",
-                                       "side_task_hold_seconds")},
+                                       "side_task_hold_seconds", "load_factor")},
     "launch_command": (list, str),
     "session_headers": (list, str),
     "allowed_hosts": (list, str),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import stat
 import time
 from pathlib import Path
@@ -15,9 +16,12 @@ from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.files import make_private_dir
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.ramdir import RamDir
+from slotkeeper.cache.shared import S3Store, SharedTier
 from slotkeeper.cache.sidestates import SideStates
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.config import Settings
+from slotkeeper.errors import SlotkeeperError
+from slotkeeper.group import BackendGroup
 from slotkeeper.service import TurnService
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import BackendHealth
@@ -31,11 +35,14 @@ log = logging.getLogger("slotkeeper")
 
 class RunningBackend:
     def __init__(self, state: AppState, snapshots: Snapshots, started: StartedBackend,
-                 tasks: list[asyncio.Task[None]]) -> None:
+                 tasks: list[asyncio.Task[None]], shared: SharedTier | None = None,
+                 uploader: asyncio.Task[None] | None = None) -> None:
         self.state = state
         self._snapshots = snapshots
         self._started = started
         self._tasks = tasks
+        self._shared = shared
+        self._uploader = uploader  # the shared tier's (runs until the last saves are uploaded)
 
     @classmethod
     async def start(cls, settings: Settings) -> RunningBackend:
@@ -68,6 +75,10 @@ class RunningBackend:
         await pool.enforce_budget()
         await pool.load_side_states()
         service = TurnService(client, pool, health, settings.backend_wait_seconds)
+        shared, uploader = None, None
+        if settings.shared_store is not None:
+            shared = service.shared = _shared_tier(settings, snapshots, pool, backend.fingerprint, started.url)
+            uploader = asyncio.create_task(shared.run())
         watch = BackendWatch(client, pool, health)
         supervisor = _supervisor(started, health, pool, settings)
         state = AppState(settings, backend, client, pool, service, time.time(), started.server, supervisor)
@@ -77,7 +88,7 @@ class RunningBackend:
         tasks = [asyncio.create_task(watch.run()), asyncio.create_task(_keep_budget(pool))]
         if supervisor is not None:
             tasks.append(asyncio.create_task(supervisor.run()))
-        return cls(state, snapshots, started, tasks)
+        return cls(state, snapshots, started, tasks, shared, uploader)
 
     async def stop(self) -> None:
         """Save every changed slot (within half the shutdown bound, commits included), then stop what was started."""
@@ -98,6 +109,12 @@ class RunningBackend:
             log.warning("shutdown: saving the changed slots took more than %.0f s (half of shutdown_timeout); "
                         "the slots not saved by then lose their latest turns", budget.saving)
         committed = await state.pool.aclose(max(0.0, deadline - loop.time()))
+        if self._shared is not None and self._uploader is not None:
+            if not await self._shared.drain(max(1.0, deadline - loop.time())):
+                log.warning("shutdown: uploads to the shared store still running were cut short; those snapshots "
+                            "are uploaded after their next save")
+            self._uploader.cancel()
+            await asyncio.gather(self._uploader, return_exceptions=True)
         if not committed:
             log.warning("shutdown: the saves still being committed after %.0f s (half of shutdown_timeout) are cut "
                         "short; their sessions keep their previous snapshots", budget.saving)
@@ -105,6 +122,47 @@ class RunningBackend:
         await self._started.stop(budget.stopping)
         # Every save committed (pool.aclose) and the server that read the RAM dir gone: all of it is on disk.
         await self._snapshots.close(drop_ram_copies=committed and self._started.server is not None)
+
+
+async def form_groups(states: list[AppState], load_factor: float) -> list[BackendGroup]:
+    """Give the backends that serve one model (several `[[backends]]` tables of one name) a BackendGroup, with the
+    owners of their sessions learnt from their indexes."""
+    by_model: dict[str, list[AppState]] = {}
+    for state in states:
+        by_model.setdefault(state.backend.model_id, []).append(state)
+    groups = []
+    for model, members in by_model.items():
+        if len(members) < 2:
+            continue
+        group = BackendGroup(members, load_factor)
+        for member in members:
+            member.group = group
+        fingerprints = {m.backend.fingerprint for m in members}
+        if len(fingerprints) > 1:
+            log.warning("the backends of model %r differ in model file, slot layout or build (%d fingerprints): a "
+                        "session that moves between two that differ starts cold", model, len(fingerprints))
+        owned = await group.learn_owners()
+        log.info("model %r runs on %d backends (%s); %d saved session(s) keep the backend that holds them; new "
+                 "sessions are spread with a load bound of %.2fx the mean", model, len(members),
+                 ", ".join(m.backend.url for m in members), owned, load_factor)
+        groups.append(group)
+    return groups
+
+
+def _shared_tier(settings: Settings, snapshots: Snapshots, pool: SlotPool, fingerprint: str,
+                 url: str) -> SharedTier:
+    """The shared tier of one backend: its commits uploaded, what it lacks brought in (cache/shared.py)."""
+    assert settings.shared_store is not None
+    try:
+        store = S3Store(settings.shared_store, settings.shared_endpoint)
+    except ImportError:
+        raise SlotkeeperError("the shared store needs boto3: pip install 'slotkeeper[shared]'") from None
+    tier = SharedTier(store, snapshots, fingerprint, f"{socket.gethostname()} {url}", pool.import_snapshot)
+    snapshots.on_commit = tier.committed
+    log.info("shared store %s%s: saves are uploaded after their commit, and a session or system prompt this host "
+             "lacks is brought from there", settings.shared_store,
+             f" at {settings.shared_endpoint}" if settings.shared_endpoint else "")
+    return tier
 
 
 def open_ram_dir(settings: Settings, slot_dir: Path) -> RamDir | None:

@@ -17,12 +17,13 @@ from typing import Any
 
 from slotkeeper.cache.chain import Link, canonical_json, message_chain
 from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.shared import SharedTier
 from slotkeeper.cache.slots import SlotLease, TurnEnd
 from slotkeeper.cache.systemprompt import SystemPrompt, common_prefix_text, system_prompt_of, warmup_prompt_body
 from slotkeeper.dialects.framing import KEEPALIVE, SseDecoder, TimingsScanner, UpstreamEvent
 from slotkeeper.errors import SlotkeeperError, UpstreamError
 from slotkeeper.journal import RequestEntry, RequestJournal
-from slotkeeper.types import SessionKey, Snapshot
+from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import UpstreamClient, iter_errors_as_unavailable
 from slotkeeper.upstream.health import BackendHealth
 from slotkeeper.upstream.wire import TransportError, WireResponse
@@ -46,10 +47,13 @@ class TurnRecord:
     status: int = 200
     end: TurnEnd = TurnEnd.CANCELLED
     journal: RequestJournal | None = None
+    backend: str = ""  # the URL of the backend that ran the turn
 
     def headers(self) -> dict[str, str]:
         headers = {"X-Slotkeeper-Session": header_safe(self.key.session_id),
                    "X-Slotkeeper-Cache": self.lease.cache.outcome, "X-Slotkeeper-Slot": str(self.lease.slot_id)}
+        if self.backend:
+            headers["X-Slotkeeper-Backend"] = self.backend
         if self.lease.side:
             headers["X-Slotkeeper-Request"] = "side"
         return headers
@@ -88,6 +92,9 @@ class TurnService:
         # back before it fails in its client's dialect; 0 fails it at once.
         self.health = health if health is not None else BackendHealth(client.base_url)
         self.backend_wait = backend_wait
+        # The shared tier (cache/shared.py) when snapshots are kept in an object store too: a turn first brings in
+        # the newest version of its session's and system prompt's snapshots when this host lacks them.
+        self.shared: SharedTier | None = None
 
     async def _backend_up(self, hung_up: HungUp | None) -> None:
         if not self.health.up:
@@ -107,7 +114,7 @@ class TurnService:
         """
         await self._backend_up(hung_up)
         record = TurnRecord(api, key, await self._acquire(key, build, side, chat=chat, chain=chain),
-                            journal=self.journal)
+                            journal=self.journal, backend=self.client.base_url)
         end = TurnEnd.CANCELLED
         body = build(record.lease.slot_id)
         record.lease.replay = (path, body)
@@ -139,7 +146,7 @@ class TurnService:
         """
         await self._backend_up(hung_up)
         lease = await self._acquire(key, build, side, warm_now=not warm_in_stream, chat=chat, chain=chain)
-        record = TurnRecord(api, key, lease, journal=self.journal)
+        record = TurnRecord(api, key, lease, journal=self.journal, backend=self.client.base_url)
         body = build(record.lease.slot_id)
         lease.replay = (path, body)
         context = self.client.stream(path, body)
@@ -171,6 +178,8 @@ class TurnService:
         if chain is None:
             chain = message_chain(messages, body.get("tools")) if isinstance(messages, list) else []
         system = None if side else system_prompt_of(body)
+        if self.shared is not None and not side:
+            await self._bring_shared(key, system)
         # A side task is matched to the states earlier ones left by its text (it has no history of its own).
         side_text = canonical_json([body.get("tools"), messages]) if side and isinstance(messages, list) else None
         lease = await self.pool.acquire(key, chain, side=side, system=system, side_text=side_text)
@@ -186,6 +195,22 @@ class TurnService:
                 lease.release(TurnEnd.FAILED)
                 raise
         return lease
+
+    async def _bring_shared(self, key: SessionKey, system: SystemPrompt | None) -> None:
+        """Before the pool plans the turn: the session's snapshot (unless a slot holds it) and its system prompt's
+        (unless this host has one) from the shared tier, when it has a newer one. A failure costs a prefill."""
+        assert self.shared is not None
+        try:
+            if not key.is_default and not self.pool.holds(key):
+                await self.shared.bring(key, SnapshotKind.SESSION)
+            own = None if key.is_default else await self.pool.snapshots.get(key)
+            if system is not None and own is None and self.pool.system_snapshots:  # a new conversation
+                system_key = SessionKey(key.model, system.digest)
+                if await self.pool.snapshots.system(system_key, checked=False) is None:
+                    await self.shared.bring(system_key, SnapshotKind.SYSTEM)
+        except Exception as exc:  # the shared tier must never fail a turn
+            log.warning("bringing %s in from the shared store failed (%s): the turn starts from what this host has",
+                        key, exc.message if isinstance(exc, SlotkeeperError) else repr(exc))
 
     async def prewarm(self, model: str, system: SystemPrompt, progress: ProgressCallback | None = None,
                       pin: bool = False) -> Prewarm:

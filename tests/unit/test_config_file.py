@@ -89,7 +89,8 @@ def test_every_setting_can_come_from_the_file(tmp_path: Path) -> None:
     """The file that --print-config writes reads back to the same settings."""
     settings = Settings.build({"upstream": "http://h:1", "slot_dir": "/s", "session_headers": ["X-A"],
                                "cache_ram_mib": 0, "log_json": True, "model_alias": "m", "ram_budget": "1G",
-                               "ram_dir": "/dev/shm/r"}, {})
+                               "ram_dir": "/dev/shm/r", "shared_store": "s3://team/slots",
+                               "shared_endpoint": "http://127.0.0.1:9000"}, {})
     path = write(tmp_path, settings_toml(settings))
     assert Settings.build({"config": str(path)}, {}) == settings
     names = set(tomllib.loads(path.read_text()))
@@ -123,17 +124,31 @@ parallel = 3
     assert Settings.build({"config": str(again)}, {}) == settings
 
 
+def test_tables_of_one_name_are_one_model_on_several_backends(tmp_path: Path) -> None:
+    tables = "".join(f'[[backends]]\nname = "qwen"\nupstream = "http://127.0.0.1:{8080 + i}"\nslot_dir = "/s{i}"\n'
+                     for i in range(3))
+    settings = Settings.build({"config": str(write(tmp_path, "load_factor = 1.5\n" + tables))}, {})
+    assert settings.load_factor == 1.5
+    units = settings.backend_settings()
+    assert [u.model_alias for u in units] == ["qwen"] * 3
+    assert [u.upstream for u in units] == [f"http://127.0.0.1:{8080 + i}" for i in range(3)]
+    names = [u.cache_dir.name for u in units]
+    assert names[1] == names[0] + ".2" and names[2] == names[0] + ".3"
+    with pytest.raises(ValueError, match="load_factor must be 1 or more"):
+        Settings.build({"config": str(write(tmp_path, "load_factor = 0.5\n" + tables))}, {})
+
+
 @pytest.mark.parametrize(("text", "fragment"), [
     ('upstream = "http://x"\nslot_dir = "/s"\n[[backends]]\nname = "a"', "not at the top level"),
-    ('[[backends]]\nname = "a"\n[[backends]]\nname = "a"', "names must differ"),
+    ('[[backends]]\nname = "a"\n[[backends]]\nname = "a"', "the embedded server runs one per process"),
     ('[[backends]]\nname = "a"\nupstream = "http://x"', "backend 'a': --upstream needs --slot-dir"),
     ('[[backends]]\nname = "a"\nupstream = "http://x"\nslot_dir = "/s"\n'
      '[[backends]]\nname = "b"\nupstream = "http://y"\nslot_dir = "/s"', "share the slot dir"),
     ('[[backends]]\nname = "a"\nport = 1', "unknown key(s) port"),
     ('[[backends]]\nupstream = "http://x"', "needs a name"),
     ('backends = 3', "backends must be list"),
-], ids=["top-level-mode", "duplicate-names", "attach-without-slot-dir", "shared-slot-dir", "unknown-key", "no-name",
-        "not-a-list"])
+], ids=["top-level-mode", "two-embedded-of-one-model", "attach-without-slot-dir", "shared-slot-dir", "unknown-key",
+        "no-name", "not-a-list"])
 def test_bad_backend_tables_say_what_is_wrong(tmp_path: Path, text: str, fragment: str) -> None:
     with pytest.raises(ValueError, match=re.escape(fragment)):
         Settings.build({"config": str(write(tmp_path, text + "\n"))}, {})

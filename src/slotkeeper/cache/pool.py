@@ -547,6 +547,7 @@ class SlotPool:
         it already started (snapshots.py)."""
         if kind is SnapshotKind.SESSION:
             self.forget(key)
+        self._evidence.saving()  # the imported file is inspected as a saved one is: it may tell about the build
         return await self.snapshots.commit_import(key, temp, n_tokens, chain, n_bytes, kind, n_prompt)
 
     async def settle(self, key: SessionKey | None = None, kind: SnapshotKind = SnapshotKind.SESSION,
@@ -652,6 +653,15 @@ class SlotPool:
         memory[key] = value
         while len(memory) > _SESSIONS_KEPT:
             memory.popitem(last=False)
+
+    @property
+    def system_snapshots(self) -> bool:
+        """Whether new conversations start from their system prompt's snapshot (--system-snapshots)."""
+        return self._system_snapshots
+
+    def holds(self, key: SessionKey) -> bool:
+        """Whether a slot holds `key`'s state now (its next turn is hot there)."""
+        return any(slot.occupant == key for slot in self.slots)
 
     def forget(self, key: SessionKey) -> None:
         """Stop attributing any slot to `key` (its snapshot was deleted), so nothing saves it again."""

@@ -77,6 +77,8 @@ class Snapshots:
         self._occupants: Callable[[], Iterable[SessionKey]] = lambda: ()
         # Called in the commit's worker thread with each new snapshot (the pool learns from saved files).
         self._inspect: Callable[[Snapshot], None] | None = None
+        # Called on the event loop after each committed save (the shared tier uploads it).
+        self.on_commit: Callable[[SessionKey, SnapshotKind], None] | None = None
         self.saves = 0
         self.failed_saves = 0
         self.evictions = 0
@@ -209,6 +211,8 @@ class Snapshots:
         self.evictions += evicted
         self.saves += 1
         self.events.saved(elapsed, result.n_bytes, result.n_tokens)
+        if self.on_commit is not None:
+            self.on_commit(key, kind)
         log.info("saved slot %d as %s%s: %d tokens, %d bytes, %.1f ms", slot_id,
                  "the system snapshot " if kind is SnapshotKind.SYSTEM else "", key, result.n_tokens, result.n_bytes,
                  elapsed)
@@ -266,6 +270,11 @@ class Snapshots:
             except BaseException:
                 committed.cancel()  # the write was cancelled: its caller must not wait forever
                 raise
+            if self._inspect is not None:  # an imported file tells about its build as a saved one does
+                try:
+                    await asyncio.to_thread(self._inspect, snapshot)
+                except Exception as exc:
+                    log.warning("inspecting the saved file of %s failed: %s", key, exc)
             committed.set_result(snapshot)
             return True
 
@@ -318,6 +327,15 @@ class Snapshots:
         if checked:
             return await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint, SnapshotKind.SYSTEM)
         return await asyncio.to_thread(self._store.get, key, SnapshotKind.SYSTEM)
+
+    async def checked(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
+        """`key`'s snapshot if its file is intact and of this backend (a damaged one is quarantined: None)."""
+        await self._writes.wait([snapshot_id(key, kind)])
+        return await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint, kind)
+
+    async def chain(self, snapshot: Snapshot) -> builtins.list[Link]:
+        """The message chain recorded with a snapshot."""
+        return await asyncio.to_thread(self._store.chain_of, snapshot)
 
     def mine_now(self) -> builtins.list[Snapshot]:
         """Blocking: every indexed snapshot of this backend's fingerprint (for what saved files tell at start)."""

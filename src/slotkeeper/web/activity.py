@@ -25,7 +25,7 @@ async def recent_requests(request: Request) -> dict[str, Any]:
     """The recent requests of one backend (`?model=NAME`) or, without it, of every backend, newest first;
     `?session=ID`: that session's latest requests only."""
     model = request.query_params.get("model")
-    states = [app_state(request, model)] if model else backends(request).all
+    states = backends(request).members_of(model)
     try:
         limit = max(0, min(RECENT_REQUESTS, int(request.query_params.get("limit", RECENT_REQUESTS))))
     except ValueError:
@@ -67,7 +67,7 @@ async def backend_info(request: Request) -> dict[str, Any]:
         "mode": settings.mode,
         "server": _server_info(state),
         "model": backend.model_id,
-        "models": [s.backend.model_id for s in backends(request).all],
+        "models": [s.backend.model_id for s in backends(request).models],
         "model_path": backend.model_path,
         "slots": backend.n_slots,
         "ctx_per_slot": backend.n_ctx_slot,

@@ -22,7 +22,7 @@ async def list_sessions(request: Request) -> dict[str, Any]:
     kind = _kind_filter(request)
     model = request.query_params.get("model")
     group = request.query_params.get("group")
-    states = [app_state(request, model)] if model else backends(request).all
+    states = backends(request).members_of(model)
     sessions = []
     for state in states:
         snapshots = await state.snapshots.list(None, kind)

@@ -46,11 +46,11 @@ async def create_message(request: Request) -> Response:
     message_id = "msg_" + secrets.token_hex(12)
     stop_sequences = message.stop_sequences or []
     if message.stream:
-        turn = await state.service.open_stream("anthropic.messages", key, "/v1/chat/completions", build, side=side,
+        turn = await state.turns.open_stream("anthropic.messages", key, "/v1/chat/completions", build, side=side,
                                                warm_in_stream=True, hung_up=request.is_disconnected)
         encoder = anthropic.MessageStreamEncoder(message_id, message.model, stop_sequences)
         return TurnStreamResponse(turn, _encode(turn, encoder), media_type="text/event-stream")
-    data, record = await state.service.unary("anthropic.messages", key, "/v1/chat/completions", build, side=side,
+    data, record = await state.turns.unary("anthropic.messages", key, "/v1/chat/completions", build, side=side,
                                              hung_up=request.is_disconnected)
     body = anthropic.to_message(data, message_id=message_id, model=message.model, stop_sequences=stop_sequences)
     return JSONResponse(body, headers=record.headers())

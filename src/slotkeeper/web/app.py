@@ -15,7 +15,7 @@ from starlette.routing import Match
 from slotkeeper import __version__
 from slotkeeper.config import Settings
 from slotkeeper.errors import MethodNotAllowed, NotFound, SlotkeeperError
-from slotkeeper.runtime import RunningBackend
+from slotkeeper.runtime import RunningBackend, form_groups
 from slotkeeper.web import (
     activity,
     admin,
@@ -43,6 +43,7 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             for backend_settings in settings.backend_settings():
                 running.append(await RunningBackend.start(backend_settings))
+            await form_groups([r.state for r in running], settings.load_factor)
             app.state.backends = Backends([r.state for r in running])
             app.state.slotkeeper = running[0].state
             app.state.metrics = metrics.Metrics(app.state.backends)
@@ -75,7 +76,9 @@ def create_app(settings: Settings) -> FastAPI:
     async def health(request: Request) -> JSONResponse:
         states = backends(request).all
         ups = await asyncio.gather(*(s.client.healthy() for s in states))
-        state, up = states[0], all(ups)
+        # A model on several backends is served while one of them is up.
+        serving = {s.backend.model_id for s, ok in zip(states, ups, strict=True) if ok}
+        state, up = states[0], all(s.backend.model_id in serving for s in states)
         body: dict[str, object] = {"status": "ok" if up else "backend unavailable", "model": state.backend.model_id,
                                    "backend": state.backend.url}
         if len(states) > 1:

@@ -119,11 +119,11 @@ async def _turn(request: Request, path: str, api: str, check: Callable[[Mapping[
         return forwarded
 
     if stream:
-        turn = await state.service.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected,
+        turn = await state.turns.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected,
                                                chain=chain)
         chunks = turn.chunks(llama.error_event)
         return TurnStreamResponse(turn, chunks if fields is None else _filtered(chunks, fields))
-    data, record = await state.service.unary(api, key, path, build, side=side, hung_up=request.is_disconnected,
+    data, record = await state.turns.unary(api, key, path, build, side=side, hung_up=request.is_disconnected,
                                              chain=chain)
     return JSONResponse(llama.select_fields(data, fields), headers=record.headers())
 

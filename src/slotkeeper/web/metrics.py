@@ -1,8 +1,9 @@
 """Prometheus metrics at `/metrics`: request outcomes and token counts as they happen, cache state read at scrape.
 
 Each app has its own registry. Counters of the pool and the store are read from them when scraped, never copied.
-With several backends every per-backend series carries a `model` label (the backend's model name); with one, the
-series have no such label, as before there could be several.
+With several backends every per-backend series carries a `model` label (the backend's model name), and a `backend`
+label (its URL) too when a model runs on several; with one, the series have no such label, as before there could be
+several.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class Metrics:
     def __init__(self, served: Backends) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        several = len(served.all) > 1
-        by_model = ["model"] if several else []
+        several = label_names(served.all)
+        by_model = list(several)
         self.requests = Counter("slotkeeper_requests", "Requests by API and how their slot got its state "
                                 "(hot, restored, prefix, cold).", ["api", "cache", *by_model], registry=r)
         self.request_errors = Counter("slotkeeper_request_errors", "Requests answered with an HTTP error status "
@@ -135,8 +136,16 @@ class _CacheObserver:
         _child(self.metrics.restore_bytes, *self.model).observe(n_bytes)
 
 
-def _model_labels(state: AppState, several: bool) -> tuple[str, ...]:
-    return (state.backend.model_id,) if several else ()
+def label_names(states: Sequence[AppState]) -> tuple[str, ...]:
+    """The labels of per-backend series: none with one backend, `model` with several models, and `backend` (its URL)
+    too when a model runs on several backends."""
+    if len(states) == 1:
+        return ()
+    return ("model", "backend") if any(s.group is not None for s in states) else ("model",)
+
+
+def _model_labels(state: AppState, names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(state.backend.model_id if name == "model" else state.backend.url for name in names)
 
 
 @dataclass(frozen=True)
@@ -210,9 +219,9 @@ _GAUGES: list[tuple[str, str, Callable[[_Reading], float]]] = [
 class _StateCollector(Collector):
     """Reads each backend's pool counters, slots and snapshot index when scraped."""
 
-    def __init__(self, states: Sequence[AppState], several: bool) -> None:
+    def __init__(self, states: Sequence[AppState], several: tuple[str, ...]) -> None:
         self._states = list(states)
-        self._by_model = ["model"] if several else []
+        self._by_model = list(several)
         self._several = several
 
     def describe(self) -> list[Metric]:
@@ -247,9 +256,10 @@ class _StateCollector(Collector):
                 restarts.add_metric(values, supervisor.restarts)
             yield restarts
         info = GaugeMetricFamily("slotkeeper_info", "This slotkeeper and its backends.",
-                                 labels=["version", "model", "fingerprint"])
-        for reading in readings:
-            info.add_metric([__version__, reading.state.backend.model_id, reading.state.backend.fingerprint], 1)
+                                 labels=["version", "model", "fingerprint", *self._by_model[1:]])
+        for reading, values in zip(readings, labels, strict=True):
+            info.add_metric([__version__, reading.state.backend.model_id, reading.state.backend.fingerprint,
+                             *values[1:]], 1)
         yield info
 
 

@@ -51,14 +51,14 @@ async def version() -> dict[str, str]:
 
 @router.api_route("/api/tags", methods=["GET", "HEAD"])
 async def tags(request: Request) -> dict[str, Any]:
-    return {"models": [ollama.tags_entry(await _facts(state)) for state in backends(request).all]}
+    return {"models": [ollama.tags_entry(await _facts(state)) for state in backends(request).models]}
 
 
 @router.get("/api/ps")
 async def ps(request: Request) -> dict[str, Any]:
     # llama-server keeps its model loaded for as long as it runs: "expires" a century from now.
     expires = _timestamp(datetime.now(UTC) + timedelta(days=36500))
-    return {"models": [ollama.ps_entry(await _facts(state), expires) for state in backends(request).all]}
+    return {"models": [ollama.ps_entry(await _facts(state), expires) for state in backends(request).models]}
 
 
 @router.post("/api/show", openapi_extra=json_body(ModelRequest))
@@ -128,8 +128,8 @@ async def embeddings(request: Request) -> dict[str, Any]:
 @router.post("/api/pull", openapi_extra=json_body(ModelRequest), responses=answers(JSON_TYPE, NDJSON))
 async def pull(request: Request) -> Response:
     req = ollama.parse(ModelRequest, await _body(request))
-    served = [ollama.advertised_name(s.backend.model_id) for s in backends(request).all]
-    if not any(ollama.is_served(req.model_name, s.backend.model_id) for s in backends(request).all):
+    served = [ollama.advertised_name(s.backend.model_id) for s in backends(request).models]
+    if not any(ollama.is_served(req.model_name, s.backend.model_id) for s in backends(request).models):
         raise ollama.model_not_found(req.model_name, "', '".join(served))
     if not req.stream:
         return JSONResponse({"status": "success"}, media_type=JSON)
@@ -167,10 +167,10 @@ async def _run(request: Request, state: AppState, api: str, key: SessionKey, pat
     # and a CR or LF in one would split it).
     noted = {"X-Slotkeeper-Ignored-Options": ",".join(map(header_safe, opts.ignored))} if opts.ignored else {}
     if not stream:
-        data, record = await state.service.unary(api, key, path, build, side=side, hung_up=request.is_disconnected)
+        data, record = await state.turns.unary(api, key, path, build, side=side, hung_up=request.is_disconnected)
         answer = ollama.unary_answer(shape, data, _now(), time.perf_counter_ns() - started, _load_ns(record))
         return JSONResponse(answer, headers={**record.headers(), **noted}, media_type=JSON)
-    turn = await state.service.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected)
+    turn = await state.turns.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected)
     return TurnStreamResponse(turn, _ndjson(turn, shape, started), media_type=NDJSON, headers=noted)
 
 
@@ -223,7 +223,7 @@ def _served_by(request: Request, requested: str) -> AppState:
     """The backend serving the requested model (Ollama's names: `name` and `name:latest` are the same)."""
     if not requested:
         raise BadRequest("'model' is required")
-    for state in backends(request).all:
+    for state in backends(request).models:
         if ollama.is_served(requested, state.backend.model_id):
             return state
     raise ollama.model_not_found(requested)

@@ -62,14 +62,14 @@ async def embeddings(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    entries = [_model_entry(state) for state in backends(request).all]
+    entries = [_model_entry(state) for state in backends(request).models]
     return {"object": "list", "data": entries, "has_more": False, "first_id": entries[0]["id"],
             "last_id": entries[-1]["id"]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
-    for state in backends(request).all:
+    for state in backends(request).models:
         if model_id.removesuffix(":latest") == state.backend.model_id:
             return _model_entry(state)
     raise NotFound(f"model '{model_id}' not found")
@@ -99,10 +99,10 @@ async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping
         return openai.upstream_body(body, slot_id)
 
     if stream:
-        turn = await state.service.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected,
+        turn = await state.turns.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected,
                                                chat=chat)
         return TurnStreamResponse.passthrough(turn, openai.error_event)
-    data, record = await state.service.unary(api, key, path, build, side=side, hung_up=request.is_disconnected,
+    data, record = await state.turns.unary(api, key, path, build, side=side, hung_up=request.is_disconnected,
                                              chat=chat)
     return JSONResponse(data, headers=record.headers())
 

@@ -32,7 +32,7 @@ async def prewarm(request: Request) -> Response:
     if system is None:
         raise BadRequest("nothing to pre-warm: give a system prompt (\"system\" or system messages) or tools")
     if not body.stream:
-        result = await state.service.prewarm(model, system, pin=body.pin)
+        result = await state.turns.prewarm(model, system, pin=body.pin)
         return JSONResponse(_result_json(model, result))
 
     progress: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -40,7 +40,7 @@ async def prewarm(request: Request) -> Response:
     async def report(processed: int, total: int) -> None:
         await progress.put({"status": "prefill", "processed": processed, "total": total})
 
-    task = asyncio.create_task(state.service.prewarm(model, system, report, pin=body.pin))
+    task = asyncio.create_task(state.turns.prewarm(model, system, report, pin=body.pin))
 
     async def lines() -> AsyncIterator[bytes]:
         yield _line({"status": "started", "system": system.digest, "model": model})

@@ -1,23 +1,44 @@
 """The objects one running slotkeeper is made of, kept on the app and handed to routes: one AppState per backend,
-and the Backends that picks one by a request's model name."""
+and the Backends that picks one by a request's model name. A model on several backends has a BackendGroup, shared
+by its members' states, that sends each turn to its session's owner."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from starlette.requests import Request
 
+from slotkeeper.cache.chain import Link
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.snapshots import Snapshots
+from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.config import Settings
 from slotkeeper.errors import NotFound
-from slotkeeper.service import TurnService
-from slotkeeper.types import BackendInfo
+from slotkeeper.group import BackendGroup
+from slotkeeper.service import BodyBuilder, HungUp, Prewarm, ProgressCallback, StreamTurn, TurnRecord, TurnService
+from slotkeeper.types import BackendInfo, SessionKey
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.process import ServerProcess
 from slotkeeper.upstream.supervisor import Supervisor
+
+
+class Turns(Protocol):
+    """What routes run turns and pre-warms with: a backend's TurnService, or its model's BackendGroup."""
+
+    async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
+                    hung_up: HungUp | None = None, chat: Mapping[str, Any] | None = None,
+                    chain: Sequence[Link] | None = None) -> tuple[Any, TurnRecord]: ...
+
+    async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
+                          warm_in_stream: bool = False, hung_up: HungUp | None = None,
+                          chat: Mapping[str, Any] | None = None,
+                          chain: Sequence[Link] | None = None) -> StreamTurn: ...
+
+    async def prewarm(self, model: str, system: SystemPrompt, progress: ProgressCallback | None = None,
+                      pin: bool = False) -> Prewarm: ...
 
 
 @dataclass
@@ -33,6 +54,13 @@ class AppState:
     # The server process slotkeeper runs (launch and embedded modes) and its supervisor; None in attach mode.
     server: ServerProcess | None = None
     supervisor: Supervisor | None = None
+    # The model's backends when it has several (shared by their states); None for a model on one backend.
+    group: BackendGroup | None = None
+
+    @property
+    def turns(self) -> Turns:
+        """Where this model's turns go: the group's owner of each session, or this backend's own service."""
+        return self.group if self.group is not None else self.service
 
     @property
     def snapshots(self) -> Snapshots:
@@ -45,25 +73,34 @@ class AppState:
 
 
 class Backends:
-    """Every backend, in configuration order. With one, every request goes to it whatever model it names (the
-    dialects decide whether a wrong name is an error); with several, the model name picks the backend."""
+    """Every backend, in configuration order (`all`), and one state per model (`models`: a model's first backend,
+    whose `turns` go to the whole group). With one model, every request goes to it whatever model it names (the
+    dialects decide whether a wrong name is an error); with several, the model name picks the model."""
 
     def __init__(self, states: Sequence[AppState]) -> None:
         assert states
         self.all = list(states)
+        self.models = [s for s in self.all if s.group is None or s.group.members[0] is s]
 
     @property
     def default(self) -> AppState:
-        return self.all[0]
+        return self.models[0]
 
     def for_model(self, model: str | None) -> AppState:
-        if len(self.all) == 1 or not model:
+        if len(self.models) == 1 or not model:
             return self.default
-        for state in self.all:
+        for state in self.models:
             if state.serves(model):
                 return state
-        served = ", ".join(repr(s.backend.model_id) for s in self.all)
+        served = ", ".join(repr(s.backend.model_id) for s in self.models)
         raise NotFound(f"model '{model}' not found: slotkeeper serves {served}")
+
+    def members_of(self, model: str | None) -> list[AppState]:
+        """Every backend of the model `model` names (of every model without a name)."""
+        if not model:
+            return self.all
+        state = self.for_model(model)
+        return [s for s in self.all if s.group is state.group] if state.group is not None else [state]
 
 
 async def caught_up(states: Sequence[AppState]) -> None:

@@ -1,0 +1,311 @@
+"""The shared tier: snapshots in an S3-compatible object store that every host's slotkeeper reads, behind the local
+slot dir (the hot tier: llama-server restores only from a local file).
+
+Layout under the store's prefix:
+- `blobs/<xxh3-128>`: a snapshot file, named by the checksum slotkeeper already takes. Written once; a system
+  snapshot shared by many sessions, or a session saved unchanged, is stored once. A session's new version removes
+  the file of the version it replaced, so the store holds one file per session.
+- `manifests/<fingerprint>/<kind>/<model>/<session>.json`: the newest version of one snapshot (the bundle's
+  `snapshot.json` plus `version`, `saved_at`, `origin`). Replaced only by a conditional write on the ETag read, so
+  two hosts that save one session at once cannot tear it: the loser reads again and writes only if it is newer.
+
+Uploads run in the background after the local commit, the newest per snapshot (a save queued behind an upload in
+flight replaces any older one queued). A download is checked (fingerprint, size, checksum) before it is imported
+into the local index; a damaged one is refused and fetched once more, and an object damaged in the store is
+removed so that its owner's next save writes it again. Every failure here is logged and costs a prefill, never a
+request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+
+from slotkeeper.cache.bundle import BundleMeta, meta_of
+from slotkeeper.cache.chain import Link, common_prefix
+from slotkeeper.cache.files import file_checksum
+from slotkeeper.cache.snapshots import Snapshots
+from slotkeeper.errors import SlotkeeperError
+from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
+
+log = logging.getLogger("slotkeeper.shared")
+
+# Attempts at a conditional manifest write that another host's write got ahead of.
+MANIFEST_ATTEMPTS = 4
+
+
+class ObjectStore(Protocol):
+    """The object-store calls the tier makes (blocking; run in worker threads). `S3Store` is the real one."""
+
+    def get_json(self, key: str) -> tuple[dict[str, Any], str] | None: ...
+    def put_json(self, key: str, data: dict[str, Any], etag: str | None) -> bool: ...
+    def exists(self, key: str) -> bool: ...
+    def put_file(self, key: str, handle: BinaryIO, n_bytes: int) -> None: ...
+    def get_file(self, key: str, path: Path) -> int: ...
+    def delete(self, key: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Manifest:
+    meta: BundleMeta
+    version: int
+    saved_at: float
+    origin: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.meta.to_json(), "manifest_version": self.version, "saved_at": self.saved_at,
+                "origin": self.origin}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Manifest:
+        return cls(BundleMeta.from_json(data), int(data.get("manifest_version") or 0),
+                   float(data.get("saved_at") or 0.0), str(data.get("origin") or ""))
+
+
+class SharedTier:
+    """One backend's view of the shared tier: uploads its commits, brings in what it lacks."""
+
+    def __init__(self, store: ObjectStore, snapshots: Snapshots, fingerprint: str, origin: str,
+                 import_snapshot: Callable[..., Any]) -> None:
+        self._store = store
+        self._snapshots = snapshots
+        self._fingerprint = fingerprint
+        self._origin = origin
+        self._import = import_snapshot  # SlotPool.import_snapshot
+        self._queued: dict[tuple[SessionKey, SnapshotKind], None] = {}
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        # Snapshots committed here and not yet in the store: the local copy is the newest, whatever a manifest says.
+        self._ahead: set[tuple[SessionKey, SnapshotKind]] = set()
+        self.uploads = 0
+        self.failed_uploads = 0
+        self.downloads = 0
+        self.refused_downloads = 0
+
+    # -- keys -------------------------------------------------------------------------------------------------
+
+    def manifest_key(self, key: SessionKey, kind: SnapshotKind) -> str:
+        model = urllib.parse.quote(key.model, safe="")
+        session = urllib.parse.quote(key.session_id, safe="")
+        return f"manifests/{self._fingerprint}/{kind}/{model}/{session}.json"
+
+    @staticmethod
+    def blob_key(checksum: str) -> str:
+        return f"blobs/{checksum}"
+
+    # -- uploads ----------------------------------------------------------------------------------------------
+
+    def committed(self, key: SessionKey, kind: SnapshotKind) -> None:
+        """A save of `key` was committed locally: upload it (later, in the background)."""
+        self._ahead.add((key, kind))
+        self._queued[(key, kind)] = None
+        self._idle.clear()
+        self._wake.set()
+
+    async def run(self) -> None:
+        """The uploader: one upload at a time, oldest queued first."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queued:
+                item = next(iter(self._queued))
+                del self._queued[item]
+                try:
+                    await self._upload(*item)
+                except Exception as exc:  # an upload must never end the uploader
+                    self.failed_uploads += 1
+                    log.warning("uploading the snapshot of %s to the shared store failed (%s); it stays local and "
+                                "is uploaded with its next save", item[0], _message(exc))
+            self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait (bounded) until every queued upload is done; True when none is left."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _upload(self, key: SessionKey, kind: SnapshotKind) -> None:
+        found = await self._snapshots.open_for_export(key, kind)
+        if found is None:
+            self._ahead.discard((key, kind))
+            return  # evicted or replaced meanwhile: a newer save is queued, or there is nothing to upload
+        snapshot, chain, handle = found
+        with handle:
+            blob = self.blob_key(snapshot.checksum)
+            if not await asyncio.to_thread(self._store.exists, blob):
+                await asyncio.to_thread(self._store.put_file, blob, handle, snapshot.n_bytes)
+        meta = meta_of(snapshot, chain)
+        replaced: str | None = None  # the checksum of the version this upload replaced
+        for _ in range(MANIFEST_ATTEMPTS):
+            current = await asyncio.to_thread(self._store.get_json, self.manifest_key(key, kind))
+            etag = None
+            version = 0
+            replaced = None
+            if current is not None:
+                existing, etag = current
+                try:
+                    older = Manifest.from_json(existing)
+                    version, replaced = older.version, older.meta.checksum
+                    if older.meta.checksum == meta.checksum:
+                        replaced = None
+                        break  # already there
+                except SlotkeeperError:
+                    pass  # a manifest we cannot read is replaced
+            manifest = Manifest(meta, version + 1, time.time(), self._origin)
+            if await asyncio.to_thread(self._store.put_json, self.manifest_key(key, kind), manifest.to_json(), etag):
+                break
+        else:
+            raise SlotkeeperError(f"the manifest of {key} kept changing under {MANIFEST_ATTEMPTS} conditional writes")
+        if (key, kind) not in self._queued:  # no newer save was committed meanwhile
+            self._ahead.discard((key, kind))
+        if replaced is not None and kind is SnapshotKind.SESSION:
+            # A session's file is its own (a system snapshot's may be shared): the version it replaced goes. A host
+            # downloading that version this very moment gets none, and prefills.
+            await asyncio.to_thread(self._store.delete, self.blob_key(replaced))
+        self.uploads += 1
+        log.info("uploaded the %s snapshot of %s to the shared store: %d tokens, %d bytes", kind, key,
+                 snapshot.n_tokens, snapshot.n_bytes)
+
+    # -- downloads --------------------------------------------------------------------------------------------
+
+    async def bring(self, key: SessionKey, kind: SnapshotKind, chain: list[Link] | None = None) -> Snapshot | None:
+        """Make the newest version of `key`'s snapshot local, from the store when the local one is missing,
+        damaged (its check quarantines it) or older (its chain a strict prefix of the manifest's). Returns the
+        snapshot imported, or None when nothing was brought in (the local one stands, or there is none)."""
+        if (key, kind) in self._ahead:
+            return None
+        try:
+            current = await asyncio.to_thread(self._store.get_json, self.manifest_key(key, kind))
+        except Exception as exc:
+            log.warning("the shared store cannot be read (%s): %s starts from what this host has", _message(exc),
+                        key)
+            return None
+        if current is None:
+            return None
+        try:
+            manifest = Manifest.from_json(current[0])
+        except SlotkeeperError as exc:
+            log.warning("the shared manifest of %s is unreadable (%s): it is ignored", key, exc.message)
+            return None
+        meta = manifest.meta
+        if meta.fingerprint != self._fingerprint:
+            return None
+        local = await self._snapshots.checked(key, kind)
+        if local is not None:
+            if local.checksum == meta.checksum:
+                return None
+            local_chain = await self._snapshots.chain(local)
+            theirs = list(meta.chain)
+            if common_prefix(theirs, local_chain) == len(theirs):
+                return None  # the store's version is this one's prefix: an older one
+        return await self._download(key, kind, manifest)
+
+    async def _download(self, key: SessionKey, kind: SnapshotKind, manifest: Manifest) -> Snapshot | None:
+        meta = manifest.meta
+        for attempt in (1, 2):
+            temp, path = await self._snapshots.stage_upload(key, kind)
+            try:
+                n_bytes = await asyncio.to_thread(self._store.get_file, self.blob_key(meta.checksum), path)
+                checksum = await asyncio.to_thread(file_checksum, path) if n_bytes == meta.n_bytes else None
+            except Exception as exc:
+                await self._snapshots.discard_upload(temp)
+                log.warning("downloading the snapshot of %s from the shared store failed (%s): the turn prefills",
+                            key, _message(exc))
+                return None
+            if checksum == meta.checksum:
+                try:
+                    snapshot: Snapshot = await self._import(key, temp, meta.n_tokens, list(meta.chain), meta.n_bytes,
+                                                            kind, meta.n_prompt)
+                except BaseException:
+                    await self._snapshots.discard_upload(temp)
+                    raise
+                self.downloads += 1
+                log.info("brought the %s snapshot of %s from the shared store (version %d, saved by %s): %d tokens",
+                         kind, key, manifest.version, manifest.origin or "another host", meta.n_tokens)
+                return snapshot
+            await self._snapshots.discard_upload(temp)
+            self.refused_downloads += 1
+            log.warning("the shared store's snapshot of %s is damaged (%d bytes, expected %d; checksum %s): refused%s",
+                        key, n_bytes, meta.n_bytes, "mismatch" if n_bytes == meta.n_bytes else "not taken",
+                        ", fetching it once more" if attempt == 1 else "")
+        # Damaged at rest: remove it, so that the next save of it (on any host) writes it again.
+        await asyncio.to_thread(self._store.delete, self.blob_key(meta.checksum))
+        await asyncio.to_thread(self._store.delete, self.manifest_key(key, kind))
+        log.warning("removed the damaged snapshot of %s from the shared store: its next save uploads it again", key)
+        return None
+
+
+def _message(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, SlotkeeperError) else f"{type(exc).__name__}: {exc}"
+
+
+class S3Store:
+    """An S3-compatible bucket (AWS, MinIO, Ceph RGW, R2, ...) through boto3, under `s3://BUCKET/PREFIX`.
+    Credentials come from boto3's usual sources (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile, a role)."""
+
+    def __init__(self, url: str, endpoint: str | None = None, region: str | None = None) -> None:
+        import boto3
+        from botocore.config import Config
+
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ValueError(f"the shared store must look like s3://BUCKET/PREFIX, not {url!r}")
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/") + "/" if parsed.path.strip("/") else ""
+        self._client = boto3.client(
+            "s3", endpoint_url=endpoint, region_name=region or "us-east-1",
+            config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60,
+                          s3={"addressing_style": "path"}))
+
+    def _error_code(self, exc: Exception) -> str:
+        response = getattr(exc, "response", None) or {}
+        return str((response.get("Error") or {}).get("Code") or "")
+
+    def get_json(self, key: str) -> tuple[dict[str, Any], str] | None:
+        try:
+            answer = self._client.get_object(Bucket=self.bucket, Key=self.prefix + key)
+        except self._client.exceptions.NoSuchKey:
+            return None
+        data = json.loads(answer["Body"].read())
+        return (data if isinstance(data, dict) else {}), str(answer["ETag"])
+
+    def put_json(self, key: str, data: dict[str, Any], etag: str | None) -> bool:
+        condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=json.dumps(data).encode(),
+                                    ContentType="application/json", **condition)
+        except Exception as exc:
+            if self._error_code(exc) in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+                return False
+            raise
+        return True
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=self.prefix + key)
+        except Exception as exc:
+            if self._error_code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        return True
+
+    def put_file(self, key: str, handle: BinaryIO, n_bytes: int) -> None:
+        self._client.upload_fileobj(handle, self.bucket, self.prefix + key)
+
+    def get_file(self, key: str, path: Path) -> int:
+        with path.open("wb") as out:
+            self._client.download_fileobj(self.bucket, self.prefix + key, out)
+        return path.stat().st_size
+
+    def delete(self, key: str) -> None:
+        self._client.delete_object(Bucket=self.bucket, Key=self.prefix + key)

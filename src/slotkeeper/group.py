@@ -1,0 +1,216 @@
+"""One model on several backends: each turn goes to its session's owner (placement.py), and a session that moves
+takes its newest snapshot with it.
+
+The members are backends of one host (their slot dirs are all readable here), of the same model, slot layout and
+build: a snapshot moves only between members of one fingerprint. A move copies the snapshot file into the new
+owner's slot dir (checked against its checksum) and imports it there, before the turn is leased: the new owner's
+pool then restores it as if it had saved it itself. A turn whose backend refuses the connection (it died before
+the health watch noticed) is placed again, without that backend, and sent there: only a turn the dead backend had
+already started fails, in its client's dialect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from slotkeeper.cache.chain import Link
+from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.snapshots import Snapshots
+from slotkeeper.cache.systemprompt import SystemPrompt, system_prompt_of
+from slotkeeper.errors import SlotkeeperError, UpstreamUnavailable
+from slotkeeper.identity import session_group
+from slotkeeper.placement import Choice, Placement
+from slotkeeper.service import BodyBuilder, HungUp, Prewarm, ProgressCallback, StreamTurn, TurnRecord, TurnService
+from slotkeeper.types import BackendInfo, IdSource, SessionKey, Snapshot, SnapshotKind
+from slotkeeper.upstream.client import UpstreamClient
+from slotkeeper.upstream.health import Probe
+
+log = logging.getLogger("slotkeeper.group")
+
+
+class Member(Protocol):
+    """What the group needs of one backend (the web layer's AppState)."""
+
+    @property
+    def backend(self) -> BackendInfo: ...
+    @property
+    def client(self) -> UpstreamClient: ...
+    @property
+    def pool(self) -> SlotPool: ...
+    @property
+    def service(self) -> TurnService: ...
+    @property
+    def snapshots(self) -> Snapshots: ...
+
+
+def ring_key(key: SessionKey) -> str:
+    """Where a session starts its walk of the ring: a conversation without an id of its own starts at its system
+    prompt's group, so that conversations on one system prompt land where it is warm."""
+    if key.source is IdSource.SYSTEM_PROMPT:
+        return session_group(key.session_id) or key.session_id
+    return key.session_id
+
+
+class BackendGroup:
+    """The backends of one model and the owners of its sessions. Offers the turn methods of TurnService."""
+
+    def __init__(self, members: Sequence[Member], load_factor: float) -> None:
+        self.members = list(members)
+        self._by_name = {m.backend.url: m for m in self.members}
+        self.placement = Placement(list(self._by_name), load_factor)
+        self.moves = 0
+        self.failed_moves = 0
+
+    async def learn_owners(self) -> int:
+        """Take each session found in a member's index for that member's (the newest copy wins); returns how many
+        sessions have an owner."""
+        for member in self.members:
+            for snapshot in await member.snapshots.list(None, SnapshotKind.SESSION):
+                self.placement.learn(snapshot.session_id, member.backend.url, snapshot.last_used)
+        return len(self.placement)
+
+    def member_of(self, name: str) -> Member:
+        return self._by_name[name]
+
+    async def owner_for(self, key: SessionKey, exclude: frozenset[str] = frozenset(),
+                        system: SystemPrompt | None = None) -> Member:
+        """The member a turn of `key` goes to now, with the session's newest snapshot brought in when it moves, and
+        (a new session) its system prompt's snapshot when another member has it and this one has not."""
+        up = [m.backend.url for m in self.members if m.service.health.up]
+        choice = self.placement.place(key.session_id, ring_key(key), up, time.time(), exclude)
+        member = self._by_name[choice.member]
+        if choice.moved:
+            log.info("session %s moves to %s (%s, was on %s)", key.session_id, choice.member, choice.why,
+                     choice.previous)
+        if choice.moved or choice.previous is None:
+            await self._bring_newest(key, member, choice)
+        if choice.previous is None and system is not None and member.pool.system_snapshots:
+            await self._bring_system(SessionKey(key.model, system.digest), member)
+        return member
+
+    async def _bring_system(self, key: SessionKey, dest: Member) -> None:
+        """Copy a system snapshot another member of the same fingerprint has into `dest`, which has none: a new
+        conversation there then starts from it instead of warming the prompt up again."""
+        if await dest.snapshots.system(key, checked=False) is not None:
+            return
+        for source in self.members:
+            if source is dest or source.backend.fingerprint != dest.backend.fingerprint:
+                continue
+            if await source.snapshots.system(key, checked=False) is None:
+                continue
+            try:
+                copied = await copy_snapshot(source, dest, key, SnapshotKind.SYSTEM)
+            except (SlotkeeperError, OSError) as exc:
+                log.warning("system prompt %s: copying its snapshot from %s to %s failed (%s); it is warmed up there",
+                            key.session_id[:12], source.backend.url, dest.backend.url,
+                            exc.message if isinstance(exc, SlotkeeperError) else str(exc))
+                return
+            if copied is not None:
+                log.info("system prompt %s: its snapshot of %d tokens came from %s to %s for a new conversation",
+                         key.session_id[:12], copied.n_tokens, source.backend.url, dest.backend.url)
+                return
+
+    async def _bring_newest(self, key: SessionKey, dest: Member, choice: Choice) -> None:
+        """Copy the session's newest snapshot of the other members into `dest` when it is newer than dest's own. A
+        failure is logged and leaves the turn to prefill (or to restore dest's older copy)."""
+        found = await asyncio.gather(*(m.snapshots.get(key) for m in self.members))
+        own = found[self.members.index(dest)]
+        newest: tuple[Member, Snapshot] | None = None
+        for member, snapshot in zip(self.members, found, strict=True):
+            if member is dest or snapshot is None or member.backend.fingerprint != dest.backend.fingerprint:
+                continue
+            if newest is None or snapshot.last_used > newest[1].last_used:
+                newest = (member, snapshot)
+        if newest is None or (own is not None and own.last_used >= newest[1].last_used):
+            return
+        source, snapshot = newest
+        try:
+            imported = await copy_snapshot(source, dest, key)
+        except (SlotkeeperError, OSError) as exc:
+            self.failed_moves += 1
+            message = exc.message if isinstance(exc, SlotkeeperError) else str(exc)
+            log.warning("session %s: bringing its snapshot from %s to %s failed (%s); the turn prefills",
+                        key.session_id, source.backend.url, dest.backend.url, message)
+            return
+        if imported is not None:
+            self.moves += 1
+            log.info("session %s: its snapshot of %d tokens came from %s to %s (%s)", key.session_id,
+                     imported.n_tokens, source.backend.url, dest.backend.url, choice.why)
+
+    async def _refused(self, member: Member) -> bool:
+        """Whether the member's backend refuses connections now (then it counts as down at once)."""
+        probe = await member.client.probe()
+        member.service.health.probed(probe)
+        return probe is Probe.REFUSED
+
+    async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
+                    hung_up: HungUp | None = None, chat: Mapping[str, Any] | None = None,
+                    chain: Sequence[Link] | None = None) -> tuple[Any, TurnRecord]:
+        member = await self.owner_for(key, system=_system_of(build, chat, side))
+        try:
+            return await member.service.unary(api, key, path, build, side=side, hung_up=hung_up, chat=chat,
+                                              chain=chain)
+        except UpstreamUnavailable:
+            if not await self._refused(member):
+                raise
+        member = await self.owner_for(key, exclude=frozenset({member.backend.url}))
+        return await member.service.unary(api, key, path, build, side=side, hung_up=hung_up, chat=chat, chain=chain)
+
+    async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
+                          warm_in_stream: bool = False, hung_up: HungUp | None = None,
+                          chat: Mapping[str, Any] | None = None,
+                          chain: Sequence[Link] | None = None) -> StreamTurn:
+        member = await self.owner_for(key, system=_system_of(build, chat, side))
+        try:
+            return await member.service.open_stream(api, key, path, build, side=side, warm_in_stream=warm_in_stream,
+                                                    hung_up=hung_up, chat=chat, chain=chain)
+        except UpstreamUnavailable:
+            if not await self._refused(member):
+                raise
+        member = await self.owner_for(key, exclude=frozenset({member.backend.url}))
+        return await member.service.open_stream(api, key, path, build, side=side, warm_in_stream=warm_in_stream,
+                                                hung_up=hung_up, chat=chat, chain=chain)
+
+    async def prewarm(self, model: str, system: SystemPrompt, progress: ProgressCallback | None = None,
+                      pin: bool = False) -> Prewarm:
+        """Warm the system prompt up on the member its conversations go to first."""
+        up = {m.backend.url for m in self.members if m.service.health.up}
+        order = self.placement.walk(f"sys-{system.digest}")
+        first = next((name for name in order if name in up), order[0])
+        return await self._by_name[first].service.prewarm(model, system, progress, pin)
+
+
+def _system_of(build: BodyBuilder, chat: Mapping[str, Any] | None, side: bool) -> SystemPrompt | None:
+    """The request's system part, as the service computes it (a side task has none)."""
+    return None if side else system_prompt_of(chat if chat is not None else build(0))
+
+
+async def copy_snapshot(source: Member, dest: Member, key: SessionKey,
+                        kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
+    """Copy `key`'s checked snapshot of `kind` from `source`'s slot dir into `dest`'s and import it there (replacing
+    dest's own). None when source has none any more."""
+    found = await source.snapshots.open_for_export(key, kind)
+    if found is None:
+        return None
+    snapshot, chain, handle = found
+    temp, path = await dest.snapshots.stage_upload(key, kind)
+    try:
+        with handle:
+            await asyncio.to_thread(_copy, handle, path)
+        if await dest.snapshots.checksum(path) != snapshot.checksum:
+            raise SlotkeeperError(f"the copy of {snapshot.filename} does not match its checksum")
+    except BaseException:
+        await dest.snapshots.discard_upload(temp)
+        raise
+    return await dest.pool.import_snapshot(key, temp, snapshot.n_tokens, chain, snapshot.n_bytes, kind,
+                                           snapshot.n_prompt)
+
+
+def _copy(handle: Any, path: Any) -> None:
+    with open(path, "wb") as out:
+        shutil.copyfileobj(handle, out, 1024 * 1024)

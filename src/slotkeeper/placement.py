@@ -1,0 +1,135 @@
+"""Which backend a session goes to when one model has several: consistent hashing with bounded load, and sticky
+owners.
+
+A session keeps its owner while the owner is up and not overloaded: that is where its state is. A session without
+an owner (new, or its owner is down or overloaded) walks the hash ring from its ring key and takes the first backend
+that is up and under the load bound. The ring key of a conversation without an id of its own is its system prompt's
+group (`sys-<hash>`), so conversations on one system prompt land where that prompt is warm until the bound sends
+some elsewhere.
+
+The load of a backend is the number of active sessions it owns: sessions that sent a request within
+`ACTIVE_SECONDS`. The bound is `load_factor` times the mean over the backends that are up, rounded up, counting the
+session being placed: with the default 1.25, no backend owns more than 1.25 times the mean (plus one, rounding).
+
+Pure bookkeeping: no I/O, the clock is passed in. The ring is uhashring's (ketama, as in vLLM's production stack's
+session router), so every replica that knows the same backends computes the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from uhashring import HashRing
+
+# A session that sent nothing for this long no longer counts toward its owner's load (it keeps its owner).
+ACTIVE_SECONDS = 600.0
+
+
+class Placed(StrEnum):
+    """Why a session went where it did."""
+
+    OWNER = "owner"  # it stays where its state is
+    NEW = "new"  # it had no owner: the first backend on its ring walk under the bound
+    OWNER_DOWN = "owner down"  # its owner is down: moved
+    OVERLOADED = "owner overloaded"  # its owner holds more than the bound: moved
+
+
+@dataclass(frozen=True)
+class Choice:
+    member: str
+    why: Placed
+    previous: str | None  # the owner before this choice (None for a new session)
+
+    @property
+    def moved(self) -> bool:
+        return self.previous is not None and self.previous != self.member
+
+
+@dataclass
+class _Owned:
+    member: str
+    last_used: float
+
+
+class Placement:
+    """The owners of one model's sessions among its backends (`members`: stable names, the backends' URLs)."""
+
+    def __init__(self, members: Sequence[str], load_factor: float = 1.25) -> None:
+        assert members and load_factor >= 1.0  # the settings are checked before (Settings.validate)
+        self.members = tuple(members)
+        self.load_factor = load_factor
+        self._ring = HashRing(nodes=list(self.members))
+        self._owners: dict[str, _Owned] = {}
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def owner(self, session: str) -> str | None:
+        owned = self._owners.get(session)
+        return None if owned is None else owned.member
+
+    def learn(self, session: str, member: str, last_used: float) -> None:
+        """A session whose state `member` holds (found on its disk at start-up); the newest holder wins."""
+        if member not in self.members:
+            return
+        owned = self._owners.get(session)
+        if owned is None or last_used > owned.last_used:
+            self._owners[session] = _Owned(member, last_used)
+
+    def loads(self, now: float) -> dict[str, int]:
+        """Active sessions per backend."""
+        counts = dict.fromkeys(self.members, 0)
+        for owned in self._owners.values():
+            if now - owned.last_used < ACTIVE_SECONDS:
+                counts[owned.member] += 1
+        return counts
+
+    def bound(self, loads: dict[str, int], up: Collection[str], extra: int) -> int:
+        """The most active sessions a backend that is up may own, `extra` sessions being added to the total."""
+        total = sum(loads[m] for m in up) + extra
+        return max(1, math.ceil(self.load_factor * total / max(1, len(up))))
+
+    def walk(self, ring_key: str) -> list[str]:
+        """Every backend, in the order the ring gives for `ring_key`."""
+        return [str(node) for node in self._ring.iterate_nodes(ring_key)]
+
+    def place(self, session: str, ring_key: str, up: Iterable[str], now: float,
+              exclude: Collection[str] = ()) -> Choice:
+        """The backend for a request of `session` now, recorded as its owner. `up`: the backends that serve now
+        (when none does, the choice ignores health: the request then waits for its backend); `exclude`: backends
+        not to take this time (one that just refused the request)."""
+        alive = [m for m in self.members if m in set(up) and m not in exclude]
+        candidates = alive or [m for m in self.members if m not in exclude] or list(self.members)
+        loads = self.loads(now)
+        owned = self._owners.get(session)
+        previous = None if owned is None else owned.member
+        active = owned is not None and now - owned.last_used < ACTIVE_SECONDS
+        if previous is not None and previous in candidates:
+            # Its own active session is in the load already; an idle one comes back to it.
+            if loads[previous] + (0 if active else 1) <= self.bound(loads, candidates, 0 if active else 1):
+                return self._record(session, Choice(previous, Placed.OWNER, previous), now)
+            why = Placed.OVERLOADED
+        elif previous is not None:
+            why = Placed.OWNER_DOWN
+        else:
+            why = Placed.NEW
+        if previous is not None and active:
+            loads[previous] -= 1  # it leaves its owner
+        limit = self.bound(loads, candidates, 1)
+        order = [m for m in self.walk(ring_key) if m in candidates]
+        chosen = next((m for m in order if m != previous and loads[m] + 1 <= limit), None)
+        if chosen is None:  # only the previous owner is under the bound, or every backend is at it
+            chosen = min(order, key=lambda m: loads[m])
+        if chosen == previous:
+            return self._record(session, Choice(chosen, Placed.OWNER, previous), now)
+        return self._record(session, Choice(chosen, why, previous), now)
+
+    def _record(self, session: str, choice: Choice, now: float) -> Choice:
+        self._owners[session] = _Owned(choice.member, now)
+        return choice
+
+    def forget(self, session: str) -> None:
+        self._owners.pop(session, None)
