@@ -132,6 +132,9 @@ def _parser() -> argparse.ArgumentParser:
                        "lacks is brought from there (credentials: the AWS_* variables)")
     serve.add_argument("--shared-endpoint", metavar="URL",
                        help="the object store's endpoint when it is not AWS (MinIO, Ceph RGW, R2, ...)")
+    serve.add_argument("--shared-budget", metavar="SIZE",
+                       help="keep the shared store's snapshot files under SIZE (e.g. 2T), removing the least "
+                       "recently saved (default 0: no limit; or use the store's own lifecycle rules)")
     serve.add_argument("--slot-op-timeout", type=float, metavar="S",
                        help="give up on a slot save, restore or erase after S seconds (default 120)")
     serve.add_argument("--start-timeout", type=float, metavar="S",

@@ -124,6 +124,8 @@ class Settings:
     # Credentials come from the usual AWS_* variables or profiles.
     shared_store: str | None = None
     shared_endpoint: str | None = None
+    # Bytes of snapshot files the shared store may hold (0: no limit); the least recently saved go first.
+    shared_budget: int = 0
 
     @property
     def index_path(self) -> Path:
@@ -480,6 +482,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "keep_attribution_block": _bool,
     "disk_budget": parse_size,
     "ram_budget": parse_size,
+    "shared_budget": parse_size,
     "ram_dir": lambda v: Path(v).expanduser(),
     "max_snapshot_age": parse_duration,
     "max_system_snapshots": int,
@@ -501,6 +504,7 @@ _FILE_TYPES: dict[str, tuple[type, ...]] = {
     "keep_attribution_block": (bool,),
     "disk_budget": (int, str),
     "ram_budget": (int, str),
+    "shared_budget": (int, str),
     "max_snapshot_age": (int, float, str),
     "max_system_snapshots": (int,),
 }

@@ -32,6 +32,9 @@ from slotkeeper.upstream.health import Probe
 
 log = logging.getLogger("slotkeeper.group")
 
+# How long a moving session waits for its previous owner (still up: draining or overloaded) to save its latest turn.
+MOVE_SAVE_SECONDS = 30.0
+
 
 class Member(Protocol):
     """What the group needs of one backend (the web layer's AppState)."""
@@ -65,6 +68,7 @@ class BackendGroup:
         self.placement = Placement(list(self._by_name), load_factor)
         self.moves = 0
         self.failed_moves = 0
+        self.moved_in: dict[str, int] = {}  # per member: sessions that moved there with their snapshot
 
     async def learn_owners(self) -> int:
         """Take each session found in a member's index for that member's (the newest copy wins); returns how many
@@ -76,6 +80,28 @@ class BackendGroup:
 
     def member_of(self, name: str) -> Member:
         return self._by_name[name]
+
+    def drain(self, url: str, draining: bool) -> None:
+        """Take a backend out of service (`draining`: it gets no new session, and each of its sessions moves at its
+        next turn, with its snapshot) or put it back."""
+        if draining:
+            self.placement.draining.add(url)
+        else:
+            self.placement.draining.discard(url)
+        log.info("backend %s %s", url, "is draining: its sessions move at their next turn" if draining
+                 else "takes sessions again")
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each member: its URL, whether it is up and draining, and its active sessions."""
+        loads = self.placement.loads(time.time())
+        return [{"url": m.backend.url, "up": m.service.health.up, "draining": m.backend.url in self.placement.draining,
+                 "active_sessions": loads[m.backend.url], "moved_in": self.moved_in.get(m.backend.url, 0)}
+                for m in self.members]
+
+    def _for_side_task(self, key: SessionKey) -> Member:
+        """A side task (a title or tags request) runs where its conversation is, and owns nothing itself."""
+        up = [m.backend.url for m in self.members if m.service.health.up]
+        return self._by_name[self.placement.peek(key.session_id, ring_key(key), up)]
 
     async def owner_for(self, key: SessionKey, exclude: frozenset[str] = frozenset(),
                         system: SystemPrompt | None = None) -> Member:
@@ -117,7 +143,16 @@ class BackendGroup:
 
     async def _bring_newest(self, key: SessionKey, dest: Member, choice: Choice) -> None:
         """Copy the session's newest snapshot of the other members into `dest` when it is newer than dest's own. A
-        failure is logged and leaves the turn to prefill (or to restore dest's older copy)."""
+        failure is logged and leaves the turn to prefill (or to restore dest's older copy). A previous owner that is
+        still up (draining, or overloaded) saves the session's latest turn first."""
+        previous = self._by_name.get(choice.previous) if choice.previous is not None else None
+        if previous is not None and previous is not dest and previous.service.health.up:
+            try:
+                await asyncio.wait_for(previous.pool.save_session(key), MOVE_SAVE_SECONDS)
+            except (TimeoutError, SlotkeeperError) as exc:
+                log.warning("session %s: saving its latest turn on %s before it moves did not finish (%s); it moves "
+                            "with its last saved state", key.session_id, previous.backend.url,
+                            exc.message if isinstance(exc, SlotkeeperError) else f"over {MOVE_SAVE_SECONDS:g} s")
         found = await asyncio.gather(*(m.snapshots.get(key) for m in self.members))
         own = found[self.members.index(dest)]
         newest: tuple[Member, Snapshot] | None = None
@@ -139,6 +174,7 @@ class BackendGroup:
             return
         if imported is not None:
             self.moves += 1
+            self.moved_in[dest.backend.url] = self.moved_in.get(dest.backend.url, 0) + 1
             log.info("session %s: its snapshot of %d tokens came from %s to %s (%s)", key.session_id,
                      imported.n_tokens, source.backend.url, dest.backend.url, choice.why)
 
@@ -151,7 +187,7 @@ class BackendGroup:
     async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
                     hung_up: HungUp | None = None, chat: Mapping[str, Any] | None = None,
                     chain: Sequence[Link] | None = None) -> tuple[Any, TurnRecord]:
-        member = await self.owner_for(key, system=_system_of(build, chat, side))
+        member = self._for_side_task(key) if side else await self.owner_for(key, system=_system_of(build, chat))
         try:
             return await member.service.unary(api, key, path, build, side=side, hung_up=hung_up, chat=chat,
                                               chain=chain)
@@ -165,7 +201,7 @@ class BackendGroup:
                           warm_in_stream: bool = False, hung_up: HungUp | None = None,
                           chat: Mapping[str, Any] | None = None,
                           chain: Sequence[Link] | None = None) -> StreamTurn:
-        member = await self.owner_for(key, system=_system_of(build, chat, side))
+        member = self._for_side_task(key) if side else await self.owner_for(key, system=_system_of(build, chat))
         try:
             return await member.service.open_stream(api, key, path, build, side=side, warm_in_stream=warm_in_stream,
                                                     hung_up=hung_up, chat=chat, chain=chain)
@@ -185,9 +221,9 @@ class BackendGroup:
         return await self._by_name[first].service.prewarm(model, system, progress, pin)
 
 
-def _system_of(build: BodyBuilder, chat: Mapping[str, Any] | None, side: bool) -> SystemPrompt | None:
-    """The request's system part, as the service computes it (a side task has none)."""
-    return None if side else system_prompt_of(chat if chat is not None else build(0))
+def _system_of(build: BodyBuilder, chat: Mapping[str, Any] | None) -> SystemPrompt | None:
+    """The request's system part, as the service computes it."""
+    return system_prompt_of(chat if chat is not None else build(0))
 
 
 async def copy_snapshot(source: Member, dest: Member, key: SessionKey,

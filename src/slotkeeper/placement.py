@@ -26,6 +26,10 @@ from uhashring import HashRing
 
 # A session that sent nothing for this long no longer counts toward its owner's load (it keeps its owner).
 ACTIVE_SECONDS = 600.0
+# An owner unused for this long is forgotten (memory stays bounded); the session's next turn is placed again, and
+# its snapshot comes along from the backend that has it (group.py).
+FORGET_SECONDS = 86400.0
+_SWEEP_EVERY = 1024
 
 
 class Placed(StrEnum):
@@ -35,6 +39,7 @@ class Placed(StrEnum):
     NEW = "new"  # it had no owner: the first backend on its ring walk under the bound
     OWNER_DOWN = "owner down"  # its owner is down: moved
     OVERLOADED = "owner overloaded"  # its owner holds more than the bound: moved
+    DRAINING = "owner draining"  # an operator is taking its owner out of service: moved
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,9 @@ class Placement:
         self.load_factor = load_factor
         self._ring = HashRing(nodes=list(self.members))
         self._owners: dict[str, _Owned] = {}
+        self._records = 0
+        # Backends an operator is taking out of service: no new sessions, and theirs move at their next turn.
+        self.draining: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -102,7 +110,8 @@ class Placement:
         (when none does, the choice ignores health: the request then waits for its backend); `exclude`: backends
         not to take this time (one that just refused the request)."""
         alive = [m for m in self.members if m in set(up) and m not in exclude]
-        candidates = alive or [m for m in self.members if m not in exclude] or list(self.members)
+        serving = [m for m in alive if m not in self.draining]
+        candidates = serving or alive or [m for m in self.members if m not in exclude] or list(self.members)
         loads = self.loads(now)
         owned = self._owners.get(session)
         previous = None if owned is None else owned.member
@@ -113,7 +122,7 @@ class Placement:
                 return self._record(session, Choice(previous, Placed.OWNER, previous), now)
             why = Placed.OVERLOADED
         elif previous is not None:
-            why = Placed.OWNER_DOWN
+            why = Placed.DRAINING if previous in self.draining else Placed.OWNER_DOWN
         else:
             why = Placed.NEW
         if previous is not None and active:
@@ -127,8 +136,21 @@ class Placement:
             return self._record(session, Choice(chosen, Placed.OWNER, previous), now)
         return self._record(session, Choice(chosen, why, previous), now)
 
+    def peek(self, session: str, ring_key: str, up: Iterable[str]) -> str:
+        """Where a request of `session` that is not a turn of it goes (a side task: a title or tags request), without
+        recording anything: its owner when that is up, else the first backend up on its ring walk."""
+        alive = set(up)
+        owner = self.owner(session)
+        if owner is not None and owner in alive:
+            return owner
+        return next((m for m in self.walk(ring_key) if m in alive), owner or self.walk(ring_key)[0])
+
     def _record(self, session: str, choice: Choice, now: float) -> Choice:
         self._owners[session] = _Owned(choice.member, now)
+        self._records += 1
+        if self._records % _SWEEP_EVERY == 0:
+            for old in [s for s, o in self._owners.items() if now - o.last_used > FORGET_SECONDS]:
+                del self._owners[old]
         return choice
 
     def forget(self, session: str) -> None:

@@ -157,7 +157,8 @@ def _shared_tier(settings: Settings, snapshots: Snapshots, pool: SlotPool, finge
         store = S3Store(settings.shared_store, settings.shared_endpoint)
     except ImportError:
         raise SlotkeeperError("the shared store needs boto3: pip install 'slotkeeper[shared]'") from None
-    tier = SharedTier(store, snapshots, fingerprint, f"{socket.gethostname()} {url}", pool.import_snapshot)
+    tier = SharedTier(store, snapshots, fingerprint, f"{socket.gethostname()} {url}", pool.import_snapshot,
+                      settings.shared_budget)
     snapshots.on_commit = tier.committed
     log.info("shared store %s%s: saves are uploaded after their commit, and a session or system prompt this host "
              "lacks is brought from there", settings.shared_store,

@@ -200,11 +200,11 @@ class TurnService:
         """Before the pool plans the turn: the session's snapshot (unless a slot holds it) and its system prompt's
         (unless this host has one) from the shared tier, when it has a newer one. A failure costs a prefill."""
         assert self.shared is not None
+        if key.is_default or self.pool.holds(key):
+            return  # a hot turn: nothing to look up
         try:
-            if not key.is_default and not self.pool.holds(key):
-                await self.shared.bring(key, SnapshotKind.SESSION)
-            own = None if key.is_default else await self.pool.snapshots.get(key)
-            if system is not None and own is None and self.pool.system_snapshots:  # a new conversation
+            await self.shared.bring(key, SnapshotKind.SESSION)
+            if system is not None and self.pool.system_snapshots and await self.pool.snapshots.get(key) is None:
                 system_key = SessionKey(key.model, system.digest)
                 if await self.pool.snapshots.system(system_key, checked=False) is None:
                     await self.shared.bring(system_key, SnapshotKind.SYSTEM)

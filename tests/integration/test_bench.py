@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.backend, pytest.mark.timeout(900)]
 
 
 SCENARIOS = ("switch", "reading", "overhead", "restart", "system", "agent", "scale", "day", "title", "beyond", "first",
-             "client")
+             "client", "backends")
 TARGETS = ["llama-server cram0", "llama-server default", "slotkeeper"]
 
 
@@ -254,6 +254,21 @@ def test_day(results: Path) -> None:
     # slotkeeper brings conversations back after the restart and past the small RAM cache: it prefills less than
     # llama-server without a cache.
     assert summary["slotkeeper"]["prefilled"] < summary["llama-server cram0"]["prefilled"]
+
+
+def test_backends(results: Path) -> None:
+    data = load(results, "backends")
+    traffic, summary = data["traffic"], data["summary"]
+    assert data["targets"] == ["slotkeeper, 1 backend", "slotkeeper, 3 backends", "round-robin, 3 llama-servers"]
+    assert len(data["samples"]) == traffic["requests"] * 3
+    for target in data["targets"]:
+        t = summary[target]
+        assert t["requests"] == traffic["requests"] and t["errors"] == 0
+        assert positive(t["requests_per_second"]) and positive(t["ttft_ms"]["p50"])
+        assert t["prompt_tokens"] == traffic["prompt_tokens"] > t["shared_prefix_tokens"] > 0
+        assert len(t["prompt_tokens_per_backend"]) == t["backends"] and sum(t["prompt_tokens_per_backend"]) > 0
+    # Sessions that stay where their state is prefill less than turns sent round the backends.
+    assert summary["slotkeeper, 3 backends"]["prefilled"] < summary["round-robin, 3 llama-servers"]["prefilled"]
 
 
 def test_title(results: Path) -> None:

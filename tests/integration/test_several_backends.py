@@ -191,6 +191,11 @@ def test_a_killed_backends_sessions_move_with_their_last_committed_state(cluster
             assert chat.cache_n[3] >= chat.prompt_tokens[2] - 8
     moved = [line for line in keeper.log_text().splitlines() if "moves to" in line and "owner down" in line]
     assert len(moved) >= len(theirs)
+    metrics = httpx.get(keeper.url + "/metrics", timeout=30).text
+    moved_in = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("slotkeeper_sessions_moved_in_total{"))
+    assert moved_in == len(theirs)
+    assert f'slotkeeper_backend_up{{backend="{victim.url}",model="{MODEL}"}} 0.0' in metrics
 
 
 def test_new_conversations_on_another_backend_start_from_the_system_snapshot_of_the_first(cluster: Cluster) -> None:
@@ -211,3 +216,31 @@ def test_new_conversations_on_another_backend_start_from_the_system_snapshot_of_
     system_tokens = int(copies[0].split("snapshot of ")[1].split(" tokens")[0])
     for chat in chats:
         assert chat.cache_n[0] >= system_tokens - 8, (chat.session, chat.cache_n, system_tokens)
+
+
+def test_a_drained_backends_sessions_move_at_their_next_turn_with_their_latest_state(cluster: Cluster) -> None:
+    keeper = cluster.keeper
+    client = openai_client(keeper)
+    chats = [Chat(f"drain-{i}") for i in range(6)]
+    assert run_turns(chats, client, turns=2, threads=1) == []
+    owner = {chat.session: chat.served_by[-1] for chat in chats}
+    drained = Counter(owner.values()).most_common(1)[0][0]
+    answer = httpx.post(keeper.url + "/api/backend/drain", json={"backend": drained, "draining": True}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert {b["url"]: b["draining"] for b in answer.json()["backends"]}[drained] is True
+    # At once: its last session's latest turn may not be saved yet; the move saves it first.
+    assert run_turns(chats, client, turns=1, threads=1) == []
+    for chat in chats:
+        assert chat.served_by[2] != drained
+        assert chat.cache_n[2] >= chat.prompt_tokens[1] - 8, (chat.session, chat.cache_n, chat.prompt_tokens)
+        if owner[chat.session] != drained:
+            assert chat.served_by[2] == owner[chat.session]
+    newcomers = [Chat(f"new-{i}") for i in range(6)]
+    assert run_turns(newcomers, client, turns=1, threads=1) == []
+    assert drained not in {c.served_by[0] for c in newcomers}
+    back = httpx.post(keeper.url + "/api/backend/drain", json={"backend": drained, "draining": False}, timeout=30)
+    assert back.status_code == 200
+    missing = httpx.post(keeper.url + "/api/backend/drain", json={"backend": "http://127.0.0.1:1"}, timeout=30)
+    assert missing.status_code == 404
+    info = httpx.get(keeper.url + "/api/backend", timeout=30).json()
+    assert [b["url"] for b in info["backends"]] == [b.url for b in cluster.backends]

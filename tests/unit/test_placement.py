@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slotkeeper.placement import ACTIVE_SECONDS, Placed, Placement
+from slotkeeper.placement import ACTIVE_SECONDS, FORGET_SECONDS, Placed, Placement
 
 MEMBERS = ["http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003"]
 
@@ -111,3 +111,38 @@ def test_no_backend_that_is_up_owns_more_than_the_bound(requests: list[tuple[int
         assert choice.member in up
         loads = placement.loads(float(now))
         assert loads[choice.member] <= placement.bound(loads, sorted(up), 0)
+
+
+def test_a_side_task_goes_where_its_conversation_is_and_owns_nothing() -> None:
+    placement = Placement(MEMBERS)
+    owner = placement.place("chat", "chat", MEMBERS, 0.0).member
+    assert placement.peek("chat", "chat", MEMBERS) == owner
+    assert placement.peek("title-of-new-chat", "sys-x", MEMBERS) == placement.walk("sys-x")[0]
+    assert placement.owner("title-of-new-chat") is None and len(placement) == 1
+    others = [m for m in MEMBERS if m != owner]
+    assert placement.peek("chat", "chat", others) in others  # its owner is down
+
+
+def test_owners_unused_for_a_day_are_forgotten() -> None:
+    placement = Placement(MEMBERS)
+    placement.place("old", "old", MEMBERS, 0.0)
+    for i in range(1024):
+        placement.place(f"new-{i}", f"new-{i}", MEMBERS, FORGET_SECONDS + 1.0)
+    assert placement.owner("old") is None and placement.owner("new-0") is not None
+
+
+def test_a_draining_backend_gets_no_new_session_and_its_own_move() -> None:
+    placement = Placement(MEMBERS)
+    owners = {f"s{i}": placement.place(f"s{i}", f"s{i}", MEMBERS, 0.0).member for i in range(9)}
+    drained = MEMBERS[1]
+    placement.draining.add(drained)
+    for i in range(9, 30):
+        assert placement.place(f"s{i}", f"s{i}", MEMBERS, 1.0).member != drained
+    for session, owner in owners.items():
+        choice = placement.place(session, session, MEMBERS, 2.0)
+        if owner == drained:
+            assert choice.why is Placed.DRAINING and choice.member != drained
+        else:
+            assert choice.member == owner
+    placement.draining.clear()
+    assert any(placement.place(f"n{i}", f"n{i}", MEMBERS, 3.0).member == drained for i in range(20))

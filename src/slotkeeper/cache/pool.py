@@ -585,6 +585,22 @@ class SlotPool:
         saved = sum(1 for c in commits if c.done() and not c.cancelled() and c.exception() is None and c.result())
         return Flushed(saved, failed + len(commits) - saved)
 
+    async def save_session(self, key: SessionKey) -> bool:
+        """Save `key`'s state if a slot holds it changed (waiting for its running turn), and wait for the commit:
+        before the session moves to another backend of its model. True when its newest state is on disk."""
+        slot = next((s for s in self.slots if s.occupant == key), None)
+        if slot is None:
+            return await self.snapshots.settle(key)
+        await self._take(lambda: None if slot.busy else slot)
+        try:
+            if not (slot.dirty and slot.occupant == key):
+                return await self.snapshots.settle(key)
+            slot.dirty = False
+            commit = await self.saver.start(slot.slot_id, key, Held.of(slot))
+        finally:
+            self._give_back(slot)
+        return commit is not None and await asyncio.shield(commit)
+
     async def clear(self) -> list[int]:
         """Save changed slots, then erase every slot, one after the other; returns the slot ids erased. A slot whose
         save fails is left as it is, the others are erased, and then SaveFailed says which."""

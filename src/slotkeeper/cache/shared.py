@@ -39,6 +39,13 @@ log = logging.getLogger("slotkeeper.shared")
 
 # Attempts at a conditional manifest write that another host's write got ahead of.
 MANIFEST_ATTEMPTS = 4
+# A turn waits this long for a manifest look-up; after one fails, look-ups pause for the second figure (turns then
+# start from what this host has without waiting for a store that is down).
+LOOKUP_TIMEOUT_SECONDS = 3.0
+UNREACHABLE_PAUSE_SECONDS = 30.0
+# With a budget, the store is swept after an upload at most this often.
+SWEEP_SECONDS = 300.0
+STRAY_SECONDS = 600.0
 
 
 class ObjectStore(Protocol):
@@ -50,6 +57,7 @@ class ObjectStore(Protocol):
     def put_file(self, key: str, handle: BinaryIO, n_bytes: int) -> None: ...
     def get_file(self, key: str, path: Path) -> int: ...
     def delete(self, key: str) -> None: ...
+    def listing(self, prefix: str) -> list[tuple[str, int, float]]: ...
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,7 @@ class SharedTier:
     """One backend's view of the shared tier: uploads its commits, brings in what it lacks."""
 
     def __init__(self, store: ObjectStore, snapshots: Snapshots, fingerprint: str, origin: str,
-                 import_snapshot: Callable[..., Any]) -> None:
+                 import_snapshot: Callable[..., Any], budget: int = 0) -> None:
         self._store = store
         self._snapshots = snapshots
         self._fingerprint = fingerprint
@@ -89,6 +97,10 @@ class SharedTier:
         self.failed_uploads = 0
         self.downloads = 0
         self.refused_downloads = 0
+        self._unreachable_until = 0.0
+        self.budget = budget  # bytes of snapshot files the store may hold (0: no limit)
+        self._swept = 0.0
+        self.evictions = 0
 
     # -- keys -------------------------------------------------------------------------------------------------
 
@@ -124,7 +136,50 @@ class SharedTier:
                     self.failed_uploads += 1
                     log.warning("uploading the snapshot of %s to the shared store failed (%s); it stays local and "
                                 "is uploaded with its next save", item[0], _message(exc))
+            if self.budget > 0 and time.monotonic() - self._swept > SWEEP_SECONDS:
+                self._swept = time.monotonic()
+                try:
+                    await asyncio.to_thread(self.enforce_budget)
+                except Exception as exc:
+                    log.warning("keeping the shared store within its budget failed (%s); it is tried again after "
+                                "the next upload", _message(exc))
             self._idle.set()
+
+    def enforce_budget(self) -> int:
+        """Blocking: remove the least recently written snapshots (their manifest, then their file) until the files
+        in the store fit the budget; files no manifest names any more (a host stopped between the two writes) go
+        first. Returns how many snapshots were removed. Every host may sweep: removing twice is harmless."""
+        listed = self._store.listing("blobs/")
+        blobs = {key: size for key, size, _ in listed}
+        written = {key: when for key, _, when in listed}
+        manifests = sorted(self._store.listing("manifests/"), key=lambda m: m[2])
+        named: dict[str, str] = {}  # blob -> the manifest that names it (the newest)
+        for key, _, _ in manifests:
+            found = self._store.get_json(key)
+            if found is not None and isinstance(found[0].get("checksum"), str):
+                named[self.blob_key(found[0]["checksum"])] = key
+        removed = 0
+        # A file written in the last minutes may be another host's upload whose manifest is not written yet.
+        now = time.time()
+        for stray in [b for b in blobs if b not in named and now - written[b] > STRAY_SECONDS]:
+            self._store.delete(stray)
+            del blobs[stray]
+        total = sum(blobs.values())
+        by_manifest = {m: b for b, m in named.items()}
+        for key, _, _ in manifests:
+            if total <= self.budget:
+                break
+            named_blob = by_manifest.get(key)
+            self._store.delete(key)
+            if named_blob is not None and named_blob in blobs:
+                self._store.delete(named_blob)
+                total -= blobs.pop(named_blob)
+            removed += 1
+        if removed:
+            self.evictions += removed
+            log.info("the shared store's budget (%d bytes) removed %d snapshot(s), the least recently saved",
+                     self.budget, removed)
+        return removed
 
     async def drain(self, timeout: float) -> bool:
         """Wait (bounded) until every queued upload is done; True when none is left."""
@@ -182,13 +237,16 @@ class SharedTier:
         """Make the newest version of `key`'s snapshot local, from the store when the local one is missing,
         damaged (its check quarantines it) or older (its chain a strict prefix of the manifest's). Returns the
         snapshot imported, or None when nothing was brought in (the local one stands, or there is none)."""
-        if (key, kind) in self._ahead:
+        if (key, kind) in self._ahead or time.monotonic() < self._unreachable_until:
             return None
         try:
-            current = await asyncio.to_thread(self._store.get_json, self.manifest_key(key, kind))
-        except Exception as exc:
-            log.warning("the shared store cannot be read (%s): %s starts from what this host has", _message(exc),
-                        key)
+            current = await asyncio.wait_for(
+                asyncio.to_thread(self._store.get_json, self.manifest_key(key, kind)), LOOKUP_TIMEOUT_SECONDS)
+        except Exception as exc:  # down, refusing, or slower than a turn should wait
+            self._unreachable_until = time.monotonic() + UNREACHABLE_PAUSE_SECONDS
+            log.warning("the shared store cannot be read (%s): %s starts from what this host has, and look-ups pause "
+                        "for %.0f s", _message(exc) if not isinstance(exc, TimeoutError) else
+                        f"no answer in {LOOKUP_TIMEOUT_SECONDS:g} s", key, UNREACHABLE_PAUSE_SECONDS)
             return None
         if current is None:
             return None
@@ -309,3 +367,12 @@ class S3Store:
 
     def delete(self, key: str) -> None:
         self._client.delete_object(Bucket=self.bucket, Key=self.prefix + key)
+
+    def listing(self, prefix: str) -> list[tuple[str, int, float]]:
+        found = []
+        for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                          Prefix=self.prefix + prefix):
+            for item in page.get("Contents", []):
+                found.append((str(item["Key"])[len(self.prefix):], int(item["Size"]),
+                              item["LastModified"].timestamp()))
+        return found

@@ -14,10 +14,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from slotkeeper import __version__
+from slotkeeper.dialects.openai import parse_body
+from slotkeeper.errors import BadRequest, NotFound
 from slotkeeper.journal import RECENT_REQUESTS
+from slotkeeper.web.openapi import json_body
 from slotkeeper.web.state import AppState, app_state, backends
 
 router = APIRouter(prefix="/api")
+_DRAIN = {"type": "object", "required": ["backend"],
+          "properties": {"backend": {"type": "string"}, "draining": {"type": "boolean"}}}
 
 
 @router.get("/requests/recent")
@@ -73,6 +78,8 @@ async def backend_info(request: Request) -> dict[str, Any]:
         "ctx_per_slot": backend.n_ctx_slot,
         "build": backend.build_info,
         "fingerprint": backend.fingerprint,
+        # A model on several backends: each of them, up or not, draining or not, with its active sessions.
+        "backends": state.group.status() if state.group is not None else None,
         "slot_dir": str(state.snapshots.slot_dir),
         "slot_dir_free_bytes": await asyncio.to_thread(_free_bytes, state.snapshots.slot_dir),
         "started": state.started,
@@ -87,6 +94,22 @@ async def backend_info(request: Request) -> dict[str, Any]:
             "is_sleeping": props.get("is_sleeping"),
         },
     }
+
+
+@router.post("/backend/drain", openapi_extra=json_body(_DRAIN, "A backend of a model that runs on several."))
+async def drain(request: Request) -> dict[str, Any]:
+    """Take one backend of a model on several out of service (`"draining": true`): it gets no new session, and each
+    of its sessions moves to another backend, with its snapshot, at its next turn; `false` puts it back."""
+    body = parse_body(await request.body())
+    url, draining = body.get("backend"), body.get("draining", True)
+    if not isinstance(url, str) or not isinstance(draining, bool):
+        raise BadRequest('give {"backend": URL, "draining": true or false}')
+    for state in backends(request).models:
+        group = state.group
+        if group is not None and any(m.backend.url == url.rstrip("/") for m in group.members):
+            group.drain(url.rstrip("/"), draining)
+            return {"model": state.backend.model_id, "backends": group.status()}
+    raise NotFound(f"no backend {url} of a model that runs on several backends")
 
 
 def _server_info(state: AppState) -> dict[str, Any] | None:

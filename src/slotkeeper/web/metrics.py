@@ -181,7 +181,22 @@ _COUNTERS: list[tuple[str, str, Callable[[_Reading], float]]] = [
      "turn, or a pre-warm).", lambda r: r.state.pool.warm_ups),
     ("slotkeeper_failed_warm_ups", "Warm-ups the backend refused or broke off (nothing was saved).",
      lambda r: r.state.pool.failed_warm_ups),
+    ("slotkeeper_sessions_moved_in", "Sessions of a model on several backends that moved to this one (their owner "
+     "was down or overloaded), their snapshot copied here.",
+     lambda r: r.state.group.moved_in.get(r.state.backend.url, 0) if r.state.group is not None else 0),
+    ("slotkeeper_shared_uploads", "Snapshots uploaded to the shared store (--shared-store).",
+     lambda r: _shared(r, "uploads")),
+    ("slotkeeper_shared_failed_uploads", "Uploads to the shared store that failed (the snapshot stayed local).",
+     lambda r: _shared(r, "failed_uploads")),
+    ("slotkeeper_shared_downloads", "Snapshots brought in from the shared store.", lambda r: _shared(r, "downloads")),
+    ("slotkeeper_shared_refused_downloads", "Downloads from the shared store refused as damaged.",
+     lambda r: _shared(r, "refused_downloads")),
 ]
+
+
+def _shared(r: _Reading, counter: str) -> float:
+    tier = getattr(r.state.service, "shared", None)
+    return float(getattr(tier, counter)) if tier is not None else 0.0
 _GAUGES: list[tuple[str, str, Callable[[_Reading], float]]] = [
     ("slotkeeper_restore_effective", "0 while restores that did not help keep this backend on a fallback "
      "strategy (tried again later).", lambda r: 1 if r.state.pool.policy.effective_now else 0),

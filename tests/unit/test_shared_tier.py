@@ -1,0 +1,243 @@
+"""The shared tier's rules against an in-memory object store that can fail on purpose: uploads after commit, one
+file per session, conditional manifest writes racing another host, a store that is down, damaged downloads.
+(tests/integration/test_shared_store.py runs the same against a real S3 server with real llama.cpp servers.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pytest
+
+from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.shared import Manifest, SharedTier
+from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.types import SnapshotKind
+from tests.unit.test_pool import FP, A, B, C, FakeClient, make_pool, turn
+
+
+class MemoryStore:
+    """Objects in a dict, ETags a counter; `down` makes every call fail, `before_put` runs before a manifest write
+    (another host's write landing first)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.etags: dict[str, str] = {}
+        self.down = False
+        self.before_put: Any = None
+        self.calls: list[str] = []
+        self._n = 0
+
+    def _check(self, call: str) -> None:
+        self.calls.append(call)
+        if self.down:
+            raise ConnectionError("the object store is down")
+
+    def _put(self, key: str, data: bytes) -> None:
+        self._n += 1
+        self.objects[key] = data
+        self.etags[key] = f'"{self._n}"'
+
+    def get_json(self, key: str) -> tuple[dict[str, Any], str] | None:
+        self._check("get_json")
+        if key not in self.objects:
+            return None
+        return json.loads(self.objects[key]), self.etags[key]
+
+    def put_json(self, key: str, data: dict[str, Any], etag: str | None) -> bool:
+        self._check("put_json")
+        if self.before_put is not None:
+            hook, self.before_put = self.before_put, None
+            hook()
+        if (etag is None and key in self.objects) or (etag is not None and self.etags.get(key) != etag):
+            return False
+        self._put(key, json.dumps(data).encode())
+        return True
+
+    def exists(self, key: str) -> bool:
+        self._check("exists")
+        return key in self.objects
+
+    def put_file(self, key: str, handle: BinaryIO, n_bytes: int) -> None:
+        self._check("put_file")
+        self._put(key, handle.read())
+
+    def get_file(self, key: str, path: Path) -> int:
+        self._check("get_file")
+        path.write_bytes(self.objects[key])
+        return len(self.objects[key])
+
+    def delete(self, key: str) -> None:
+        self._check("delete")
+        self.objects.pop(key, None)
+
+    def listing(self, prefix: str) -> list[tuple[str, int, float]]:
+        self._check("listing")
+        # Written "long ago", in the order written (the etag counts writes).
+        return [(k, len(v), float(self.etags[k].strip('"'))) for k, v in sorted(self.objects.items())
+                if k.startswith(prefix)]
+
+    def blobs(self) -> list[str]:
+        return sorted(k for k in self.objects if k.startswith("blobs/"))
+
+
+def tier_of(pool: SlotPool, memory: MemoryStore) -> SharedTier:
+    tier = SharedTier(memory, pool.snapshots, FP, "host-a", pool.import_snapshot)
+    pool.snapshots.on_commit = tier.committed
+    return tier
+
+
+async def upload_all(tier: SharedTier) -> None:
+    uploader = asyncio.create_task(tier.run())
+    await asyncio.sleep(0)
+    assert await tier.drain(10)
+    uploader.cancel()
+    await asyncio.gather(uploader, return_exceptions=True)
+
+
+@pytest.fixture
+def pool(slot_dir: Path, store: SnapshotStore) -> SlotPool:
+    return make_pool(FakeClient(slot_dir), store)
+
+
+async def test_a_commit_is_uploaded_and_a_new_version_replaces_the_old_file(pool: SlotPool) -> None:
+    memory = MemoryStore()
+    tier = tier_of(pool, memory)
+    await turn(pool, A)
+    await pool.flush()
+    await upload_all(tier)
+    [first] = memory.blobs()
+    manifest = Manifest.from_json(json.loads(memory.objects[tier.manifest_key(A, SnapshotKind.SESSION)]))
+    assert manifest.version == 1 and manifest.origin == "host-a" and first == tier.blob_key(manifest.meta.checksum)
+    await turn(pool, A, n_tokens=20)
+    await pool.flush()
+    await upload_all(tier)
+    [second] = memory.blobs()
+    assert second != first  # one file per session: the replaced version's went
+    again = Manifest.from_json(json.loads(memory.objects[tier.manifest_key(A, SnapshotKind.SESSION)]))
+    local = await pool.snapshots.get(A)
+    assert local is not None
+    assert again.version == 2 and again.meta.checksum == local.checksum != manifest.meta.checksum
+    assert tier.uploads == 2
+
+
+async def test_a_manifest_written_by_another_host_meanwhile_is_read_again_not_overwritten_blindly(
+        pool: SlotPool) -> None:
+    memory = MemoryStore()
+    tier = tier_of(pool, memory)
+    await turn(pool, A)
+    await pool.flush()
+    key = tier.manifest_key(A, SnapshotKind.SESSION)
+
+    def other_host_writes() -> None:  # lands between this host's read and its conditional write
+        memory._put(key, json.dumps({**json.loads(memory.objects.get(key, b"{}") or b"{}"), "format":
+                                     "slotkeeper-snapshot", "version": 1, "model": "m", "session": "A",
+                                     "kind": "session", "fingerprint": FP, "tokens": 5, "bytes": 1,
+                                     "checksum": "other", "chain": [], "manifest_version": 7}).encode())
+
+    memory.before_put = other_host_writes
+    await upload_all(tier)
+    manifest = Manifest.from_json(json.loads(memory.objects[key]))
+    assert manifest.version == 8  # read again after the refused write, and written on top of the other's
+    assert manifest.origin == "host-a"
+    assert memory.calls.count("put_json") == 2
+
+
+async def test_a_store_that_is_down_fails_no_turn_and_the_next_save_uploads(pool: SlotPool) -> None:
+    memory = MemoryStore()
+    tier = tier_of(pool, memory)
+    memory.down = True
+    await turn(pool, A)
+    await pool.flush()
+    await upload_all(tier)
+    assert tier.failed_uploads == 1 and tier.uploads == 0
+    assert await tier.bring(A, SnapshotKind.SESSION) is None  # a look-up that fails brings nothing, raises nothing
+    memory.down = False
+    await turn(pool, A, n_tokens=30)
+    await pool.flush()
+    await upload_all(tier)
+    assert tier.uploads == 1 and len(memory.blobs()) == 1
+
+
+async def test_a_local_copy_newer_than_the_store_is_kept(pool: SlotPool) -> None:
+    """A commit not uploaded yet (or whose upload failed) is this host's newest: no look-up replaces it."""
+    memory = MemoryStore()
+    tier = tier_of(pool, memory)
+    await turn(pool, A)
+    await pool.flush()
+    assert await tier.bring(A, SnapshotKind.SESSION) is None
+    assert "get_json" not in memory.calls
+
+
+async def test_a_damaged_download_is_fetched_again_then_removed(slot_dir: Path, store: SnapshotStore,
+                                                                tmp_path: Path) -> None:
+    """Host A uploads; host B's downloads of a damaged object are refused twice, then it is removed."""
+    memory = MemoryStore()
+    pool_a = make_pool(FakeClient(slot_dir), store)
+    tier_a = tier_of(pool_a, memory)
+    await turn(pool_a, A)
+    await pool_a.flush()
+    await upload_all(tier_a)
+    b_slots = tmp_path / "b-slots"
+    store_b = SnapshotStore(b_slots, tmp_path / "b-index" / "index.db")
+    try:
+        pool_b = make_pool(FakeClient(b_slots), store_b)
+        tier_b = tier_of(pool_b, memory)
+        [blob] = memory.blobs()
+        good = memory.objects[blob]
+        memory.objects[blob] = bytes(b ^ 0xFF for b in good)
+        assert await tier_b.bring(A, SnapshotKind.SESSION) is None
+        assert tier_b.refused_downloads == 2 and memory.calls.count("get_file") == 2
+        assert memory.blobs() == [] and tier_a.manifest_key(A, SnapshotKind.SESSION) not in memory.objects
+        assert await pool_b.snapshots.get(A) is None  # nothing damaged reached B's index
+        # The owner's next save uploads it again, and B then brings it in.
+        await turn(pool_a, A, n_tokens=12)
+        await pool_a.flush()
+        await upload_all(tier_a)
+        brought = await tier_b.bring(A, SnapshotKind.SESSION)
+        on_a = await pool_a.snapshots.get(A)
+        assert brought is not None and on_a is not None and tier_b.downloads == 1
+        assert (brought.checksum, brought.n_tokens) == (on_a.checksum, on_a.n_tokens)
+        assert await tier_b.bring(A, SnapshotKind.SESSION) is None  # the same version: nothing to do
+    finally:
+        store_b.close()
+
+
+async def test_a_store_that_does_not_answer_holds_a_turn_back_once_then_is_skipped(
+        pool: SlotPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from slotkeeper.cache import shared
+
+    monkeypatch.setattr(shared, "LOOKUP_TIMEOUT_SECONDS", 0.2)
+    memory = MemoryStore()
+    tier = tier_of(pool, memory)
+    memory.get_json = lambda key: time.sleep(2)  # type: ignore[assignment,method-assign,return-value]
+    started = time.monotonic()
+    assert await tier.bring(A, SnapshotKind.SESSION) is None
+    assert time.monotonic() - started < 1.5
+    started = time.monotonic()
+    assert await tier.bring(A, SnapshotKind.SESSION) is None  # paused: no second wait
+    assert time.monotonic() - started < 0.05
+
+
+async def test_the_budget_removes_the_least_recently_saved_and_files_no_manifest_names(slot_dir: Path,
+                                                                                       store: SnapshotStore) -> None:
+    memory = MemoryStore()
+    pool = make_pool(FakeClient(slot_dir), store, n_slots=3)
+    tier = tier_of(pool, memory)
+    for k in (A, B, C):
+        await turn(pool, k)
+    await pool.flush()
+    await upload_all(tier)
+    assert len(memory.blobs()) == 3
+    memory._put("blobs/stray", b"x" * 100)  # a file whose manifest was never written
+    one = len(memory.objects[memory.blobs()[0]])
+    tier.budget = 2 * one
+    assert tier.enforce_budget() == 1
+    left = [Manifest.from_json(json.loads(v)).meta.session_id for k, v in memory.objects.items()
+            if k.startswith("manifests/")]
+    assert "A" not in left and len(left) == 2  # A was saved first
+    assert "blobs/stray" not in memory.objects and len(memory.blobs()) == 2
