@@ -27,9 +27,10 @@ class AdminClient:
     admin_key: str | None = None
     timeout: float = 30.0
 
-    def call(self, method: str, path: str, params: dict[str, str] | None = None) -> Any:
+    def call(self, method: str, path: str, params: dict[str, str] | None = None,
+             body: dict[str, Any] | None = None) -> Any:
         try:
-            response = httpx.request(method, self.url + path, params=params, headers=self._headers(),
+            response = httpx.request(method, self.url + path, params=params, json=body, headers=self._headers(),
                                      timeout=self.timeout)
         except httpx.TransportError as exc:
             raise self._unreachable(exc) from exc

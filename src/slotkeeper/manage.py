@@ -21,7 +21,7 @@ from slotkeeper.story import tell
 
 
 def add_commands(sub: Any) -> None:
-    """Register `sessions`, `prewarm`, `doctor`, `export` and `import` on the top-level subparsers."""
+    """Register `sessions`, `backends`, `prewarm`, `doctor`, `export` and `import` on the top-level subparsers."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=None, metavar="URL",
                         help=f"the running slotkeeper (default $SLOTKEEPER_URL or {DEFAULT_URL})")
@@ -74,6 +74,17 @@ def add_commands(sub: Any) -> None:
     prewarm.add_argument("--model", help="the model namespace (default: the served model)")
     prewarm.add_argument("--pin", action="store_true", help="keep the snapshot from the disk budget")
 
+    several = sub.add_parser("backends", help="a model on several backends: list them, drain one, put it back",
+                             description="The backends of a model that runs on several ([[backends]] tables of one "
+                             "name). A drained backend gets no new session, and each of its sessions moves to "
+                             "another backend at its next turn, its latest turn saved first.")
+    verbs = several.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = verbs.add_parser("ls", parents=[common], help="each backend: up, draining, active sessions")
+    listing.add_argument("--model", help="the model (default: the first)")
+    for verb, what in (("drain", "take a backend out of service"), ("undrain", "put a drained backend back")):
+        action = verbs.add_parser(verb, parents=[common], help=what)
+        action.add_argument("backend", metavar="URL", help="the backend's URL, as `slotkeeper backends ls` shows it")
+
     sub.add_parser("doctor", parents=[common], help="check the backend's settings, slot dir, fingerprints and "
                    "restores, and say what to change",
                    description="Check a running slotkeeper and its backend; exit status 1 if a check fails.")
@@ -113,11 +124,33 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
             return run_doctor(client, args.json, out)
         if args.command == "prewarm":
             return _prewarm(client, args, out, err)
+        if args.command == "backends":
+            return _backends(client, args, out)
         action = args.command if args.command in ("export", "import") else args.action
         return _SESSION_ACTIONS[action](client, args, out)
     except CommandError as exc:
         print(f"slotkeeper: {exc}", file=err)
         return 1
+
+
+def _backends(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
+    if args.action == "ls":
+        data = client.call("GET", "/api/backend", {"model": args.model} if args.model else None)
+        model, listed = data["model"], data.get("backends")
+        if listed is None:
+            raise CommandError(f"model {model!r} runs on one backend ({data['url']})")
+    else:
+        data = client.call("POST", "/api/backend/drain", body={"backend": args.backend,
+                                                               "draining": args.action == "drain"})
+        model, listed = data["model"], data["backends"]
+    if args.json:
+        print_json({"model": model, "backends": listed}, out)
+        return 0
+    rows = [[b["url"], "up" if b["up"] else "down", "yes" if b["draining"] else "no", b["active_sessions"],
+             b["moved_in"]] for b in listed]
+    print(table(["BACKEND", "STATE", "DRAINING", "ACTIVE SESSIONS", "MOVED IN"], rows), file=out)
+    print(f"model {model}: {len(listed)} backends", file=out)
+    return 0
 
 
 def _ls(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:

@@ -6,10 +6,13 @@ no later request fails."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -238,8 +241,13 @@ def test_a_drained_backends_sessions_move_at_their_next_turn_with_their_latest_s
     newcomers = [Chat(f"new-{i}") for i in range(6)]
     assert run_turns(newcomers, client, turns=1, threads=1) == []
     assert drained not in {c.served_by[0] for c in newcomers}
-    back = httpx.post(keeper.url + "/api/backend/drain", json={"backend": drained, "draining": False}, timeout=30)
-    assert back.status_code == 200
+    listed = subprocess.run([sys.executable, "-m", "slotkeeper.cli", "backends", "ls", "--url", keeper.url],
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and "3 backends" in listed.stdout and drained in listed.stdout, listed
+    back = subprocess.run([sys.executable, "-m", "slotkeeper.cli", "backends", "undrain", drained, "--url",
+                           keeper.url, "--json"], capture_output=True, text=True, timeout=60)
+    assert back.returncode == 0, back.stderr
+    assert {b["url"]: b["draining"] for b in json.loads(back.stdout)["backends"]}[drained] is False
     missing = httpx.post(keeper.url + "/api/backend/drain", json={"backend": "http://127.0.0.1:1"}, timeout=30)
     assert missing.status_code == 404
     info = httpx.get(keeper.url + "/api/backend", timeout=30).json()
