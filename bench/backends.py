@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from bench import day
-from bench.common import BenchConfig, machine, make_model, percentile, prime, processes, state_size
+from bench.common import BenchConfig, machine, make_model, prime, processes, state_size
 from bench.messages import PrefillCounters, prefill_counters
 from slotkeeper.upstream.launcher import free_port
 from tests.support import Backend, Slotkeeper, wait_healthy
@@ -136,10 +136,6 @@ def front(procs: Any, root: Path, label: str, name: str, backends: list[Backend]
     return keeper.start(timeout=120).url
 
 
-def _ttft(values: list[float]) -> dict[str, float]:
-    return {"n": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95)} if values else {"n": 0}
-
-
 def summarize(requests: list[day.Request], samples: list[dict[str, Any]],
               totals: dict[str, dict[str, Any]]) -> dict[str, Any]:
     prompt = sum(len(r.tokens) for r in requests)
@@ -154,7 +150,7 @@ def summarize(requests: list[day.Request], samples: list[dict[str, Any]],
         out[name] = {
             "requests": len(mine), "errors": len(mine) - len(ok),
             "wall_seconds": t["wall_seconds"], "requests_per_second": len(ok) / t["wall_seconds"],
-            "ttft_ms": _ttft([s["ttft_ms"] for s in ok]), "resumed_ttft_ms": _ttft(resumed),
+            "ttft_ms": day.ttft_stats([s["ttft_ms"] for s in ok]), "resumed_ttft_ms": day.ttft_stats(resumed),
             "prompt_tokens": prompt, "shared_prefix_tokens": shared, "prefilled": t["prefilled"],
             "reused": prompt - t["prefilled"], "efficiency": (prompt - t["prefilled"]) / shared if shared else None,
             "prompt_seconds": t["prompt_seconds"], "backends": t["backends"],

@@ -512,7 +512,7 @@ def run_step(client: httpx.Client, url: str, step: Step) -> list[Sent]:
     return [out[0], out[1]]
 
 
-def _ttft(values: list[float]) -> dict[str, float]:
+def ttft_stats(values: list[float]) -> dict[str, float]:
     return {"n": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95)} if values else {"n": 0}
 
 
@@ -553,9 +553,9 @@ def summarize(requests: list[Request], samples: list[dict[str, Any]], totals: di
             "efficiency": reused / shared if shared else None,
             "prompt_seconds": t["prompt_seconds"], "wall_seconds": t["wall_seconds"],
             "restart_seconds": t["restart_seconds"],
-            "ttft_ms": {kind: _ttft([s["ttft_ms"] for s in mine if s["kind"] == kind and s["status"] == 200])
+            "ttft_ms": {kind: ttft_stats([s["ttft_ms"] for s in mine if s["kind"] == kind and s["status"] == 200])
                         for kind in KINDS},
-            "resumed_ttft_ms": _ttft(resumed),
+            "resumed_ttft_ms": ttft_stats(resumed),
             "by_step_kind": by_kind,
             "prompt_check": {"reported": len(check),
                              "mismatched": sum(1 for s in check if s["reported_prompt_tokens"] != s["prompt_tokens"])},

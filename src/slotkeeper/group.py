@@ -15,8 +15,8 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 from slotkeeper.cache.chain import Link
 from slotkeeper.cache.pool import SlotPool
@@ -31,6 +31,7 @@ from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import Probe
 
 log = logging.getLogger("slotkeeper.group")
+T = TypeVar("T")
 
 # How long a moving session waits for its previous owner (still up: draining or overloaded) to save its latest turn.
 MOVE_SAVE_SECONDS = 30.0
@@ -66,8 +67,6 @@ class BackendGroup:
         self.members = list(members)
         self._by_name = {m.backend.url: m for m in self.members}
         self.placement = Placement(list(self._by_name), load_factor)
-        self.moves = 0
-        self.failed_moves = 0
         self.moved_in: dict[str, int] = {}  # per member: sessions that moved there with their snapshot
 
     async def learn_owners(self) -> int:
@@ -77,9 +76,6 @@ class BackendGroup:
             for snapshot in await member.snapshots.list(None, SnapshotKind.SESSION):
                 self.placement.learn(snapshot.session_id, member.backend.url, snapshot.last_used)
         return len(self.placement)
-
-    def member_of(self, name: str) -> Member:
-        return self._by_name[name]
 
     def drain(self, url: str, draining: bool) -> None:
         """Take a backend out of service (`draining`: it gets no new session, and each of its sessions moves at its
@@ -104,9 +100,10 @@ class BackendGroup:
         return self._by_name[self.placement.peek(key.session_id, ring_key(key), up)]
 
     async def owner_for(self, key: SessionKey, exclude: frozenset[str] = frozenset(),
-                        system: SystemPrompt | None = None) -> Member:
+                        system: Callable[[], SystemPrompt | None] | None = None) -> Member:
         """The member a turn of `key` goes to now, with the session's newest snapshot brought in when it moves, and
-        (a new session) its system prompt's snapshot when another member has it and this one has not."""
+        (a new session) its system prompt's snapshot when another member has it and this one has not. `system`
+        gives the request's system part; it is computed only for a new session."""
         up = [m.backend.url for m in self.members if m.service.health.up]
         choice = self.placement.place(key.session_id, ring_key(key), up, time.time(), exclude)
         member = self._by_name[choice.member]
@@ -115,8 +112,9 @@ class BackendGroup:
                      choice.previous)
         if choice.moved or choice.previous is None:
             await self._bring_newest(key, member, choice)
-        if choice.previous is None and system is not None and member.pool.system_snapshots:
-            await self._bring_system(SessionKey(key.model, system.digest), member)
+        prompt = system() if choice.previous is None and system is not None and member.pool.system_snapshots else None
+        if prompt is not None:
+            await self._bring_system(SessionKey(key.model, prompt.digest), member)
         return member
 
     async def _bring_system(self, key: SessionKey, dest: Member) -> None:
@@ -167,13 +165,11 @@ class BackendGroup:
         try:
             imported = await copy_snapshot(source, dest, key)
         except (SlotkeeperError, OSError) as exc:
-            self.failed_moves += 1
             message = exc.message if isinstance(exc, SlotkeeperError) else str(exc)
             log.warning("session %s: bringing its snapshot from %s to %s failed (%s); the turn prefills",
                         key.session_id, source.backend.url, dest.backend.url, message)
             return
         if imported is not None:
-            self.moves += 1
             self.moved_in[dest.backend.url] = self.moved_in.get(dest.backend.url, 0) + 1
             log.info("session %s: its snapshot of %d tokens came from %s to %s (%s)", key.session_id,
                      imported.n_tokens, source.backend.url, dest.backend.url, choice.why)
@@ -187,30 +183,31 @@ class BackendGroup:
     async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
                     hung_up: HungUp | None = None, chat: Mapping[str, Any] | None = None,
                     chain: Sequence[Link] | None = None) -> tuple[Any, TurnRecord]:
-        member = self._for_side_task(key) if side else await self.owner_for(key, system=_system_of(build, chat))
-        try:
-            return await member.service.unary(api, key, path, build, side=side, hung_up=hung_up, chat=chat,
-                                              chain=chain)
-        except UpstreamUnavailable:
-            if not await self._refused(member):
-                raise
-        member = await self.owner_for(key, exclude=frozenset({member.backend.url}))
-        return await member.service.unary(api, key, path, build, side=side, hung_up=hung_up, chat=chat, chain=chain)
+        return await self._on_owner(key, side, build, chat, lambda member: member.service.unary(
+            api, key, path, build, side=side, hung_up=hung_up, chat=chat, chain=chain))
 
     async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
                           warm_in_stream: bool = False, hung_up: HungUp | None = None,
                           chat: Mapping[str, Any] | None = None,
                           chain: Sequence[Link] | None = None) -> StreamTurn:
-        member = self._for_side_task(key) if side else await self.owner_for(key, system=_system_of(build, chat))
+        return await self._on_owner(key, side, build, chat, lambda member: member.service.open_stream(
+            api, key, path, build, side=side, warm_in_stream=warm_in_stream, hung_up=hung_up, chat=chat,
+            chain=chain))
+
+    async def _on_owner(self, key: SessionKey, side: bool, build: BodyBuilder, chat: Mapping[str, Any] | None,
+                        run: Callable[[Member], Awaitable[T]]) -> T:
+        """Run the turn on the session's member; when that backend refuses the connection (it died before the watch
+        noticed), once more on the member placed without it."""
+        if side:
+            member = self._for_side_task(key)
+        else:
+            member = await self.owner_for(key, system=lambda: system_prompt_of(chat if chat is not None else build(0)))
         try:
-            return await member.service.open_stream(api, key, path, build, side=side, warm_in_stream=warm_in_stream,
-                                                    hung_up=hung_up, chat=chat, chain=chain)
+            return await run(member)
         except UpstreamUnavailable:
             if not await self._refused(member):
                 raise
-        member = await self.owner_for(key, exclude=frozenset({member.backend.url}))
-        return await member.service.open_stream(api, key, path, build, side=side, warm_in_stream=warm_in_stream,
-                                                hung_up=hung_up, chat=chat, chain=chain)
+        return await run(await self.owner_for(key, exclude=frozenset({member.backend.url})))
 
     async def prewarm(self, model: str, system: SystemPrompt, progress: ProgressCallback | None = None,
                       pin: bool = False) -> Prewarm:
@@ -219,11 +216,6 @@ class BackendGroup:
         order = self.placement.walk(f"sys-{system.digest}")
         first = next((name for name in order if name in up), order[0])
         return await self._by_name[first].service.prewarm(model, system, progress, pin)
-
-
-def _system_of(build: BodyBuilder, chat: Mapping[str, Any] | None) -> SystemPrompt | None:
-    """The request's system part, as the service computes it."""
-    return system_prompt_of(chat if chat is not None else build(0))
 
 
 async def copy_snapshot(source: Member, dest: Member, key: SessionKey,

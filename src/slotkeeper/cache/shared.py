@@ -100,7 +100,6 @@ class SharedTier:
         self._unreachable_until = 0.0
         self.budget = budget  # bytes of snapshot files the store may hold (0: no limit)
         self._swept = 0.0
-        self.evictions = 0
 
     # -- keys -------------------------------------------------------------------------------------------------
 
@@ -176,7 +175,6 @@ class SharedTier:
                 total -= blobs.pop(named_blob)
             removed += 1
         if removed:
-            self.evictions += removed
             log.info("the shared store's budget (%d bytes) removed %d snapshot(s), the least recently saved",
                      self.budget, removed)
         return removed
