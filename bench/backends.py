@@ -7,6 +7,10 @@ from its own client thread at once, its steps in order: eight conversations comp
 do. Each llama-server has one slot (`--parallel 1`), and the machine's cores are shared out among the servers of a
 target (`-t`: all of them for one server; one each for three on two cores).
 
+*slotkeeper, 2 replicas over 3 backends* is two slotkeepers sharing a session directory (Redis) and a snapshot store
+(moto's S3 server), one over two of the servers and one over the third, with each request sent to a random one of
+them, as a plain balancer in front of two hosts would.
+
 Reported per target: wall time and throughput (requests per second), time to first token (every request, and the
 resumed turns: a conversation's turns after its first), reuse efficiency (as in `day`: the prompt tokens not
 prefilled, summed over every backend's /metrics, over the longest prefix each request shares with an earlier one),
@@ -15,6 +19,7 @@ and how the prompt tokens spread over the backends."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -28,9 +33,10 @@ from bench import day
 from bench.common import BenchConfig, machine, make_model, prime, processes, state_size
 from bench.messages import PrefillCounters, prefill_counters
 from slotkeeper.upstream.launcher import free_port
-from tests.support import Backend, Slotkeeper, wait_healthy
+from tests.support import Backend, ObjectStoreServer, RedisServer, Slotkeeper, wait_healthy
 
-TARGETS = ("slotkeeper, 1 backend", "slotkeeper, 3 backends", "round-robin, 3 llama-servers")
+TARGETS = ("slotkeeper, 1 backend", "slotkeeper, 3 backends", "slotkeeper, 2 replicas over 3 backends",
+           "round-robin, 3 llama-servers")
 MODEL_NAME = "day"
 
 
@@ -83,15 +89,16 @@ def run_target(root: Path, model: Path, name: str, by_conversation: dict[str, li
         backends = [procs.backend(f"{label}-{i}", cache_ram, ctx, extra_args=(*metrics, *threads)) for i in range(n)]
         for backend in backends:
             prime(client, backend.url)
-        url = front(procs, root, label, name, backends)
+        urls = front(procs, root, label, name, backends)
         base = [prefill_counters(client, b.url) for b in backends]
         rows: list[dict[str, Any]] = []
         lock = threading.Lock()
 
         def converse(conversation: str, steps: list[day.Step]) -> None:
+            pick = random.Random(conversation)  # several replicas: each step to a random one, as a balancer would
             with httpx.Client(timeout=600) as own:
                 for index, step in enumerate(steps):
-                    results = day.run_step(own, url, step)
+                    results = day.run_step(own, pick.choice(urls), step)
                     with lock:
                         for r, sent in zip(step, results, strict=True):
                             rows.append({"target": name, "conversation": conversation, "turn": index, "kind": r.kind,
@@ -115,9 +122,21 @@ def run_target(root: Path, model: Path, name: str, by_conversation: dict[str, li
                   "prompt_tokens_per_backend": [s.prefilled + s.reused for s in spent]}
 
 
-def front(procs: Any, root: Path, label: str, name: str, backends: list[Backend]) -> str:
-    """What the clients talk to: slotkeeper over the backends (one model, one [[backends]] table each), or the
-    round-robin balancer."""
+def front(procs: Any, root: Path, label: str, name: str, backends: list[Backend]) -> list[str]:
+    """What the clients talk to: slotkeeper over the backends (one model, one [[backends]] table each), two
+    slotkeeper replicas sharing a session directory (Redis) and a snapshot store (moto's S3 server), the first over
+    two of the backends and the second over the third, or the round-robin balancer."""
+    if "replicas" in name:
+        redis = RedisServer(root / "redis").start()
+        procs.stack.callback(redis.stop)
+        store = ObjectStoreServer(root / "s3.log").start()
+        procs.stack.callback(store.stop)
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+        shared = ("--directory", redis.url, "--shared-store", f"s3://{store.bucket}/bench", "--shared-endpoint",
+                  store.url)
+        return [_keeper(procs, root, f"{label}-a", backends[:2], shared),
+                _keeper(procs, root, f"{label}-b", backends[2:], shared)]
     if name.startswith("round-robin"):
         port = free_port()
         log = (root / f"{label}.log").open("ab")
@@ -126,12 +145,16 @@ def front(procs: Any, root: Path, label: str, name: str, backends: list[Backend]
         procs.stack.callback(log.close)
         procs.stack.callback(lambda: (process.terminate(), process.wait(10)))
         wait_healthy(f"http://127.0.0.1:{port}", process, 60)
-        return f"http://127.0.0.1:{port}"
+        return [f"http://127.0.0.1:{port}"]
+    return [_keeper(procs, root, label, backends)]
+
+
+def _keeper(procs: Any, root: Path, label: str, backends: list[Backend], extra: tuple[str, ...] = ()) -> str:
     config = root / f"{label}.toml"
     config.write_text("".join(f'[[backends]]\nname = "{MODEL_NAME}"\nupstream = "{b.url}"\n'
                               f'slot_dir = "{b.slot_dir}"\n\n' for b in backends))
     keeper = Slotkeeper(root / label / "cache", root / f"{label}.log",
-                        extra_args=("--config", str(config), "--save-idle-seconds", "2"))
+                        extra_args=("--config", str(config), "--save-idle-seconds", "2", *extra))
     procs.stack.callback(keeper.stop)
     return keeper.start(timeout=120).url
 

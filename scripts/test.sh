@@ -19,6 +19,15 @@ if ! command -v chromium >/dev/null 2>&1; then
     echo "scripts/test.sh: chromium is missing (apt-get install chromium); the dashboard test is skipped" >&2
   fi
 fi
+# The session-directory tests start Debian's redis-server on loopback (tests/support.RedisServer).
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >&2
+  else
+    echo "scripts/test.sh: redis-server is missing (apt-get install redis-server); the directory tests will fail" >&2
+  fi
+fi
 export SLOTKEEPER_LLAMA_SERVER
 VENV="${SLOTKEEPER_VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"

@@ -6,7 +6,9 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -266,6 +268,46 @@ class ObjectStoreServer:
 
     def stop(self) -> None:
         _stop(self.process, signal.SIGTERM)
+
+
+@dataclass
+class RedisServer:
+    """Debian's redis-server on loopback (a child process), persisting to an append-only file in `data_dir`, so that
+    a restart keeps every key (the fencing counters among them)."""
+
+    data_dir: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("no redis-server: apt-get install redis-server (scripts/test.sh does in CI)")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with (self.data_dir / "redis.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+                 "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--protected-mode", "yes"],
+                stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start: {(self.data_dir / 'redis.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        _stop(self.process, sig)
 
 
 def _stop(process: subprocess.Popen[bytes] | None, sig: int) -> int | None:

@@ -135,6 +135,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--shared-budget", metavar="SIZE",
                        help="keep the shared store's snapshot files under SIZE (e.g. 2T), removing the least "
                        "recently saved (default 0: no limit; or use the store's own lifecycle rules)")
+    serve.add_argument("--directory", metavar="redis://HOST:PORT/DB",
+                       help="several slotkeeper replicas behind one address: share a session directory in this "
+                       "Redis or Valkey; each request runs on the replica holding its session's lease (others "
+                       "forward it there), and new sessions are spread over every replica's backends")
+    serve.add_argument("--replica-url", metavar="URL",
+                       help="the URL the other replicas reach this one at (default: http://HOST:PORT of --host "
+                       "and --port)")
     serve.add_argument("--slot-op-timeout", type=float, metavar="S",
                        help="give up on a slot save, restore or erase after S seconds (default 120)")
     serve.add_argument("--start-timeout", type=float, metavar="S",

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -126,6 +127,11 @@ class Settings:
     shared_endpoint: str | None = None
     # Bytes of snapshot files the shared store may hold (0: no limit); the least recently saved go first.
     shared_budget: int = 0
+    # The session directory several slotkeeper replicas share (directory.py): redis://HOST:PORT/DB (Redis or
+    # Valkey), and the URL the other replicas reach this one at (default: http://<host>:<port>, with this
+    # machine's name for a wildcard host).
+    directory: str | None = None
+    replica_url: str | None = None
 
     @property
     def index_path(self) -> Path:
@@ -199,7 +205,17 @@ class Settings:
             ))
         return units
 
+    def effective_replica_url(self) -> str:
+        if self.replica_url is not None:
+            return self.replica_url
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+
     def validate(self) -> None:
+        if self.directory is not None and not re.fullmatch(r"(redis|rediss|unix)://.+", self.directory):
+            raise ValueError(f"the directory must look like redis://HOST:PORT/DB, not {self.directory!r}")
+        if self.replica_url is not None and not re.fullmatch(r"https?://[^/]+", self.replica_url):
+            raise ValueError(f"the replica URL must look like http://HOST:PORT, not {self.replica_url!r}")
         if self.shared_store is not None and not re.fullmatch(r"s3://[^/]+(/.*)?", self.shared_store):
             raise ValueError(f"the shared store must look like s3://BUCKET/PREFIX, not {self.shared_store!r}")
         if self.load_factor < 1:
@@ -466,6 +482,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "side_task_hold_seconds": float,
     "load_factor": float,
     "shared_endpoint": lambda v: str(v).rstrip("/"),
+    "replica_url": lambda v: str(v).rstrip("/"),
     "start_timeout": float,
     "shutdown_timeout": float,
     "launch_command": _command,

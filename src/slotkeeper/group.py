@@ -33,6 +33,9 @@ from slotkeeper.upstream.health import Probe
 log = logging.getLogger("slotkeeper.group")
 T = TypeVar("T")
 
+# Asks the session directory for another backend of this replica when the one it chose refused a turn.
+Reroute = Callable[[str], Awaitable[str | None]]
+
 # How long a moving session waits for its previous owner (still up: draining or overloaded) to save its latest turn.
 MOVE_SAVE_SECONDS = 30.0
 
@@ -100,12 +103,16 @@ class BackendGroup:
         return self._by_name[self.placement.peek(key.session_id, ring_key(key), up)]
 
     async def owner_for(self, key: SessionKey, exclude: frozenset[str] = frozenset(),
-                        system: Callable[[], SystemPrompt | None] | None = None) -> Member:
+                        system: Callable[[], SystemPrompt | None] | None = None, at: str | None = None) -> Member:
         """The member a turn of `key` goes to now, with the session's newest snapshot brought in when it moves, and
         (a new session) its system prompt's snapshot when another member has it and this one has not. `system`
-        gives the request's system part; it is computed only for a new session."""
-        up = [m.backend.url for m in self.members if m.service.health.up]
-        choice = self.placement.place(key.session_id, ring_key(key), up, time.time(), exclude)
+        gives the request's system part; it is computed only for a new session. `at`: the member the session
+        directory chose (several replicas), taken unless it is excluded."""
+        if at is not None and at in self._by_name and at not in exclude:
+            choice = self.placement.assign(key.session_id, at, time.time())
+        else:
+            up = [m.backend.url for m in self.members if m.service.health.up]
+            choice = self.placement.place(key.session_id, ring_key(key), up, time.time(), exclude)
         member = self._by_name[choice.member]
         if choice.moved:
             log.info("session %s moves to %s (%s, was on %s)", key.session_id, choice.member, choice.why,
@@ -182,32 +189,42 @@ class BackendGroup:
 
     async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
                     hung_up: HungUp | None = None, chat: Mapping[str, Any] | None = None,
-                    chain: Sequence[Link] | None = None) -> tuple[Any, TurnRecord]:
-        return await self._on_owner(key, side, build, chat, lambda member: member.service.unary(
+                    chain: Sequence[Link] | None = None, at: str | None = None,
+                    reroute: Reroute | None = None) -> tuple[Any, TurnRecord]:
+        return await self._on_owner(key, side, build, chat, at, reroute, lambda member: member.service.unary(
             api, key, path, build, side=side, hung_up=hung_up, chat=chat, chain=chain))
 
     async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
                           warm_in_stream: bool = False, hung_up: HungUp | None = None,
                           chat: Mapping[str, Any] | None = None,
-                          chain: Sequence[Link] | None = None) -> StreamTurn:
-        return await self._on_owner(key, side, build, chat, lambda member: member.service.open_stream(
+                          chain: Sequence[Link] | None = None, at: str | None = None,
+                          reroute: Reroute | None = None) -> StreamTurn:
+        return await self._on_owner(key, side, build, chat, at, reroute, lambda member: member.service.open_stream(
             api, key, path, build, side=side, warm_in_stream=warm_in_stream, hung_up=hung_up, chat=chat,
             chain=chain))
 
+    def pinned(self, url: str, reroute: Reroute | None = None) -> Pinned:
+        """The group's turn methods with each turn sent to the member `url` (the session directory's choice);
+        `reroute` asks the directory for another when that one refuses the turn."""
+        return Pinned(self, url, reroute)
+
     async def _on_owner(self, key: SessionKey, side: bool, build: BodyBuilder, chat: Mapping[str, Any] | None,
-                        run: Callable[[Member], Awaitable[T]]) -> T:
+                        at: str | None, reroute: Reroute | None, run: Callable[[Member], Awaitable[T]]) -> T:
         """Run the turn on the session's member; when that backend refuses the connection (it died before the watch
-        noticed), once more on the member placed without it."""
+        noticed), once more on the member placed without it (by the directory, with `reroute`, when it placed the
+        first)."""
         if side:
-            member = self._for_side_task(key)
+            member = self._by_name.get(at or "") or self._for_side_task(key)
         else:
-            member = await self.owner_for(key, system=lambda: system_prompt_of(chat if chat is not None else build(0)))
+            member = await self.owner_for(key, system=lambda: system_prompt_of(chat if chat is not None else build(0)),
+                                          at=at)
         try:
             return await run(member)
         except UpstreamUnavailable:
             if not await self._refused(member):
                 raise
-        return await run(await self.owner_for(key, exclude=frozenset({member.backend.url})))
+        again = await reroute(member.backend.url) if reroute is not None and at is not None else None
+        return await run(await self.owner_for(key, exclude=frozenset({member.backend.url}), at=again))
 
     async def prewarm(self, model: str, system: SystemPrompt, progress: ProgressCallback | None = None,
                       pin: bool = False) -> Prewarm:
@@ -216,6 +233,33 @@ class BackendGroup:
         order = self.placement.walk(f"sys-{system.digest}")
         first = next((name for name in order if name in up), order[0])
         return await self._by_name[first].service.prewarm(model, system, progress, pin)
+
+
+class Pinned:
+    """A BackendGroup whose turns go to one member, chosen by the session directory; pre-warms as the group's."""
+
+    def __init__(self, group: BackendGroup, url: str, reroute: Reroute | None = None) -> None:
+        self.group = group
+        self.url = url
+        self.reroute = reroute
+
+    async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
+                    hung_up: HungUp | None = None, chat: Mapping[str, Any] | None = None,
+                    chain: Sequence[Link] | None = None) -> tuple[Any, TurnRecord]:
+        return await self.group.unary(api, key, path, build, side=side, hung_up=hung_up, chat=chat, chain=chain,
+                                      at=self.url, reroute=self.reroute)
+
+    async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
+                          warm_in_stream: bool = False, hung_up: HungUp | None = None,
+                          chat: Mapping[str, Any] | None = None,
+                          chain: Sequence[Link] | None = None) -> StreamTurn:
+        return await self.group.open_stream(api, key, path, build, side=side, warm_in_stream=warm_in_stream,
+                                            hung_up=hung_up, chat=chat, chain=chain, at=self.url,
+                                            reroute=self.reroute)
+
+    async def prewarm(self, model: str, system: SystemPrompt, progress: ProgressCallback | None = None,
+                      pin: bool = False) -> Prewarm:
+        return await self.group.prewarm(model, system, progress, pin)
 
 
 async def copy_snapshot(source: Member, dest: Member, key: SessionKey,

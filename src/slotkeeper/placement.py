@@ -40,6 +40,7 @@ class Placed(StrEnum):
     OWNER_DOWN = "owner down"  # its owner is down: moved
     OVERLOADED = "owner overloaded"  # its owner holds more than the bound: moved
     DRAINING = "owner draining"  # an operator is taking its owner out of service: moved
+    DIRECTORY = "placed by the session directory"  # the replicas' shared directory chose another backend
 
 
 @dataclass(frozen=True)
@@ -109,23 +110,30 @@ class Placement:
         """The backend for a request of `session` now, recorded as its owner. `up`: the backends that serve now
         (when none does, the choice ignores health: the request then waits for its backend); `exclude`: backends
         not to take this time (one that just refused the request)."""
-        alive = [m for m in self.members if m in set(up) and m not in exclude]
-        serving = [m for m in alive if m not in self.draining]
-        candidates = serving or alive or [m for m in self.members if m not in exclude] or list(self.members)
-        loads = self.loads(now)
         owned = self._owners.get(session)
         previous = None if owned is None else owned.member
         active = owned is not None and now - owned.last_used < ACTIVE_SECONDS
+        return self._record(session, self.choose(ring_key, previous, active, self.loads(now), up, exclude), now)
+
+    def choose(self, ring_key: str, previous: str | None, active: bool, loads: dict[str, int], up: Iterable[str],
+               exclude: Collection[str] = ()) -> Choice:
+        """The backend for a session whose owner is `previous` (`active`: it counts in `loads`, the active sessions
+        per backend), recording nothing: its owner while that serves and is within the bound, else the first backend
+        on its ring walk under the bound."""
+        alive = [m for m in self.members if m in set(up) and m not in exclude]
+        serving = [m for m in alive if m not in self.draining]
+        candidates = serving or alive or [m for m in self.members if m not in exclude] or list(self.members)
+        loads = {m: loads.get(m, 0) for m in self.members}
         if previous is not None and previous in candidates:
             # Its own active session is in the load already; an idle one comes back to it.
             if loads[previous] + (0 if active else 1) <= self.bound(loads, candidates, 0 if active else 1):
-                return self._record(session, Choice(previous, Placed.OWNER, previous), now)
+                return Choice(previous, Placed.OWNER, previous)
             why = Placed.OVERLOADED
         elif previous is not None:
             why = Placed.DRAINING if previous in self.draining else Placed.OWNER_DOWN
         else:
             why = Placed.NEW
-        if previous is not None and active:
+        if previous is not None and active and previous in loads:
             loads[previous] -= 1  # it leaves its owner
         limit = self.bound(loads, candidates, 1)
         order = [m for m in self.walk(ring_key) if m in candidates]
@@ -133,8 +141,15 @@ class Placement:
         if chosen is None:  # only the previous owner is under the bound, or every backend is at it
             chosen = min(order, key=lambda m: loads[m])
         if chosen == previous:
-            return self._record(session, Choice(chosen, Placed.OWNER, previous), now)
-        return self._record(session, Choice(chosen, why, previous), now)
+            return Choice(chosen, Placed.OWNER, previous)
+        return Choice(chosen, why, previous)
+
+    def assign(self, session: str, member: str, now: float) -> Choice:
+        """Record `member` as the owner of `session`, chosen elsewhere (by the session directory that several
+        replicas share)."""
+        previous = self.owner(session)
+        why = Placed.OWNER if previous == member else Placed.NEW if previous is None else Placed.DIRECTORY
+        return self._record(session, Choice(member, why, previous), now)
 
     def peek(self, session: str, ring_key: str, up: Iterable[str]) -> str:
         """Where a request of `session` that is not a turn of it goes (a side task: a title or tags request), without

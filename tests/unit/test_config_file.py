@@ -90,7 +90,8 @@ def test_every_setting_can_come_from_the_file(tmp_path: Path) -> None:
     settings = Settings.build({"upstream": "http://h:1", "slot_dir": "/s", "session_headers": ["X-A"],
                                "cache_ram_mib": 0, "log_json": True, "model_alias": "m", "ram_budget": "1G",
                                "ram_dir": "/dev/shm/r", "shared_store": "s3://team/slots",
-                               "shared_endpoint": "http://127.0.0.1:9000"}, {})
+                               "shared_endpoint": "http://127.0.0.1:9000", "directory": "redis://10.0.0.5:6379/0",
+                               "replica_url": "http://host-a:11434"}, {})
     path = write(tmp_path, settings_toml(settings))
     assert Settings.build({"config": str(path)}, {}) == settings
     names = set(tomllib.loads(path.read_text()))
@@ -215,3 +216,12 @@ def test_print_config_reports_a_bad_file_on_stderr(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.startswith(f"slotkeeper: config file {path}: unknown setting 'bogus'")
+
+
+def test_the_directory_and_replica_url_are_checked_and_the_replica_url_has_a_default(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="redis://HOST:PORT/DB"):
+        Settings.build({"directory": "10.0.0.5:6379"}, {})
+    with pytest.raises(ValueError, match="http://HOST:PORT"):
+        Settings.build({"directory": "redis://r:6379/0", "replica_url": "host-a:11434"}, {})
+    assert Settings.build({"port": 11500}, {}).effective_replica_url() == "http://127.0.0.1:11500"
+    assert Settings.build({"replica_url": "http://host-a:1"}, {}).effective_replica_url() == "http://host-a:1"

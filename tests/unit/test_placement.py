@@ -146,3 +146,25 @@ def test_a_draining_backend_gets_no_new_session_and_its_own_move() -> None:
             assert choice.member == owner
     placement.draining.clear()
     assert any(placement.place(f"n{i}", f"n{i}", MEMBERS, 3.0).member == drained for i in range(20))
+
+
+def test_a_choice_from_loads_counted_elsewhere_keeps_the_bound_and_records_nothing() -> None:
+    """The session directory counts the loads itself (in Redis) and records the owner there: `choose` takes them."""
+    placement = Placement(MEMBERS, load_factor=1.25)
+    walk = placement.walk("s")
+    full = {walk[0]: 3, walk[1]: 1, walk[2]: 1}  # the bound: ceil(1.25 * 5 / 3) = 3, and with one more, 3
+    choice = placement.choose("s", None, False, full, MEMBERS)
+    assert (choice.member, choice.why) == (walk[1], Placed.NEW) and len(placement) == 0
+    kept = placement.choose("s", walk[0], True, full, MEMBERS)
+    assert (kept.member, kept.why) == (walk[0], Placed.OWNER)
+    moved = placement.choose("s", walk[0], True, full, [walk[1], walk[2]])
+    assert moved.why is Placed.OWNER_DOWN and moved.member != walk[0]
+
+
+def test_an_owner_assigned_by_the_directory_is_recorded() -> None:
+    placement = Placement(MEMBERS)
+    first = placement.assign("s", MEMBERS[1], 0.0)
+    assert (first.why, first.previous) == (Placed.NEW, None)
+    again = placement.assign("s", MEMBERS[2], 1.0)
+    assert (again.why, again.previous, again.moved) == (Placed.DIRECTORY, MEMBERS[1], True)
+    assert placement.owner("s") == MEMBERS[2]

@@ -244,3 +244,39 @@ async def test_the_budget_removes_the_least_recently_saved_and_files_no_manifest
             if k.startswith("manifests/")]
     assert oldest not in left and len(left) == 2
     assert "blobs/stray" not in memory.objects and len(memory.blobs()) == 2
+
+
+async def test_a_save_made_under_an_older_lease_is_refused(slot_dir: Path, store: SnapshotStore,
+                                                           tmp_path: Path) -> None:
+    """Replica B took the session's lease (token 2) from A (token 1), which stalled: A's late save does not replace
+    B's manifest, and its file is removed; a save under B's token, or a newer one, replaces it."""
+    memory = MemoryStore()
+    pool_a = make_pool(FakeClient(slot_dir), store)
+    tier_a = tier_of(pool_a, memory)
+    b_slots = tmp_path / "b-slots"
+    store_b = SnapshotStore(b_slots, tmp_path / "b-index" / "index.db")
+    try:
+        pool_b = make_pool(FakeClient(b_slots), store_b)
+        tier_b = tier_of(pool_b, memory)
+        tier_a.fence = lambda key: 1
+        tier_b.fence = lambda key: 2
+        await turn(pool_b, A, n_tokens=14)
+        await pool_b.flush()
+        await upload_all(tier_b)
+        key = tier_b.manifest_key(A, SnapshotKind.SESSION)
+        written = Manifest.from_json(json.loads(memory.objects[key]))
+        assert written.fence == 2
+        await turn(pool_a, A, n_tokens=30)  # the stale holder's late save
+        await pool_a.flush()
+        await upload_all(tier_a)
+        assert tier_a.fenced == 1 and tier_a.uploads == 0
+        assert Manifest.from_json(json.loads(memory.objects[key])) == written
+        assert memory.blobs() == [tier_b.blob_key(written.meta.checksum)]  # A's file went
+        tier_a.fence = lambda key: 3  # A holds the lease again, under a newer token
+        await turn(pool_a, A, n_tokens=40)
+        await pool_a.flush()
+        await upload_all(tier_a)
+        assert tier_a.uploads == 1
+        assert Manifest.from_json(json.loads(memory.objects[key])).fence == 3
+    finally:
+        store_b.close()

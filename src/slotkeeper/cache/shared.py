@@ -66,15 +66,20 @@ class Manifest:
     version: int
     saved_at: float
     origin: str
+    # The fencing token of the lease the save was made under (the session directory of several replicas); None
+    # without a directory. A manifest is never replaced by a save made under an older token.
+    fence: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {**self.meta.to_json(), "manifest_version": self.version, "saved_at": self.saved_at,
-                "origin": self.origin}
+                "origin": self.origin, "fence": self.fence}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
+        fence = data.get("fence")
         return cls(BundleMeta.from_json(data), int(data.get("manifest_version") or 0),
-                   float(data.get("saved_at") or 0.0), str(data.get("origin") or ""))
+                   float(data.get("saved_at") or 0.0), str(data.get("origin") or ""),
+                   fence if isinstance(fence, int) else None)
 
 
 class SharedTier:
@@ -87,7 +92,11 @@ class SharedTier:
         self._fingerprint = fingerprint
         self._origin = origin
         self._import = import_snapshot  # SlotPool.import_snapshot
-        self._queued: dict[tuple[SessionKey, SnapshotKind], None] = {}
+        # What is waiting for its upload, with the fencing token its save was committed under.
+        self._queued: dict[tuple[SessionKey, SnapshotKind], int | None] = {}
+        # The fencing token of the lease this replica holds on a session (the session directory), if any.
+        self.fence: Callable[[SessionKey], int | None] | None = None
+        self.fenced = 0  # uploads refused: the store's manifest was saved under a newer lease
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -117,7 +126,9 @@ class SharedTier:
     def committed(self, key: SessionKey, kind: SnapshotKind) -> None:
         """A save of `key` was committed locally: upload it (later, in the background)."""
         self._ahead.add((key, kind))
-        self._queued[(key, kind)] = None
+        self._queued.pop((key, kind), None)  # the newest goes last in the queue, with its own token
+        self._queued[(key, kind)] = (self.fence(key) if self.fence is not None and kind is SnapshotKind.SESSION
+                                     else None)
         self._idle.clear()
         self._wake.set()
 
@@ -128,9 +139,9 @@ class SharedTier:
             self._wake.clear()
             while self._queued:
                 item = next(iter(self._queued))
-                del self._queued[item]
+                fence = self._queued.pop(item)
                 try:
-                    await self._upload(*item)
+                    await self._upload(*item, fence)
                 except Exception as exc:  # an upload must never end the uploader
                     self.failed_uploads += 1
                     log.warning("uploading the snapshot of %s to the shared store failed (%s); it stays local and "
@@ -187,7 +198,7 @@ class SharedTier:
             return False
         return True
 
-    async def _upload(self, key: SessionKey, kind: SnapshotKind) -> None:
+    async def _upload(self, key: SessionKey, kind: SnapshotKind, fence: int | None = None) -> None:
         found = await self._snapshots.open_for_export(key, kind)
         if found is None:
             self._ahead.discard((key, kind))
@@ -195,7 +206,8 @@ class SharedTier:
         snapshot, chain, handle = found
         with handle:
             blob = self.blob_key(snapshot.checksum)
-            if not await asyncio.to_thread(self._store.exists, blob):
+            put = not await asyncio.to_thread(self._store.exists, blob)
+            if put:
                 await asyncio.to_thread(self._store.put_file, blob, handle, snapshot.n_bytes)
         meta = meta_of(snapshot, chain)
         replaced: str | None = None  # the checksum of the version this upload replaced
@@ -213,8 +225,11 @@ class SharedTier:
                         replaced = None
                         break  # already there
                 except SlotkeeperError:
-                    pass  # a manifest we cannot read is replaced
-            manifest = Manifest(meta, version + 1, time.time(), self._origin)
+                    older = None  # a manifest we cannot read is replaced
+                if older is not None and older.fence is not None and (fence or 0) < older.fence:
+                    await self._refuse_stale(key, fence, older, blob if put else None)
+                    return
+            manifest = Manifest(meta, version + 1, time.time(), self._origin, fence)
             if await asyncio.to_thread(self._store.put_json, self.manifest_key(key, kind), manifest.to_json(), etag):
                 break
         else:
@@ -228,6 +243,16 @@ class SharedTier:
         self.uploads += 1
         log.info("uploaded the %s snapshot of %s to the shared store: %d tokens, %d bytes", kind, key,
                  snapshot.n_tokens, snapshot.n_bytes)
+
+    async def _refuse_stale(self, key: SessionKey, fence: int | None, newer: Manifest, blob: str | None) -> None:
+        """A save made under an older lease than the store's manifest: the manifest stays, the file just put goes."""
+        self.fenced += 1
+        self._ahead.discard((key, SnapshotKind.SESSION))
+        if blob is not None and blob != self.blob_key(newer.meta.checksum):
+            await asyncio.to_thread(self._store.delete, blob)
+        log.warning("the save of %s is not uploaded: it was made under fencing token %s, and the shared store's "
+                    "manifest under the newer token %d (from %s); this replica no longer holds the session's lease",
+                    key, fence if fence is not None else "none", newer.fence, newer.origin or "another replica")
 
     # -- downloads --------------------------------------------------------------------------------------------
 

@@ -80,6 +80,9 @@ async def backend_info(request: Request) -> dict[str, Any]:
         "fingerprint": backend.fingerprint,
         # A model on several backends: each of them, up or not, draining or not, with its active sessions.
         "backends": state.group.status() if state.group is not None else None,
+        # Several replicas (--directory): the directory, whether it answers, the other replicas, leases held here.
+        "directory": replicas.directory.status() if (replicas := getattr(request.app.state, "replicas", None))
+        else None,
         "slot_dir": str(state.snapshots.slot_dir),
         "slot_dir_free_bytes": await asyncio.to_thread(_free_bytes, state.snapshots.slot_dir),
         "started": state.started,

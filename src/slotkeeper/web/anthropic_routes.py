@@ -17,6 +17,7 @@ from slotkeeper.errors import NotFound, SlotkeeperError, UpstreamError
 from slotkeeper.identity import is_side_task, resolve_session
 from slotkeeper.service import StreamTurn
 from slotkeeper.web.openapi import JSON, answers, json_body
+from slotkeeper.web.replicas import turns_for
 from slotkeeper.web.state import app_state
 from slotkeeper.web.streaming import TurnStreamResponse
 
@@ -43,15 +44,18 @@ async def create_message(request: Request) -> Response:
     def build(slot_id: int) -> dict[str, Any]:
         return openai.upstream_body(chat, slot_id)
 
+    turns = await turns_for(request, state, key, side)
+    if isinstance(turns, Response):
+        return turns
     message_id = "msg_" + secrets.token_hex(12)
     stop_sequences = message.stop_sequences or []
     if message.stream:
-        turn = await state.turns.open_stream("anthropic.messages", key, "/v1/chat/completions", build, side=side,
-                                               warm_in_stream=True, hung_up=request.is_disconnected)
+        turn = await turns.open_stream("anthropic.messages", key, "/v1/chat/completions", build, side=side,
+                                       warm_in_stream=True, hung_up=request.is_disconnected)
         encoder = anthropic.MessageStreamEncoder(message_id, message.model, stop_sequences)
         return TurnStreamResponse(turn, _encode(turn, encoder), media_type="text/event-stream")
-    data, record = await state.turns.unary("anthropic.messages", key, "/v1/chat/completions", build, side=side,
-                                             hung_up=request.is_disconnected)
+    data, record = await turns.unary("anthropic.messages", key, "/v1/chat/completions", build, side=side,
+                                     hung_up=request.is_disconnected)
     body = anthropic.to_message(data, message_id=message_id, model=message.model, stop_sequences=stop_sequences)
     return JSONResponse(body, headers=record.headers())
 

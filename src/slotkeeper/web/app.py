@@ -30,6 +30,7 @@ from slotkeeper.web import (
 )
 from slotkeeper.web.errors import error_response
 from slotkeeper.web.openapi import SlotkeeperAPI
+from slotkeeper.web.replicas import Replicas, join_replicas
 from slotkeeper.web.security import Guard
 from slotkeeper.web.state import Backends, backends
 
@@ -40,16 +41,28 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         running: list[RunningBackend] = []
+        joined: Replicas | None = None
+        heartbeat: asyncio.Task[None] | None = None
         try:
             for backend_settings in settings.backend_settings():
                 running.append(await RunningBackend.start(backend_settings))
             await form_groups([r.state for r in running], settings.load_factor)
             app.state.backends = Backends([r.state for r in running])
             app.state.slotkeeper = running[0].state
-            app.state.metrics = metrics.Metrics(app.state.backends)
+            if settings.directory is not None:
+                joined = app.state.replicas = join_replicas(settings, app.state.backends)
+                await joined.directory.beat()
+                heartbeat = asyncio.create_task(joined.directory.run())
+            app.state.metrics = metrics.Metrics(app.state.backends, None if joined is None else joined.directory)
             yield
         finally:
             await asyncio.gather(*(r.stop() for r in running))
+            if heartbeat is not None:
+                heartbeat.cancel()
+                await asyncio.gather(heartbeat, return_exceptions=True)
+            if joined is not None:  # after the last saves: their uploads were made under the leases
+                await joined.directory.close()
+                await joined.aclose()
 
     app = SlotkeeperAPI(title="slotkeeper", version=__version__, lifespan=lifespan)
 

@@ -19,6 +19,7 @@ from slotkeeper.errors import Overloaded, SlotkeeperError
 from slotkeeper.identity import is_side_task, resolve_session
 from slotkeeper.types import IdSource, SessionKey
 from slotkeeper.web.openapi import JSON, answers, json_body
+from slotkeeper.web.replicas import turns_for
 from slotkeeper.web.state import app_state
 from slotkeeper.web.streaming import TurnStreamResponse
 
@@ -118,13 +119,16 @@ async def _turn(request: Request, path: str, api: str, check: Callable[[Mapping[
         forwarded.pop("response_fields", None)
         return forwarded
 
+    turns = await turns_for(request, state, key, side)
+    if isinstance(turns, Response):
+        return turns
     if stream:
-        turn = await state.turns.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected,
-                                               chain=chain)
+        turn = await turns.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected,
+                                       chain=chain)
         chunks = turn.chunks(llama.error_event)
         return TurnStreamResponse(turn, chunks if fields is None else _filtered(chunks, fields))
-    data, record = await state.turns.unary(api, key, path, build, side=side, hung_up=request.is_disconnected,
-                                             chain=chain)
+    data, record = await turns.unary(api, key, path, build, side=side, hung_up=request.is_disconnected,
+                                     chain=chain)
     return JSONResponse(llama.select_fields(data, fields), headers=record.headers())
 
 

@@ -21,6 +21,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from slotkeeper import __version__
+from slotkeeper.directory import Directory
 from slotkeeper.journal import RequestEntry, RequestJournal
 from slotkeeper.types import SnapshotKind
 from slotkeeper.web.state import AppState, Backends, caught_up
@@ -42,7 +43,7 @@ def _child(metric: M, *labels: str) -> M:
 class Metrics:
     """The registry of one running slotkeeper; subscribes to each backend's request journal and cache events."""
 
-    def __init__(self, served: Backends) -> None:
+    def __init__(self, served: Backends, directory: Directory | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         several = label_names(served.all)
@@ -78,6 +79,8 @@ class Metrics:
         self.backend_up = Gauge("slotkeeper_backend_up", "1 when the backend answered /health at the last scrape.",
                                 by_model, registry=r)
         r.register(_StateCollector(served.all, several))
+        if directory is not None:
+            r.register(_DirectoryCollector(directory))
         for state in served.all:
             labels = _model_labels(state, several)
             journal = state.service.journal
@@ -191,6 +194,8 @@ _COUNTERS: list[tuple[str, str, Callable[[_Reading], float]]] = [
     ("slotkeeper_shared_downloads", "Snapshots brought in from the shared store.", lambda r: _shared(r, "downloads")),
     ("slotkeeper_shared_refused_downloads", "Downloads from the shared store refused as damaged.",
      lambda r: _shared(r, "refused_downloads")),
+    ("slotkeeper_shared_fenced_uploads", "Saves not uploaded because the store's manifest was written under a newer "
+     "lease (--directory: another replica holds the session).", lambda r: _shared(r, "fenced")),
 ]
 
 
@@ -229,6 +234,30 @@ _GAUGES: list[tuple[str, str, Callable[[_Reading], float]]] = [
     ("slotkeeper_quarantined_files", "Snapshot files moved aside after failing a check.",
      lambda r: r.state.snapshots.quarantined_now()),
 ]
+
+
+class _DirectoryCollector(Collector):
+    """The session directory of several replicas (--directory), read when scraped."""
+
+    def __init__(self, directory: Directory) -> None:
+        self._directory = directory
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        d = self._directory
+        yield GaugeMetricFamily("slotkeeper_directory_up", "1 while the session directory (--directory) answers; 0: "
+                                "this replica places sessions on its own backends.", value=0 if d.down else 1)
+        yield GaugeMetricFamily("slotkeeper_replicas", "Replicas with a live heartbeat, this one included.",
+                                value=d.replica_count)
+        yield GaugeMetricFamily("slotkeeper_leases_held", "Session leases this replica holds.", value=d.leases_held)
+        yield CounterMetricFamily("slotkeeper_forwarded", "Requests forwarded to the replica holding their session.",
+                                  value=d.forwarded)
+        yield CounterMetricFamily("slotkeeper_leases_taken", "Session leases this replica took.",
+                                  value=d.leases_taken)
+        yield CounterMetricFamily("slotkeeper_leases_lost", "Leases that ran out before this replica could refresh "
+                                  "them.", value=d.leases_lost)
 
 
 class _StateCollector(Collector):

@@ -25,6 +25,7 @@ from slotkeeper.service import StreamTurn, TurnRecord, header_safe
 from slotkeeper.types import SessionKey
 from slotkeeper.web.openapi import JSON as JSON_TYPE
 from slotkeeper.web.openapi import answers, json_body
+from slotkeeper.web.replicas import turns_for
 from slotkeeper.web.state import AppState, backends
 from slotkeeper.web.streaming import TurnStreamResponse
 
@@ -166,11 +167,14 @@ async def _run(request: Request, state: AppState, api: str, key: SessionKey, pat
     # Option names are the client's own strings: percent-encoded unless plain printable ASCII (a header is latin-1,
     # and a CR or LF in one would split it).
     noted = {"X-Slotkeeper-Ignored-Options": ",".join(map(header_safe, opts.ignored))} if opts.ignored else {}
+    turns = await turns_for(request, state, key, side)
+    if isinstance(turns, Response):
+        return turns
     if not stream:
-        data, record = await state.turns.unary(api, key, path, build, side=side, hung_up=request.is_disconnected)
+        data, record = await turns.unary(api, key, path, build, side=side, hung_up=request.is_disconnected)
         answer = ollama.unary_answer(shape, data, _now(), time.perf_counter_ns() - started, _load_ns(record))
         return JSONResponse(answer, headers={**record.headers(), **noted}, media_type=JSON)
-    turn = await state.turns.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected)
+    turn = await turns.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected)
     return TurnStreamResponse(turn, _ndjson(turn, shape, started), media_type=NDJSON, headers=noted)
 
 

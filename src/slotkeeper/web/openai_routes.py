@@ -14,6 +14,7 @@ from slotkeeper.dialects import openai
 from slotkeeper.errors import NotFound
 from slotkeeper.identity import is_side_task, resolve_session
 from slotkeeper.web.openapi import JSON, answers, json_body
+from slotkeeper.web.replicas import turns_for
 from slotkeeper.web.state import AppState, app_state, backends
 from slotkeeper.web.streaming import TurnStreamResponse
 
@@ -98,12 +99,13 @@ async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping
     def build(slot_id: int) -> dict[str, Any]:
         return openai.upstream_body(body, slot_id)
 
+    turns = await turns_for(request, state, key, side)
+    if isinstance(turns, Response):
+        return turns
     if stream:
-        turn = await state.turns.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected,
-                                               chat=chat)
+        turn = await turns.open_stream(api, key, path, build, side=side, hung_up=request.is_disconnected, chat=chat)
         return TurnStreamResponse.passthrough(turn, openai.error_event)
-    data, record = await state.turns.unary(api, key, path, build, side=side, hung_up=request.is_disconnected,
-                                             chat=chat)
+    data, record = await turns.unary(api, key, path, build, side=side, hung_up=request.is_disconnected, chat=chat)
     return JSONResponse(data, headers=record.headers())
 
 
