@@ -16,9 +16,11 @@ directory; its heartbeat tries again every HEARTBEAT_SECONDS, and the directory 
 Keys, all under `sk:`:
 - `replica:<url>`: a replica's heartbeat, JSON of its models' backends (up, draining), expiring after REPLICA_TTL_MS;
   `replicas` is the set of replicas seen (one whose heartbeat expired is removed from it).
-- `owner:<model>:<session>`: JSON `{"backend": url, "used": unix time}` of the session's owner, kept a day.
-- `active:<model>:<backend>`: a sorted set of the backend's sessions by their last turn's time (its load: those of
-  the last ACTIVE_SECONDS).
+- `owner:<model>:<session>`: JSON `{"backend": name, "used": unix time}` of the session's owner, kept a day. A
+  backend's name is `<replica url>|<backend url>`: the backend URL alone is the one its replica reaches, often on
+  loopback, the same on every host.
+- `active:<model>:<backend name>`: a sorted set of the backend's sessions by their last turn's time (its load:
+  those of the last ACTIVE_SECONDS).
 - `lease:<model>:<session>`: `<replica url>|<token>`, expiring after LEASE_MS unless its holder refreshes it.
 - `fence:<model>:<session>`: the session's fencing counter, kept FENCE_SECONDS after its last lease.
 - `placing:<model>`: held for the moment a replica chooses and records a session's new owner.
@@ -272,13 +274,14 @@ class Directory:
                      self.url)
 
     def _cluster(self, model: str) -> dict[str, tuple[str, BackendView]]:
-        """Every backend of `model` that a live replica announces -> (its replica, how it is)."""
+        """Every backend of `model` that a live replica announces, by its name in the directory (see `member`) ->
+        (its replica, how it is)."""
         found: dict[str, tuple[str, BackendView]] = {}
         for replica, models in self._others.items():
             for backend in models.get(model, ()):
-                found[backend.url] = (replica, backend)
+                found[member(replica, backend.url)] = (replica, backend)
         for backend in self._local().get(model, ()):
-            found[backend.url] = (self.replica, backend)
+            found[member(self.replica, backend.url)] = (self.replica, backend)
         return found
 
     def _placement(self, members: Sequence[str]) -> Placement:
@@ -332,9 +335,10 @@ class Directory:
             at = seen.owner if seen.owner in cluster and cluster[seen.owner][1].up else None
             if at is not None and cluster[at][0] != self.replica and not local_only and self._reachable(
                     cluster[at][0]):
-                return Route(False, cluster[at][0], at, None, "side task of a session there")
-            return Route(True, self.replica, at if at in mine else None, None, "side task")
+                return Route(False, cluster[at][0], backend_of(at), None, "side task of a session there")
+            return Route(True, self.replica, backend_of(at) if at in mine else None, None, "side task")
         pool = mine if local_only else [b for b in members if self._reachable(cluster[b][0])]
+        exclude = {member(self.replica, url) for url in exclude}  # this replica's backends, by their URLs
         choice = self._choose(cluster, pool or mine, ring_key, seen, now, exclude)
         if choice.member != seen.owner:
             # A new owner: chosen again and recorded under the model's placement lock, so that replicas placing
@@ -353,8 +357,9 @@ class Directory:
         replica = cluster[choice.member][0]
         if replica != self.replica:
             if holder is not None and holder[0] == self.replica:
-                await self._give_up(model, session, holder[1], f"it moves to {choice.member} on {replica}")
-            return Route(False, replica, choice.member, None, str(choice.why))
+                await self._give_up(model, session, holder[1],
+                                    f"it moves to {backend_of(choice.member)} on {replica}")
+            return Route(False, replica, backend_of(choice.member), None, str(choice.why))
         token = await self._lease(model, session, holder, now)
         if isinstance(token, str):  # another replica took it just now
             if not local_only and self._reachable(token):
@@ -362,9 +367,9 @@ class Directory:
             token = None
         if token is None:
             log.warning("session %s/%s runs on %s without its lease (held by another replica): its saves are not "
-                        "uploaded over the lease holder's", model, session, choice.member)
+                        "uploaded over the lease holder's", model, session, backend_of(choice.member))
         await self._record(model, session, choice, now)
-        return Route(True, self.replica, choice.member, token, str(choice.why))
+        return Route(True, self.replica, backend_of(choice.member), token, str(choice.why))
 
     async def _read(self, model: str, session: str, members: Sequence[str], now: float) -> _Seen:
         """The session's lease and owner and each backend's active sessions: one round trip."""
@@ -390,7 +395,9 @@ class Directory:
         previous = seen.owner if seen.owner in placement.members else None
         active = previous is not None and now - seen.used < ACTIVE_SECONDS
         up = [b for b in pool if cluster[b][1].up]
-        return placement.choose(ring_key, previous, active, seen.loads, up, exclude)
+        # An owner that serves keeps its session: the bound applies to new and moving sessions only. The replicas see
+        # each other's backends a heartbeat late, so a bound they computed apart could move a session to and fro.
+        return placement.choose(ring_key, previous, active, seen.loads, up, exclude, sticky=True)
 
     async def _lock(self, model: str) -> str | None:
         """The model's placement lock (held 1 s at most); None when it could not be had within a second (the
@@ -479,6 +486,17 @@ class Directory:
     def status(self) -> dict[str, Any]:
         return {"url": self.url, "replica": self.replica, "up": not self.down, "replicas": sorted(self._others),
                 "leases_held": len(self._held), "forwarded": self.forwarded}
+
+
+def member(replica: str, backend: str) -> str:
+    """A backend's name in the directory: its replica's URL and its own, as the replica reaches it (two hosts may
+    both run a llama-server at http://127.0.0.1:8080)."""
+    return f"{replica}|{backend}"
+
+
+def backend_of(name: str) -> str:
+    """The backend URL of a directory name (see `member`)."""
+    return name.split("|", 1)[1] if "|" in name else name
 
 
 def _owner(raw: Any) -> tuple[str | None, float]:

@@ -116,17 +116,17 @@ class Placement:
         return self._record(session, self.choose(ring_key, previous, active, self.loads(now), up, exclude), now)
 
     def choose(self, ring_key: str, previous: str | None, active: bool, loads: dict[str, int], up: Iterable[str],
-               exclude: Collection[str] = ()) -> Choice:
+               exclude: Collection[str] = (), sticky: bool = False) -> Choice:
         """The backend for a session whose owner is `previous` (`active`: it counts in `loads`, the active sessions
-        per backend), recording nothing: its owner while that serves and is within the bound, else the first backend
-        on its ring walk under the bound."""
+        per backend), recording nothing: its owner while that serves and is within the bound (`sticky`: while it
+        serves), else the first backend on its ring walk under the bound."""
         alive = [m for m in self.members if m in set(up) and m not in exclude]
         serving = [m for m in alive if m not in self.draining]
         candidates = serving or alive or [m for m in self.members if m not in exclude] or list(self.members)
         loads = {m: loads.get(m, 0) for m in self.members}
         if previous is not None and previous in candidates:
             # Its own active session is in the load already; an idle one comes back to it.
-            if loads[previous] + (0 if active else 1) <= self.bound(loads, candidates, 0 if active else 1):
+            if sticky or loads[previous] + (0 if active else 1) <= self.bound(loads, candidates, 0 if active else 1):
                 return Choice(previous, Placed.OWNER, previous)
             why = Placed.OVERLOADED
         elif previous is not None:

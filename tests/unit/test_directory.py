@@ -180,3 +180,21 @@ def test_a_password_in_the_directory_url_is_never_shown() -> None:
     assert _without_password("redis://:s3cret@10.0.0.5:6379/0") == "redis://***@10.0.0.5:6379/0"
     assert _without_password("rediss://user:pw@r.lan/1") == "rediss://***@r.lan/1"
     assert _without_password("redis://10.0.0.5:6379/0") == "redis://10.0.0.5:6379/0"
+
+
+async def test_two_hosts_backends_at_the_same_loopback_url_are_two_backends(redis_server: RedisServer) -> None:
+    """Each host's slotkeeper reaches its own llama-server at http://127.0.0.1:8080: the directory tells them apart
+    by their replica."""
+    local = "http://127.0.0.1:8080"
+    one, two = Replica(R1, redis_server.url, [local]), Replica(R2, redis_server.url, [local])
+    try:
+        assert await one.directory.beat() and await two.directory.beat() and await one.directory.beat()
+        runners = Counter()
+        for i in range(8):
+            runner, route = await serve((one, two), (one, two)[i % 2], f"c{i}")
+            assert route.backend == local and route.token == 1
+            runners[runner.directory.replica] += 1
+        assert set(runners) == {R1, R2} and max(runners.values()) <= math.ceil(1.25 * 8 / 2), runners
+    finally:
+        await one.directory.close()
+        await two.directory.close()

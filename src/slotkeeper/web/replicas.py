@@ -1,9 +1,12 @@
 """Several slotkeeper replicas behind one address: a turn runs where the session directory says (directory.py), and
 a replica that is not that one forwards the request there unchanged and streams the answer back.
 
-A forwarded request carries `X-Slotkeeper-Forwarded` (the sender) and is never forwarded again: the replica that
-receives it runs it on its own backends. A forward that cannot connect (the replica died before its heartbeat
-expired) runs here instead, so no request fails because a replica went away between two heartbeats."""
+A forwarded request carries `X-Slotkeeper-Forwarded` (the sender) and `X-Slotkeeper-Hops` (how many times it was
+forwarded). It may be forwarded once more (the replica it reached holds the session's lease and moves the session
+to another replica's backend, or another replica took the lease meanwhile), never a third time: a request that has
+made MAX_HOPS runs on the backends of the replica it reached. A forward that cannot connect (the replica died
+before its heartbeat expired) runs here instead, so no request fails because a replica went away between two
+heartbeats."""
 
 from __future__ import annotations
 
@@ -24,9 +27,11 @@ from slotkeeper.web.state import AppState, Backends, Turns
 log = logging.getLogger("slotkeeper.replicas")
 
 FORWARDED = "x-slotkeeper-forwarded"
+HOPS = "x-slotkeeper-hops"
+MAX_HOPS = 2
 # Headers that belong to one connection, never forwarded either way.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                  "transfer-encoding", "upgrade", "host", "content-length"})
+                  "transfer-encoding", "upgrade", "host", "content-length", FORWARDED, HOPS})
 
 
 class Replicas:
@@ -76,8 +81,8 @@ async def turns_for(request: Request, state: AppState, key: SessionKey, side: bo
     if replicas is None:
         return state.turns
     directory = replicas.directory
-    forwarded = FORWARDED in request.headers
-    route = await directory.route(key.model, key.session_id, ring_key(key), side=side, local_only=forwarded)
+    route = await directory.route(key.model, key.session_id, ring_key(key), side=side,
+                                  local_only=hops_of(request) >= MAX_HOPS)
     if route is not None and not route.local:
         answer = await _forward(request, replicas, route.replica)
         if answer is not None:
@@ -95,10 +100,20 @@ async def turns_for(request: Request, state: AppState, key: SessionKey, side: bo
     return state.group.pinned(route.backend, reroute)
 
 
+def hops_of(request: Request) -> int:
+    """How many times the request was forwarded before it reached this replica (a forwarded request without the
+    count, from another version: once)."""
+    value = request.headers.get(HOPS)
+    if value is not None and value.isdigit():
+        return int(value)
+    return 1 if FORWARDED in request.headers else 0
+
+
 async def _forward(request: Request, replicas: Replicas, replica: str) -> Response | None:
     """The request sent to `replica` as it came, its answer streamed back; None when the replica refuses it."""
     headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _HOP]
-    headers.append((FORWARDED.encode(), replicas.directory.replica.encode()))
+    headers += [(FORWARDED.encode(), replicas.directory.replica.encode()),
+                (HOPS.encode(), str(hops_of(request) + 1).encode())]
     url = replica + request.url.path + (f"?{request.url.query}" if request.url.query else "")
     sent = replicas.http.build_request(request.method, url, headers=headers, content=await request.body())
     try:
