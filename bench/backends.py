@@ -33,7 +33,7 @@ from bench import day
 from bench.common import BenchConfig, machine, make_model, prime, processes, state_size
 from bench.messages import PrefillCounters, prefill_counters
 from slotkeeper.upstream.launcher import free_port
-from tests.support import Backend, ObjectStoreServer, RedisServer, Slotkeeper, wait_healthy
+from tests.support import Backend, ObjectStoreServer, RedisServer, Slotkeeper, backends_config, wait_healthy
 
 TARGETS = ("slotkeeper, 1 backend", "slotkeeper, 3 backends", "slotkeeper, 2 replicas over 3 backends",
            "round-robin, 3 llama-servers")
@@ -150,9 +150,7 @@ def front(procs: Any, root: Path, label: str, name: str, backends: list[Backend]
 
 
 def _keeper(procs: Any, root: Path, label: str, backends: list[Backend], extra: tuple[str, ...] = ()) -> str:
-    config = root / f"{label}.toml"
-    config.write_text("".join(f'[[backends]]\nname = "{MODEL_NAME}"\nupstream = "{b.url}"\n'
-                              f'slot_dir = "{b.slot_dir}"\n\n' for b in backends))
+    config = backends_config(root / f"{label}.toml", MODEL_NAME, backends)
     keeper = Slotkeeper(root / label / "cache", root / f"{label}.log",
                         extra_args=("--config", str(config), "--save-idle-seconds", "2", *extra))
     procs.stack.callback(keeper.stop)

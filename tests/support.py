@@ -310,6 +310,31 @@ class RedisServer:
         _stop(self.process, sig)
 
 
+def backends_config(path: Path, name: str, backends: list[Backend]) -> Path:
+    """A config file at `path` with one [[backends]] table of model `name` per backend (attach mode)."""
+    path.write_text("".join(f'[[backends]]\nname = "{name}"\nupstream = "{b.url}"\nslot_dir = "{b.slot_dir}"\n\n'
+                            for b in backends))
+    return path
+
+
+def backend_index(cache_dir: Path, model: str, n: int) -> Path:
+    """The index of the `n`th backend (from 1) of a model on several: backends/<model>-<hash>, then .2, .3."""
+    suffix = "" if n == 1 else f".{n}"
+    [path] = [p for p in (cache_dir / "backends").glob(f"{model}-*/index.sqlite3")
+              if re.fullmatch(rf"{re.escape(model)}-[0-9a-f]{{8}}{re.escape(suffix)}", p.parent.name)]
+    return path
+
+
+def saved_sessions(index: Path) -> dict[str, int]:
+    """Session id -> the prompt tokens of its committed snapshot, read from an index."""
+    db = sqlite3.connect(index)
+    try:
+        rows = db.execute("SELECT session_id, n_prompt FROM snapshots WHERE kind = 'session'")
+        return {r[0]: int(r[1]) for r in rows}
+    finally:
+        db.close()
+
+
 def _stop(process: subprocess.Popen[bytes] | None, sig: int) -> int | None:
     if process is None or process.poll() is not None:
         return None if process is None else process.returncode

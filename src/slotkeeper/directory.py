@@ -340,7 +340,8 @@ class Directory:
         pool = mine if local_only else [b for b in members if self._reachable(cluster[b][0])]
         exclude = {member(self.replica, url) for url in exclude}  # this replica's backends, by their URLs
         choice = self._choose(cluster, pool or mine, ring_key, seen, now, exclude)
-        if choice.member != seen.owner:
+        recorded = choice.member != seen.owner
+        if recorded:
             # A new owner: chosen again and recorded under the model's placement lock, so that replicas placing
             # sessions at once each count the others' choices (and no backend goes past the bound).
             locked = await self._lock(model)
@@ -368,7 +369,8 @@ class Directory:
         if token is None:
             log.warning("session %s/%s runs on %s without its lease (held by another replica): its saves are not "
                         "uploaded over the lease holder's", model, session, backend_of(choice.member))
-        await self._record(model, session, choice, now)
+        if not recorded:  # a new owner was recorded under the lock; an owner kept: its last turn's time now
+            await self._record(model, session, choice, now)
         return Route(True, self.replica, backend_of(choice.member), token, str(choice.why))
 
     async def _read(self, model: str, session: str, members: Sequence[str], now: float) -> _Seen:

@@ -18,7 +18,7 @@ from tests.integration.test_model_restores import (  # noqa: F401 (the models fi
     models,
     top_logprobs,
 )
-from tests.support import Backend, Slotkeeper, chat, timings, words
+from tests.support import Backend, Slotkeeper, backends_config, chat, timings, words
 
 pytestmark = pytest.mark.backend
 
@@ -36,9 +36,7 @@ class Pair:
 def pair(tmp_path: Path, backend_kind: str, arch: str, models: dict[str, Path]) -> Iterator[Pair]:  # noqa: F811
     backends = [Backend(backend_kind, models[arch], tmp_path / f"slots-{i}", tmp_path / f"backend-{i}.log")
                 for i in range(2)]
-    config = tmp_path / "slotkeeper.toml"
-    config.write_text("".join(f'[[backends]]\nname = "{arch}"\nupstream = "{b.url}"\nslot_dir = "{b.slot_dir}"\n\n'
-                              for b in backends))
+    config = backends_config(tmp_path / "slotkeeper.toml", arch, backends)
     keeper = Slotkeeper(tmp_path / "cache", tmp_path / "slotkeeper.log",
                         extra_args=("--config", str(config), "--save-idle-seconds", "0.3"))
     try:

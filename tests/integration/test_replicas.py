@@ -18,7 +18,6 @@ import os
 import random
 import re
 import signal
-import sqlite3
 import threading
 import time
 from collections import Counter, defaultdict
@@ -33,7 +32,17 @@ import pytest
 
 from slotkeeper.cache.files import file_checksum
 from slotkeeper.directory import LEASE_MS
-from tests.support import Backend, ObjectStoreServer, RedisServer, Slotkeeper, wait_until, words
+from tests.support import (
+    Backend,
+    ObjectStoreServer,
+    RedisServer,
+    Slotkeeper,
+    backend_index,
+    backends_config,
+    saved_sessions,
+    wait_until,
+    words,
+)
 
 pytestmark = pytest.mark.backend
 
@@ -50,21 +59,11 @@ class Replica:
     config: Path
 
     def index_of(self, backend: Backend) -> Path:
-        """The index in a backend's own cache dir: backends/<model>-<hash>, then .2 in configuration order."""
-        n = self.backends.index(backend) + 1
-        suffix = "" if n == 1 else f".{n}"
-        [path] = [p for p in (self.keeper.cache_dir / "backends").glob(f"{MODEL}-*/index.sqlite3")
-                  if re.fullmatch(rf"{MODEL}-[0-9a-f]{{8}}{re.escape(suffix)}", p.parent.name)]
-        return path
+        return backend_index(self.keeper.cache_dir, MODEL, self.backends.index(backend) + 1)
 
     def saved(self, backend: Backend) -> dict[str, int]:
         """Session id -> the prompt tokens of its committed snapshot on `backend`."""
-        db = sqlite3.connect(self.index_of(backend))
-        try:
-            return {r[0]: int(r[1]) for r in
-                    db.execute("SELECT session_id, n_prompt FROM snapshots WHERE kind = 'session'")}
-        finally:
-            db.close()
+        return saved_sessions(self.index_of(backend))
 
 
 @dataclass
@@ -101,9 +100,7 @@ class Cluster:
 
 def start_replica(tmp_path: Path, name: str, backends: list[Backend], redis: RedisServer,
                   store: ObjectStoreServer) -> Replica:
-    config = tmp_path / f"{name}.toml"
-    config.write_text("".join(f'[[backends]]\nname = "{MODEL}"\nupstream = "{b.url}"\nslot_dir = "{b.slot_dir}"\n\n'
-                              for b in backends))
+    config = backends_config(tmp_path / f"{name}.toml", MODEL, backends)
     keeper = Slotkeeper(tmp_path / f"{name}-cache", tmp_path / f"{name}.log",
                         extra_args=("--config", str(config), "--save-idle-seconds", "0.3", "--directory", redis.url,
                                     "--shared-store", f"s3://{store.bucket}/{PREFIX}", "--shared-endpoint",

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -24,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import Backend, Slotkeeper, wait_until, words
+from tests.support import Backend, Slotkeeper, backend_index, backends_config, saved_sessions, wait_until, words
 
 pytestmark = pytest.mark.backend
 
@@ -39,21 +37,11 @@ class Cluster:
     backends: list[Backend]
 
     def index_of(self, backend: Backend) -> Path:
-        """The index in a backend's own cache dir: backends/<model>-<hash>, then .2, .3 in configuration order."""
-        n = self.backends.index(backend) + 1
-        suffix = "" if n == 1 else f".{n}"
-        [path] = [p for p in (self.keeper.cache_dir / "backends").glob(f"{MODEL}-*/index.sqlite3")
-                  if re.fullmatch(rf"{MODEL}-[0-9a-f]{{8}}{re.escape(suffix)}", p.parent.name)]
-        return path
+        return backend_index(self.keeper.cache_dir, MODEL, self.backends.index(backend) + 1)
 
     def saved(self, backend: Backend) -> dict[str, int]:
         """Session id -> the prompt tokens of its committed snapshot on `backend`."""
-        db = sqlite3.connect(self.index_of(backend))
-        try:
-            return {r[0]: int(r[1]) for r in
-                    db.execute("SELECT session_id, n_prompt FROM snapshots WHERE kind = 'session'")}
-        finally:
-            db.close()
+        return saved_sessions(self.index_of(backend))
 
     def by_url(self, url: str) -> Backend:
         return next(b for b in self.backends if b.url == url)
@@ -65,9 +53,7 @@ def cluster(tmp_path: Path, backend_kind: str, tiny_model: Path) -> Iterator[Clu
                 for i in range(3)]
     for backend in backends:
         backend.start()
-    config = tmp_path / "slotkeeper.toml"
-    config.write_text("".join(f'[[backends]]\nname = "{MODEL}"\nupstream = "{b.url}"\nslot_dir = "{b.slot_dir}"\n\n'
-                              for b in backends))
+    config = backends_config(tmp_path / "slotkeeper.toml", MODEL, backends)
     keeper = Slotkeeper(tmp_path / "cache", tmp_path / "slotkeeper.log",
                         extra_args=("--config", str(config), "--save-idle-seconds", "0.3"))
     try:
