@@ -138,11 +138,6 @@ class Settings:
         return self.cache_dir / "index.sqlite3"
 
     @property
-    def side_states_path(self) -> Path:
-        """What the side states kept (sidestates.py) are matched by, for the next run."""
-        return self.cache_dir / "side-states.json"
-
-    @property
     def mode(self) -> str:
         """attach (--upstream), launch (a llama-server command) or embedded (xllamacpp, the default)."""
         if self.launch_command:

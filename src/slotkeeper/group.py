@@ -195,13 +195,11 @@ class BackendGroup:
             api, key, path, build, side=side, hung_up=hung_up, chat=chat, chain=chain))
 
     async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
-                          warm_in_stream: bool = False, hung_up: HungUp | None = None,
-                          chat: Mapping[str, Any] | None = None,
+                          hung_up: HungUp | None = None, chat: Mapping[str, Any] | None = None,
                           chain: Sequence[Link] | None = None, at: str | None = None,
                           reroute: Reroute | None = None) -> StreamTurn:
         return await self._on_owner(key, side, build, chat, at, reroute, lambda member: member.service.open_stream(
-            api, key, path, build, side=side, warm_in_stream=warm_in_stream, hung_up=hung_up, chat=chat,
-            chain=chain))
+            api, key, path, build, side=side, hung_up=hung_up, chat=chat, chain=chain))
 
     def pinned(self, url: str, reroute: Reroute | None = None) -> Pinned:
         """The group's turn methods with each turn sent to the member `url` (the session directory's choice);
@@ -216,7 +214,7 @@ class BackendGroup:
         if side:
             member = self._by_name.get(at or "") or self._for_side_task(key)
         else:
-            member = await self.owner_for(key, system=lambda: system_prompt_of(chat if chat is not None else build(0)),
+            member = await self.owner_for(key, system=lambda: _system_part(chat if chat is not None else build(0)),
                                           at=at)
         try:
             return await run(member)
@@ -250,16 +248,20 @@ class Pinned:
                                       at=self.url, reroute=self.reroute)
 
     async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
-                          warm_in_stream: bool = False, hung_up: HungUp | None = None,
-                          chat: Mapping[str, Any] | None = None,
+                          hung_up: HungUp | None = None, chat: Mapping[str, Any] | None = None,
                           chain: Sequence[Link] | None = None) -> StreamTurn:
-        return await self.group.open_stream(api, key, path, build, side=side, warm_in_stream=warm_in_stream,
-                                            hung_up=hung_up, chat=chat, chain=chain, at=self.url,
-                                            reroute=self.reroute)
+        return await self.group.open_stream(api, key, path, build, side=side, hung_up=hung_up, chat=chat, chain=chain,
+                                            at=self.url, reroute=self.reroute)
 
     async def prewarm(self, model: str, system: SystemPrompt, progress: ProgressCallback | None = None,
                       pin: bool = False) -> Prewarm:
         return await self.group.prewarm(model, system, progress, pin)
+
+
+def _system_part(body: Mapping[str, Any]) -> SystemPrompt | None:
+    """The system part a conversation's state is cut back to (the one its saved system state is named by)."""
+    part = system_prompt_of(body)
+    return part.without_instructions() if part is not None else None
 
 
 async def copy_snapshot(source: Member, dest: Member, key: SessionKey,

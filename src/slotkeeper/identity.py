@@ -7,9 +7,12 @@ Pure functions over already-parsed input; the precedence is the one users were p
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from slotkeeper.cache.chain import canonical_json
+from slotkeeper.cache.sidestates import RESERVED_PREFIX
 from slotkeeper.errors import BadRequest
 from slotkeeper.types import IdSource, SessionKey
 
@@ -41,7 +44,13 @@ _RESPONSE_ID_PREFIXES: tuple[str, ...] = ("chatcmpl-", "cmpl-", "msg_", "resp_")
 DEFAULT_SESSION = "default"
 # Between a conversation id's system prompt group and its own part: `sys-<16 hex>.c<12 hex>`.
 CONVERSATION_MARK = ".c"
+# A conversation without an id and without a system prompt: `chat-<16 hex>` of its first message.
+CHAT_PREFIX = "chat-"
 MAX_ID_LENGTH = 256
+# Instruction blocks agents put into a user message and move or rewrite between runs (Claude Code's and Qwen Code's
+# reminders): left out of a conversation's name, so that it survives a resume. Only the name: what is reused is
+# decided by the tokens.
+_REMINDER = re.compile(r"<system-reminder>.*?</system-reminder>", re.DOTALL)
 
 
 def resolve_session(
@@ -61,8 +70,10 @@ def resolve_session(
     the messages. Raises BadRequest for an explicit id that cannot be an id.
 
     Without an id, a request belongs to the conversation its messages continue: the one on the same system prompt
-    that opened with the same message, `sys-<system hash>.c<opening hash>` (see `conversation_id`). Two agents on
-    one system prompt are two conversations; both start from that system prompt's snapshot.
+    that opened with the same message, `sys-<system hash>.c<opening hash>`, or `chat-<opening hash>` without a system
+    prompt (see `conversation_id`). Two agents on one system prompt are two conversations. Only a request without
+    any message is the catch-all `default`. A name is a hint: which saved state a request starts from is decided
+    by the tokens it shares with it (cache/planner.py).
     """
     explicit = _explicit_id(headers, body, extra_headers, hint)
     if explicit is not None:
@@ -73,6 +84,8 @@ def resolve_session(
         return SessionKey(model, _checked(value, where), source)
     if any(text for text in system_texts):
         return SessionKey(model, conversation_id(system_texts, opening), IdSource.SYSTEM_PROMPT)
+    if opening is not None:
+        return SessionKey(model, CHAT_PREFIX + _opening_digest(opening)[:16], IdSource.MESSAGES)
     return SessionKey(model, DEFAULT_SESSION, IdSource.DEFAULT)
 
 
@@ -108,8 +121,26 @@ def conversation_id(system_texts: Sequence[str], opening: object = None) -> str:
     group = system_session_id(system_texts)
     if opening is None:
         return group
-    digest = hashlib.sha256(canonical_json(opening).encode("utf-8", "surrogatepass")).hexdigest()
-    return f"{group}{CONVERSATION_MARK}{digest[:12]}"
+    return f"{group}{CONVERSATION_MARK}{_opening_digest(opening)[:12]}"
+
+
+def _opening_digest(opening: object) -> str:
+    """sha256 of a conversation's first message as its name sees it: its text (a string, or its text parts joined)
+    without reminder blocks, or its canonical JSON when it holds more than text."""
+    content = opening.get("content") if isinstance(opening, Mapping) else None
+    text = _text(content)
+    named: Any = opening if text is None else {"role": opening.get("role") if isinstance(opening, Mapping) else None,
+                                                "text": " ".join(_REMINDER.sub(" ", text).split())}
+    return hashlib.sha256(canonical_json(named).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _text(content: object) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") in ("text", "input_text")
+                                         for p in content):
+        return "\n".join(str(p.get("text", "")) for p in content)
+    return None
 
 
 def session_group(session_id: str) -> str | None:
@@ -139,6 +170,9 @@ def checked_session_id(value: str, where: str) -> str:
 
 
 def _checked(value: str, where: str) -> str:
+    if value.startswith(RESERVED_PREFIX):
+        raise BadRequest(f"session id from {where} starts with {RESERVED_PREFIX!r}, which slotkeeper keeps for the "
+                         "names it makes itself; choose another id")
     if len(value) > MAX_ID_LENGTH:
         raise BadRequest(f"session id from {where} is {len(value)} characters long; the limit is {MAX_ID_LENGTH}")
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):

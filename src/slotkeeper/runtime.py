@@ -17,7 +17,7 @@ from slotkeeper.cache.files import make_private_dir
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.ramdir import RamDir
 from slotkeeper.cache.shared import S3Store, SharedTier
-from slotkeeper.cache.sidestates import SideStates
+from slotkeeper.cache.sidestates import KEPT as SIDE_STATES_KEPT
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.config import Settings
 from slotkeeper.errors import SlotkeeperError
@@ -69,11 +69,10 @@ class RunningBackend:
         pool = SlotPool(backend.n_slots, client, snapshots, backend.fingerprint, backend.n_ctx_slot,
                         settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue,
                         settings.system_snapshots, DiskBudget(settings.disk_budget, settings.max_snapshot_age,
-                                                              settings.max_system_snapshots), capability, health,
-                        settings.side_task_hold_seconds, SideStates(path=settings.side_states_path))
+                                                              settings.max_system_snapshots, SIDE_STATES_KEPT),
+                        capability, health, settings.side_task_hold_seconds)
         await asyncio.to_thread(pool.learn_from_disk)
         await pool.enforce_budget()
-        await pool.load_side_states()
         service = TurnService(client, pool, health, settings.backend_wait_seconds)
         shared, uploader = None, None
         if settings.shared_store is not None:
@@ -85,7 +84,8 @@ class RunningBackend:
         log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
                  backend.model_id, started.url, backend.n_slots, backend.n_ctx_slot, backend.fingerprint, slot_dir)
         log.info("restores (%s strategy): %s", pool.policy.strategy, pool.policy.capability.reason())
-        tasks = [asyncio.create_task(watch.run()), asyncio.create_task(_keep_budget(pool))]
+        tasks = [asyncio.create_task(watch.run()), asyncio.create_task(_keep_budget(pool)),
+                 asyncio.create_task(_index_old_states(snapshots))]
         if supervisor is not None:
             tasks.append(asyncio.create_task(supervisor.run()))
         return cls(state, snapshots, started, tasks, shared, uploader)
@@ -185,6 +185,18 @@ def open_ram_dir(settings: Settings, slot_dir: Path) -> RamDir | None:
     log.info("RAM dir %s: the backend saves there, and copies of recent snapshots (up to %.1f GiB) are restored "
              "from there", path, ram.budget / 1024**3)
     return ram
+
+
+async def _index_old_states(snapshots: Snapshots) -> None:
+    """States saved by an earlier version have no token blocks indexed: read them from their files, in the
+    background (until then they are found by their chains and names)."""
+    try:
+        done = await snapshots.index_old_states()
+    except Exception as exc:  # housekeeping: those states are still found by their chains
+        log.warning("indexing the tokens of earlier saved states failed: %s", exc)
+        return
+    if done:
+        log.info("indexed the tokens of %d state(s) saved by an earlier version", done)
 
 
 async def _keep_budget(pool: SlotPool, interval: float = 60.0) -> None:

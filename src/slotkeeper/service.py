@@ -15,12 +15,14 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from slotkeeper.cache.chain import Link, canonical_json, message_chain
+from slotkeeper.cache.chain import Link, message_chain
+from slotkeeper.cache.cutting import request_tokens, system_prefix
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.shared import SharedTier
 from slotkeeper.cache.slots import SlotLease, TurnEnd
-from slotkeeper.cache.systemprompt import SystemPrompt, common_prefix_text, system_prompt_of, warmup_prompt_body
-from slotkeeper.dialects.framing import KEEPALIVE, SseDecoder, TimingsScanner, UpstreamEvent
+from slotkeeper.cache.systemprompt import SystemPrompt, system_prompt_of, warmup_prompt_body
+from slotkeeper.cache.tokens import Tokens
+from slotkeeper.dialects.framing import SseDecoder, TimingsScanner, UpstreamEvent
 from slotkeeper.errors import SlotkeeperError, UpstreamError
 from slotkeeper.journal import RequestEntry, RequestJournal
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
@@ -134,25 +136,16 @@ class TurnService:
             record.finish(end)
 
     async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
-                          side: bool = False, warm_in_stream: bool = False,
-                          hung_up: HungUp | None = None, chat: Mapping[str, Any] | None = None,
+                          side: bool = False, hung_up: HungUp | None = None, chat: Mapping[str, Any] | None = None,
                           chain: Sequence[Link] | None = None) -> StreamTurn:
         """Lease a slot and open the backend's stream; an error answer is raised before any byte reaches the client.
-
-        With `warm_in_stream` (a dialect that can send keep-alives), a warm-up of a new system prompt runs inside
-        the stream instead, as keep-alive events, so a long one does not keep the client waiting for any byte; the
-        backend's answer to the turn itself (an error included) then arrives as events. The backend is waited for as
-        in `unary`, and `chat` and `chain` are as there.
-        """
+        The backend is waited for as in `unary`, and `chat` and `chain` are as there."""
         await self._backend_up(hung_up)
-        lease = await self._acquire(key, build, side, warm_now=not warm_in_stream, chat=chat, chain=chain)
+        lease = await self._acquire(key, build, side, chat=chat, chain=chain)
         record = TurnRecord(api, key, lease, journal=self.journal, backend=self.client.base_url)
         body = build(record.lease.slot_id)
         lease.replay = (path, body)
         context = self.client.stream(path, body)
-        if lease.warm_up:
-            return StreamTurn(record, None, context, self.client.base_url,
-                              warm_up=lambda progress: self._warm_up(lease, progress, wait=False))
         try:
             response = await context.__aenter__()
         except UpstreamError as exc:
@@ -165,35 +158,29 @@ class TurnService:
             raise
         return StreamTurn(record, response, context, self.client.base_url)
 
-    async def _acquire(self, key: SessionKey, build: BodyBuilder, side: bool, warm_now: bool = True,
+    async def _acquire(self, key: SessionKey, build: BodyBuilder, side: bool,
                        chat: Mapping[str, Any] | None = None, chain: Sequence[Link] | None = None) -> SlotLease:
-        """Lease a slot for the turn; when the pool asks for it, warm the request's new system prompt up first (or,
-        without `warm_now`, leave `lease.warm_up` set for the stream to do it).
+        """Lease a slot for the turn, with the state that shares the most with the request brought into it.
 
         The chain and the system part come from the upstream body's `messages`, or from `chat`: the chat body a
         route derived for an upstream body that has none (a Responses body's `instructions` and `input`). A given
-        `chain` wins (an /infill's parts); without either, a raw prompt has none."""
+        `chain` wins (an /infill's parts); without either, a raw prompt has none. The request's exact tokens are
+        asked of the backend only when the planner needs them (cutting.py)."""
         body = chat if chat is not None else build(0)  # build: the same for every slot id, so any id will do
         messages = body.get("messages")
         if chain is None:
             chain = message_chain(messages, body.get("tools")) if isinstance(messages, list) else []
-        system = None if side else system_prompt_of(body)
+        part = None if side else system_prompt_of(body)
+        system = part.without_instructions() if part is not None else None
         if self.shared is not None and not side:
             await self._bring_shared(key, system)
-        # A side task is matched to the states earlier ones left by its text (it has no history of its own).
-        side_text = canonical_json([body.get("tools"), messages]) if side and isinstance(messages, list) else None
-        lease = await self.pool.acquire(key, chain, side=side, system=system, side_text=side_text)
+
+        async def tokens() -> Tokens | None:
+            return await request_tokens(self.client, body) if isinstance(messages, list) else None
+
+        lease = await self.pool.acquire(key, chain, side=side, system=system, tokens=tokens)
         if lease.cache.changed_at is not None and isinstance(messages, list):
             lease.cache.detail = _with_role(lease.cache.detail, lease.cache.changed_at, messages)
-        if lease.warm_up and warm_now:
-            lease.warm_up = False
-            try:
-                await self._warm_up(lease, wait=False)
-            except SlotkeeperError:
-                pass  # logged; the turn prefills as it would have without a system snapshot
-            except BaseException:
-                lease.release(TurnEnd.FAILED)
-                raise
         return lease
 
     async def _bring_shared(self, key: SessionKey, system: SystemPrompt | None) -> None:
@@ -266,7 +253,7 @@ class TurnService:
         The warm-up evaluates the rendered system part up to where a first user message's own text begins (the
         common prefix of two renderings), so every new conversation on it strictly extends the snapshot; a backend
         without /apply-template gets the system part with an empty user message instead."""
-        prefix = await self._system_prefix(system)
+        prefix = await system_prefix(self.client, system)
         if prefix is not None:
             path, body = "/completion", warmup_prompt_body(prefix, slot_id, progress=progress is not None)
         else:
@@ -293,19 +280,6 @@ class TurnService:
             raise iter_errors_as_unavailable(exc, self.client.base_url) from exc
         return _prompt_tokens(timings)
 
-    async def _system_prefix(self, system: SystemPrompt) -> str | None:
-        """The rendered text every conversation on `system` starts with, from the backend's own chat template."""
-        try:
-            first, second = await asyncio.gather(self.client.post_json("/apply-template", system.template_body("a")),
-                                                 self.client.post_json("/apply-template", system.template_body("b")))
-        except SlotkeeperError as exc:
-            log.debug("no /apply-template on the backend (%s): warming up with an empty user message", exc.message)
-            return None
-        texts = [r.get("prompt") if isinstance(r, dict) else None for r in (first, second)]
-        if not isinstance(texts[0], str) or not isinstance(texts[1], str):
-            return None
-        prefix = common_prefix_text(texts[0], texts[1])
-        return prefix or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,35 +308,27 @@ def _ms_since(started: float) -> float:
 
 
 class StreamTurn:
-    """A streaming turn in flight. `chunks()` yields the backend's bytes as they come; `close()` always runs last.
+    """A streaming turn in flight. `chunks()` yields the backend's bytes as they come; `close()` always runs last."""
 
-    A turn with `warm_up` opens the backend's stream only after the warm-up, inside `events()`.
-    """
-
-    def __init__(self, record: TurnRecord, response: WireResponse | None,
-                 context: AbstractAsyncContextManager[WireResponse], base_url: str,
-                 warm_up: Callable[[ProgressCallback], Awaitable[Snapshot | None]] | None = None) -> None:
+    def __init__(self, record: TurnRecord, response: WireResponse,
+                 context: AbstractAsyncContextManager[WireResponse], base_url: str) -> None:
         self.record = record
         self.response = response
         self._context = context
         self._base_url = base_url
-        self._warm_up = warm_up
         self._scanner = TimingsScanner()
         self._end = TurnEnd.CANCELLED
         self._closed = False
 
     @property
     def status_code(self) -> int:
-        return 200 if self.response is None else self.response.status_code
+        return self.response.status_code
 
     @property
     def media_type(self) -> str:
-        if self.response is None:
-            return "text/event-stream"
         return str(self.response.headers.get("content-type", "text/event-stream"))
 
     async def chunks(self, on_error: Callable[[SlotkeeperError], bytes]) -> AsyncIterator[bytes]:
-        assert self.response is not None, "a turn that warms up in its stream is read with events()"
         try:
             async for chunk in self.response.aiter_raw():
                 self._scanner.feed(chunk)
@@ -384,10 +350,6 @@ class StreamTurn:
     async def events(self) -> AsyncIterator[UpstreamEvent]:
         """The backend's stream as parsed events, for dialects that re-frame it. A broken connection is raised as
         UpstreamUnavailable after the turn is marked failed; an `{"error": ...}` event is passed on as it is."""
-        if self.response is None:
-            async for keepalive in self._warm_then_open():
-                yield keepalive
-        assert self.response is not None
         decoder = SseDecoder()
         errored = False
         try:
@@ -408,47 +370,13 @@ class StreamTurn:
         if not errored:
             self._end = TurnEnd.COMPLETED
 
-    async def _warm_then_open(self) -> AsyncIterator[UpstreamEvent]:
-        """Run the warm-up, one keep-alive per progress report, then open the backend's stream for the turn."""
-        assert self._warm_up is not None
-        reports: asyncio.Queue[None] = asyncio.Queue()
-
-        async def report(processed: int, total: int) -> None:
-            reports.put_nowait(None)
-
-        self._end = TurnEnd.FAILED  # cut short, the slot holds part of a warm-up: nothing in it is worth saving
-        warm_up = asyncio.ensure_future(self._warm_up(report))
-        try:
-            while not warm_up.done():
-                report_arrived = asyncio.ensure_future(reports.get())
-                await asyncio.wait({report_arrived, warm_up}, return_when=asyncio.FIRST_COMPLETED)
-                report_arrived.cancel()
-                if report_arrived.done() and not report_arrived.cancelled():
-                    yield KEEPALIVE
-        finally:
-            if not warm_up.done():
-                warm_up.cancel()
-        error = warm_up.exception()
-        if error is not None and not isinstance(error, SlotkeeperError):
-            raise error  # a bug: a failed warm-up is a SlotkeeperError, logged, and the turn runs without it
-        try:
-            self.response = await self._context.__aenter__()
-        except UpstreamError as exc:
-            self.record.status, self._end = exc.status_code, TurnEnd.REJECTED
-            raise
-        except SlotkeeperError as exc:
-            self.record.status = exc.status_code
-            raise
-        self._end = TurnEnd.CANCELLED
-
     async def close(self) -> None:
         """Close the backend connection (which stops its generation) and give the slot back. Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self.response is not None:
-                await asyncio.shield(self._context.__aexit__(None, None, None))
+            await asyncio.shield(self._context.__aexit__(None, None, None))
         except (TransportError, SlotkeeperError):
             pass
         finally:

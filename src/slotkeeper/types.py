@@ -19,14 +19,18 @@ class IdSource(enum.StrEnum):
     BODY = "body"
     SYSTEM_PROMPT = "system-prompt"
     ROUTE = "route"  # a route's own session for requests without an id (llama-server's /infill: "infill")
+    MESSAGES = "messages"  # no id and no system prompt: named by the conversation's first message
     DEFAULT = "default"
 
 
 class SnapshotKind(enum.StrEnum):
-    """What a snapshot holds: a conversation's state, or a system prompt's (shared by new conversations on it)."""
+    """What a saved state holds: a conversation's, a system part's (cut from a conversation's, or pre-warmed), or a
+    side task's (titles, tags: kept for the next task that starts the same way). The kind is data: every kind is a
+    candidate for every request, and the tokens decide; it says how a state is named and evicted."""
 
     SESSION = "session"
     SYSTEM = "system"
+    SIDE = "side"
 
 
 class CacheOutcome(enum.StrEnum):

@@ -16,6 +16,7 @@ from starlette.datastructures import Headers
 
 from slotkeeper.errors import BadRequest
 from slotkeeper.identity import (
+    CHAT_PREFIX,
     DEFAULT_SESSION,
     MAX_ID_LENGTH,
     conversation_id,
@@ -314,8 +315,37 @@ def test_a_system_prompt_alone_is_its_group_and_explicit_ids_still_win() -> None
     system = ["You are a coding agent."]
     assert resolve_session("m", {}, {}, system).session_id == system_session_id(system)
     assert resolve_session("m", {"x-session-id": "s1"}, {}, system, opening=AGENT_A).session_id == "s1"
-    assert resolve_session("m", {}, {}, [], opening=AGENT_A).is_default  # no system prompt, no id: default
     assert session_group("s1") is None and session_group("default") is None
+
+
+def test_without_an_id_or_a_system_prompt_a_chat_is_named_by_its_first_message() -> None:
+    """OpenWebUI with its default settings sends neither: each chat is still a conversation of its own. Only a
+    request without any message is the catch-all `default`."""
+    first = resolve_session("m", {}, {}, [], opening=AGENT_A)
+    assert first.source is IdSource.MESSAGES and first.session_id.startswith(CHAT_PREFIX) and not first.is_default
+    assert resolve_session("m", {}, {}, [], opening={"role": "user", "content": "another chat"}) != first
+    assert resolve_session("m", {}, {}, []).is_default
+    assert session_group(first.session_id) is None
+
+
+def test_a_name_survives_a_moved_reminder_and_text_parts() -> None:
+    """Agents move `<system-reminder>` blocks in and out of the first user message between runs, and send its
+    text as a string or as parts: the conversation keeps its name (the tokens decide reuse anyway)."""
+    system = ["You are a coding agent."]
+    plain = {"role": "user", "content": "fix the failing test"}
+    reminded = {"role": "user", "content": [
+        {"type": "text", "text": "<system-reminder>\nToday is Monday.\n</system-reminder>"},
+        {"type": "text", "text": "fix the failing test"}]}
+    inline = {"role": "user", "content": "<system-reminder>Today is Tuesday.</system-reminder>\nfix the failing test"}
+    names = {resolve_session("m", {}, {}, system, opening=o).session_id for o in (plain, reminded, inline)}
+    assert len(names) == 1
+    other = {"role": "user", "content": "fix the failing build"}
+    assert resolve_session("m", {}, {}, system, opening=other).session_id not in names
+
+
+def test_the_side_state_prefix_is_not_a_clients_id() -> None:
+    with pytest.raises(BadRequest, match="keeps for the names it makes itself"):
+        resolve_session("m", {"x-session-id": "~side-0123456789abcdef"}, {}, [])
 
 
 @pytest.mark.parametrize("texts", [[], [""], ["", ""]], ids=["none", "one-empty", "two-empty"])
@@ -526,7 +556,7 @@ def test_file_stem_of_path_like_id_is_only_hex(session_id: str) -> None:
 
 def _valid_id(text: str) -> bool:
     stripped = text.strip()
-    return bool(stripped) and len(stripped) <= MAX_ID_LENGTH and not any(
+    return bool(stripped) and len(stripped) <= MAX_ID_LENGTH and not stripped.startswith("~side-") and not any(
         ord(ch) < 0x20 or ord(ch) == 0x7F for ch in stripped
     )
 

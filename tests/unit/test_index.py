@@ -58,7 +58,8 @@ def test_list_by_kind(index: SnapshotIndex) -> None:
     assert index.snapshots("m2", kind=None) == index.snapshots(kind=SnapshotKind.SYSTEM)
     assert index.snapshots("nobody", kind=None) == []
     assert index.usage() == {"session": {"count": 1, "bytes": 100, "pinned": 0},
-                             "system": {"count": 1, "bytes": 100, "pinned": 0}}
+                             "system": {"count": 1, "bytes": 100, "pinned": 0},
+                             "side": {"count": 0, "bytes": 0, "pinned": 0}}
 
 
 def test_delete_and_drop(index: SnapshotIndex) -> None:

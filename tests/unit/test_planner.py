@@ -1,14 +1,15 @@
-"""The planner's rules (docs/design-pool.md, "What to restore"), one row each: plain values in, a plan out. No
-asyncio, no store, no backend."""
+"""The planner's rules (docs/design-pool.md, "How a request's state is chosen"), one row each: plain values in, a plan
+out. No asyncio, no store, no backend. Every candidate is scored by the tokens it shares with the request; the
+session's name is a hint for near-ties only."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
 from slotkeeper.cache.capability import Strategy
-from slotkeeper.cache.planner import Candidate, Plan, Request, Rules, Why, plan
+from slotkeeper.cache.planner import NEAR_TIE_TOKENS, Candidate, InSlot, Plan, Request, Rules, Tier, Why, best, plan
 from slotkeeper.types import CacheOutcome, Snapshot, SnapshotKind
 
 
@@ -16,12 +17,17 @@ def snap(name: str, n_tokens: int = 500, n_prompt: int = 0, kind: SnapshotKind =
     return Snapshot("m", name, f"{name}.bin", "fp", n_tokens, 1000, "c", 0.0, 0.0, 0, kind, False, n_prompt)
 
 
-def cand(name: str, messages: int, tokens: int, whole: bool = False, n_tokens: int = 500,
-         n_prompt: int = 0) -> Candidate:
-    return Candidate(snap(name, n_tokens, n_prompt), messages, tokens, whole)
+def cand(name: str, messages: int, tokens: int, whole: bool = False, n_tokens: int = 500, n_prompt: int = 0,
+         own: bool = False, tier: Tier = Tier.DISK, kind: SnapshotKind = SnapshotKind.SESSION,
+         exact: bool = False) -> Candidate:
+    return Candidate(snap(name, n_tokens, n_prompt, kind), messages, tokens, whole, exact, tier, own)
 
 
-SYSTEM = snap("sys", 300, 300, SnapshotKind.SYSTEM)
+def own(messages: int, tokens: int, whole: bool = False, **kw: object) -> Candidate:
+    return cand("own", messages, tokens, whole, own=True, **kw)  # type: ignore[arg-type]
+
+
+SYSTEM = cand("sys", 1, 300, True, 300, 300, kind=SnapshotKind.SYSTEM)
 RESTORE = Rules(Strategy.RESTORE, min_restore_tokens=128, n_ctx_slot=8192)
 PROMPT_END = Rules(Strategy.PROMPT_END, min_restore_tokens=128, n_ctx_slot=8192)
 KEEP_HOT = Rules(Strategy.KEEP_HOT, min_restore_tokens=128, n_ctx_slot=8192)
@@ -32,107 +38,95 @@ class Row:
     name: str
     request: Request
     rules: Rules
-    own: Candidate | None
-    prefix: Candidate | None
-    system: Snapshot | None
-    why: Why
-    restore: str | None = None  # the session_id of the snapshot restored
+    in_slot: InSlot
+    saved: list[Candidate] = field(default_factory=list)
+    why: Why = Why.NOTHING_SHARED
+    restore: str | None = None  # the session_id of the state restored
     outcome: CacheOutcome = CacheOutcome.COLD
     owes: int = 0
-    warm_up: bool = False
     held_back: bool = False
+    cut: bool = False
 
 
+NOTHING = InSlot()
 ROWS = [
-    # 1. The longest prefix: the session's own snapshot.
-    Row("own snapshot, request extends it", Request(5, 0, 1), RESTORE, cand("own", 3, 400, True), None, SYSTEM,
+    # The state that shares the most tokens wins, whatever its name or kind.
+    Row("own state, request extends it", Request(5, 1), RESTORE, NOTHING, [own(3, 400, True), SYSTEM],
         Why.OWN, "own", CacheOutcome.RESTORED, 400),
-    Row("own snapshot of a raw prompt (no messages)", Request(0, 0, None), RESTORE, cand("own", 0, 400, True), None,
-        None, Why.OWN, "own", CacheOutcome.RESTORED, 400),
-    Row("own snapshot, history edited at message 2", Request(5, 0, 1), RESTORE, cand("own", 2, 200), None, None,
+    Row("own state of a raw prompt (no messages)", Request(0), RESTORE, NOTHING, [own(0, 400, True)],
+        Why.OWN, "own", CacheOutcome.RESTORED, 400),
+    Row("own state, history edited at message 2", Request(5, 1), RESTORE, NOTHING, [own(2, 200)],
         Why.OWN, "own", CacheOutcome.RESTORED, 200),
-    Row("own snapshot ties what the slot holds: own wins", Request(5, 2, 1), RESTORE, cand("own", 2, 200), None, None,
-        Why.OWN, "own", CacheOutcome.RESTORED, 200),
-    Row("own snapshot shares less than the slot holds", Request(5, 3, 1), RESTORE, cand("own", 2, 200), None, None,
-        Why.IN_SLOT),
-    Row("own snapshot shares nothing (a trimmed history)", Request(5, 0, 1), RESTORE, cand("own", 0, 0), None, SYSTEM,
-        Why.NOTHING_SHARED),
-    Row("own snapshot too short to be worth a restore", Request(5, 0, 1), RESTORE, cand("own", 3, 100, True), None,
-        None, Why.TOO_SHORT),
-    Row("own snapshot longer than a slot", Request(5, 0, 1), RESTORE, cand("own", 3, 9000, True, n_tokens=9000),
-        None, None, Why.TOO_LONG),
-    # 1. The longest prefix: another conversation's snapshot that shares more than the system part.
-    Row("a fork: another session shares 3 messages", Request(5, 0, 1), RESTORE, None, cand("other", 3, 300), SYSTEM,
-        Why.PREFIX, "other", CacheOutcome.PREFIX, 300),
-    Row("another session shares only the system part", Request(5, 0, 1), RESTORE, None, cand("other", 1, 300), SYSTEM,
+    Row("another conversation's state shares more than the own one", Request(5, 1), RESTORE, NOTHING,
+        [own(1, 300), cand("fork", 4, 900)], Why.PREFIX, "fork", CacheOutcome.PREFIX, 900),
+    Row("a near-tie goes to the own state", Request(5, 1), RESTORE, NOTHING,
+        [own(3, 400, True), cand("other", 3, 400 + NEAR_TIE_TOKENS)], Why.OWN, "own", CacheOutcome.RESTORED, 400),
+    Row("a near-tie goes to a copy in RAM before a file on disk", Request(5, 1), RESTORE, NOTHING,
+        [own(3, 404, True), cand("ram", 3, 400, tier=Tier.RAM)], Why.PREFIX, "ram", CacheOutcome.PREFIX, 400),
+    Row("a near-tie of equals goes to the smallest state", Request(3, 1), RESTORE, NOTHING,
+        [cand("big", 1, 300, n_tokens=5000), SYSTEM], Why.SYSTEM, "sys", CacheOutcome.RESTORED, 300),
+    # What the slot holds is a candidate too, and the cheapest: a restore must share more, beyond a near-tie.
+    Row("hot, but another state shares more: restore it", Request(6, 1), RESTORE, InSlot(120, 1, own=True),
+        [cand("B", 1, 2400)], Why.PREFIX, "B", CacheOutcome.PREFIX, 2400),
+    Row("same id, different tokens (a title's state in the slot)", Request(2, 1), RESTORE, InSlot(0, 0, own=True),
+        [cand("other-conversation", 1, 23450)], Why.PREFIX, "other-conversation", CacheOutcome.PREFIX, 23450),
+    Row("the slot shares as much as any state: keep it", Request(5, 1), RESTORE, InSlot(400, 3),
+        [own(3, 400, True)], Why.IN_SLOT),
+    Row("the slot shares a near-tie less: keep it", Request(5, 1), RESTORE, InSlot(400 - NEAR_TIE_TOKENS, 3),
+        [own(3, 400, True)], Why.IN_SLOT),
+    Row("the slot holds the system part a new conversation extends", Request(2, 1), RESTORE, InSlot(300, 1),
+        [SYSTEM], Why.IN_SLOT),
+    # A request without an id and without a system prompt is planned like any other.
+    Row("no id, no system prompt: a chat's own earlier state", Request(3), RESTORE, NOTHING,
+        [own(1, 520, True)], Why.OWN, "own", CacheOutcome.RESTORED, 520),
+    Row("no id, no system prompt: a pasted document another chat opened with", Request(1), RESTORE, NOTHING,
+        [cand("chat-b", 0, 2480, exact=True)], Why.PREFIX, "chat-b", CacheOutcome.PREFIX, 2480),
+    # A system part's saved state, or one cut from another conversation, for a new conversation.
+    Row("a new conversation starts from its system part's state", Request(2, 1), RESTORE, NOTHING, [SYSTEM],
         Why.SYSTEM, "sys", CacheOutcome.RESTORED, 300),
-    Row("another session shares no more than the slot holds", Request(5, 3, 1), RESTORE, None, cand("other", 3, 300),
-        SYSTEM, Why.IN_SLOT),
-    Row("a longer own share beats another session's", Request(5, 0, 1), RESTORE, cand("own", 4, 450),
-        cand("other", 3, 300), SYSTEM, Why.OWN, "own", CacheOutcome.RESTORED, 450),
-    Row("a longer prefix elsewhere beats the own snapshot (two agents that were one session)", Request(9, 0, 1),
-        RESTORE, cand("own", 2, 3000), cand("other", 7, 3900), SYSTEM, Why.PREFIX, "other", CacheOutcome.PREFIX, 3900),
-    Row("a near-tie with another session's prefix goes to the own snapshot", Request(9, 0, 1), RESTORE,
-        cand("own", 6, 3895), cand("other", 7, 3900), SYSTEM, Why.OWN, "own", CacheOutcome.RESTORED, 3895),
-    Row("the best prefix is the own snapshot itself", Request(9, 0, 1), RESTORE, cand("own", 7, 3900, True),
-        cand("own", 7, 3900, True), SYSTEM, Why.OWN, "own", CacheOutcome.RESTORED, 3900),
-    Row("a longer prefix that does not fit a slot: the own snapshot", Request(9, 0, 1), RESTORE, cand("own", 2, 3000),
-        cand("other", 7, 9000, n_tokens=9000), SYSTEM, Why.OWN, "own", CacheOutcome.RESTORED, 3000),
-    Row("prompt-end: a longer prefix it does not extend, the own snapshot it does", Request(9, 0, 1), PROMPT_END,
-        cand("own", 4, 2000, True, n_prompt=500), cand("other", 7, 3900), SYSTEM, Why.OWN, "own",
-        CacheOutcome.RESTORED, 2000),
-    Row("own too short, another session's prefix worth it", Request(5, 0, 1), RESTORE, cand("own", 1, 50),
-        cand("other", 3, 300), None, Why.PREFIX, "other", CacheOutcome.PREFIX, 300),
-    Row("another session's prefix too short", Request(5, 0, 1), RESTORE, None, cand("other", 3, 100), None,
-        Why.TOO_SHORT),
-    # 2. The system snapshot of a new conversation.
-    Row("new conversation on a known system prompt", Request(2, 0, 1), RESTORE, None, None, SYSTEM, Why.SYSTEM, "sys",
-        CacheOutcome.RESTORED, 300),
-    Row("new system prompt: warm it up", Request(2, 0, 1, worth_warming=True), RESTORE, None, None, None,
-        Why.WARM_UP, warm_up=True),
-    Row("new system prompt too short to warm up", Request(2, 0, 1), RESTORE, None, None, None, Why.NOTHING_SHARED),
-    Row("the slot already holds this system part", Request(2, 1, 1), RESTORE, None, None, SYSTEM, Why.IN_SLOT),
-    Row("a session with its own snapshot never takes the system snapshot", Request(5, 0, 1), RESTORE,
-        cand("own", 0, 0), None, SYSTEM, Why.NOTHING_SHARED),
-    Row("system snapshot too short", Request(2, 0, 1), RESTORE, None, None, snap("sys", 100, 100, SnapshotKind.SYSTEM),
-        Why.TOO_SHORT),
-    # 3. Nothing.
-    Row("no system part, nothing found", Request(2, 0, None), RESTORE, None, None, None, Why.NOTHING_SHARED),
-    Row("the catch-all session is never restored", Request(2, 0, None, default=True), RESTORE, cand("own", 2, 400),
-        None, None, Why.DEFAULT),
-    # Builds that can only extend a snapshot (recurrent and hybrid models without checkpoints in slot files).
-    Row("prompt-end: the next turn extends the prompt-end snapshot", Request(5, 0, 1), PROMPT_END,
-        cand("own", 3, 400, True, n_tokens=400, n_prompt=400), None, SYSTEM, Why.OWN, "own", CacheOutcome.RESTORED,
-        400),
-    Row("prompt-end: a snapshot holding generated tokens is not extended", Request(5, 0, 1), PROMPT_END,
-        cand("own", 3, 400, True, n_tokens=440, n_prompt=400), None, None, Why.NOT_EXTENDED, held_back=True),
-    Row("prompt-end: an edited history does not extend it", Request(5, 0, 1), PROMPT_END,
-        cand("own", 2, 200, False, n_tokens=400, n_prompt=400), None, None, Why.NOT_EXTENDED, held_back=True),
-    Row("prompt-end: the same prompt again (a regenerate) does not extend it", Request(3, 0, 1), PROMPT_END,
-        cand("own", 3, 400, True, n_tokens=400, n_prompt=400), None, None, Why.NOT_EXTENDED, held_back=True),
-    Row("prompt-end: a fork from the last message extends another session's", Request(5, 0, 1), PROMPT_END, None,
-        cand("other", 3, 400, True, n_tokens=400, n_prompt=400), SYSTEM, Why.PREFIX, "other", CacheOutcome.PREFIX,
-        400),
-    Row("prompt-end: a fork from an earlier message falls back to the system snapshot", Request(5, 0, 1),
-        PROMPT_END, None, cand("other", 2, 300, False, n_tokens=400, n_prompt=400), SYSTEM, Why.SYSTEM, "sys",
-        CacheOutcome.RESTORED, 300, held_back=True),
-    Row("prompt-end: a new chat extends the system snapshot", Request(2, 0, 1), PROMPT_END, None, None, SYSTEM,
-        Why.SYSTEM, "sys", CacheOutcome.RESTORED, 300),
-    # Builds where no restore helps (sliding-window models without checkpoints in slot files).
-    Row("keep-hot: never a restore", Request(5, 0, 1), KEEP_HOT, cand("own", 3, 400, True), None, SYSTEM,
-        Why.KEEP_HOT, held_back=True),
-    Row("keep-hot: a new system prompt is still warmed up", Request(2, 0, 1, worth_warming=True), KEEP_HOT, None,
-        None, None, Why.WARM_UP, warm_up=True, held_back=True),
+    Row("a new conversation starts from another conversation sharing its system part", Request(2, 1), RESTORE,
+        NOTHING, [cand("A", 1, 4619, n_tokens=4630)], Why.PREFIX, "A", CacheOutcome.PREFIX, 4619),
+    Row("a new system part, nothing shares it: cut it after the turn", Request(2, 1, system_saved=False,
+        worth_cutting=True), RESTORE, NOTHING, [], Why.NOTHING_SHARED, cut=True),
+    Row("a new system part another conversation covers: still cut (a state of its own outlives them)",
+        Request(2, 1, system_saved=False, worth_cutting=True), RESTORE, NOTHING, [cand("A", 1, 900)],
+        Why.PREFIX, "A", CacheOutcome.PREFIX, 900, cut=True),
+    Row("a system part too short to be worth a state: no cut", Request(2, 1, system_saved=False), RESTORE, NOTHING,
+        [], Why.NOTHING_SHARED),
+    # Thresholds.
+    Row("too short to be worth a restore", Request(5, 1), RESTORE, NOTHING, [own(3, 100, True)], Why.TOO_SHORT),
+    Row("more tokens than a slot holds", Request(5, 1), RESTORE, NOTHING, [own(3, 400, True, n_tokens=9000)],
+        Why.TOO_LONG),
+    Row("a state that shares nothing", Request(5, 1), RESTORE, NOTHING, [own(0, 0)], Why.NOTHING_SHARED),
+    Row("the catch-all session is never restored", Request(0, default=True), RESTORE, NOTHING, [own(0, 400, True)],
+        Why.DEFAULT),
+    # Strategies.
+    Row("prompt-end: a state the request extends", Request(5, 1), PROMPT_END, NOTHING,
+        [own(3, 400, True, n_tokens=400, n_prompt=400)], Why.OWN, "own", CacheOutcome.RESTORED, 400),
+    Row("prompt-end: a state with generated tokens is held back", Request(5, 1), PROMPT_END, NOTHING,
+        [own(3, 400, True, n_tokens=450, n_prompt=400)], Why.NOT_EXTENDED, held_back=True),
+    Row("prompt-end: an edited history is held back, the system part taken", Request(5, 1), PROMPT_END, NOTHING,
+        [own(2, 380, n_tokens=400, n_prompt=400), SYSTEM], Why.SYSTEM, "sys", CacheOutcome.RESTORED, 300,
+        held_back=True),
+    Row("keep-hot: nothing is restored", Request(5, 1), KEEP_HOT, NOTHING, [own(3, 400, True)], Why.KEEP_HOT,
+        held_back=True),
 ]
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
 def test_plan(row: Row) -> None:
-    got: Plan = plan(row.request, row.rules, row.own, row.prefix, row.system)
-    restored = got.restore.snapshot.session_id if got.restore is not None else None
-    assert (got.why, restored, got.outcome, got.owes, got.warm_up, got.held_back) == (
-        row.why, row.restore, row.outcome, row.owes, row.warm_up, row.held_back)
+    chosen: Plan = plan(row.request, row.rules, row.in_slot, row.saved)
+    assert chosen.why is row.why
+    assert (chosen.restore.snapshot.session_id if chosen.restore is not None else None) == row.restore
+    assert chosen.outcome is row.outcome
+    assert chosen.owes == row.owes
+    assert chosen.held_back is row.held_back
+    assert chosen.cut_system is row.cut
 
 
-def test_every_reason_is_reached() -> None:
-    assert {r.why for r in ROWS} == set(Why)
+def test_best_prefers_the_most_tokens_then_the_cheapest() -> None:
+    assert best([]) is None
+    far = cand("far", 2, 1000)
+    near = cand("near", 2, 1000 - NEAR_TIE_TOKENS, tier=Tier.RAM)
+    assert best([far, near]) is near
+    assert best([far, cand("short", 1, 500, tier=Tier.RAM)]) is far

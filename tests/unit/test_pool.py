@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 import os
+import struct
 import time
 from pathlib import Path
 
@@ -16,18 +18,26 @@ from slotkeeper.cache.slots import TurnEnd
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore
 from slotkeeper.errors import NotFound, SlotkeeperError, UpstreamError, UpstreamUnavailable
-from slotkeeper.types import CacheOutcome, IdSource, SessionKey
+from slotkeeper.types import CacheOutcome, IdSource, SessionKey, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult
 
 FP = "00112233aabbccdd"
 
 
+def slot_file(tokens: list[int], payload: int = 256) -> bytes:
+    """A file shaped like llama-server's slot files (format v4: the token list, then the state's bytes)."""
+    words = [-1, 1, len(tokens), *tokens]
+    return struct.pack(f"<III{len(words)}i", 0x67677371, 4, len(words), *words) + os.urandom(payload)
+
+
 class FakeClient:
-    """Records slot actions; a save writes bytes the way llama-server would, a restore answers from `restore_tokens`."""
+    """Records slot actions; a save writes bytes the way llama-server would (with the tokens `slot_tokens` says the
+    slot holds, or none: random bytes), a restore answers from `restore_tokens`."""
 
     def __init__(self, slot_dir: Path) -> None:
         self.slot_dir = slot_dir
         self.calls: list[tuple[int, str, str | None]] = []
+        self.slot_tokens: dict[int, list[int]] = {}
         self.restore_tokens: dict[str, int] = {}
         self.restore_error: Exception | None = None
         self.save_error: Exception | None = None
@@ -43,9 +53,10 @@ class FakeClient:
             if self.save_error is not None:
                 raise self.save_error
             assert filename is not None
-            data = os.urandom(256)
+            held = self.slot_tokens.get(slot_id)
+            data = os.urandom(256) if held is None else slot_file(held)
             (self.slot_dir / filename).write_bytes(data)
-            return SlotActionResult(self.save_tokens, len(data), 1.0)
+            return SlotActionResult(self.save_tokens if held is None else len(held), len(data), 1.0)
         if action == "restore":
             if self.restore_error is not None:
                 raise self.restore_error
@@ -1057,24 +1068,75 @@ async def test_prompt_end_restores_only_what_the_request_extends(store: Snapshot
     assert pool.policy.ineffective == 0
 
 
+class CutClient(ReplayClient):
+    """Also renders a system part followed by a user message (`/apply-template`), and answers the cut (a
+    `/completion` of the rendered system part) with the slot holding exactly `system` tokens."""
+
+    def __init__(self, slot_dir: Path, system: int = 80) -> None:
+        super().__init__(slot_dir)
+        self.system = system
+        self.cuts: list[dict[str, object]] = []
+
+    async def post_json(self, path: str, body: dict[str, object], timeout: float | None = None) -> dict[str, object]:
+        if path == "/apply-template":
+            messages = body["messages"]
+            assert isinstance(messages, list)
+            return {"prompt": "<system>shared</system><user>" + str(messages[-1]["content"])}
+        if path == "/completion":
+            self.cuts.append(body)
+            self.save_tokens = self.system
+            return {"timings": {"cache_n": self.system - 1, "prompt_n": 1}}
+        return await super().post_json(path, body, timeout)
+
+
 @pytest.mark.parametrize(("kind", "restored"), [("dense", False), ("recurrent", True)])
-async def test_a_recurrent_slot_shared_only_up_to_the_system_part_is_no_reuse(store: SnapshotStore, slot_dir: Path,
-                                                                              kind: str, restored: bool) -> None:
-    """A new chat on a known system prompt, while the slot holds another conversation on it: a dense slot keeps the
-    system part for free, a recurrent one cannot roll back that far, so the system snapshot is restored."""
+async def test_a_new_system_part_is_cut_from_the_first_conversation_when_it_idles(
+        store: SnapshotStore, slot_dir: Path, kind: str, restored: bool) -> None:
+    """No warm-up on a request's path: the first conversation on a new system part runs in one pass, and once its
+    state is saved and the slot idles, the slot is cut back to the system part, which is saved as a state of its
+    own. A new chat then extends the slot; another one, while the slot holds a conversation on that part, keeps the
+    system part for free on a dense model and restores the system state on a recurrent one (which cannot roll back
+    that far)."""
+    from slotkeeper.cache.capability import ArchKind, Capability
     from slotkeeper.cache.systemprompt import system_prompt_of
 
     system = system_prompt_of({"messages": [SYS_MSG, {"role": "user", "content": "hello"}]})
     assert system is not None
-    client = ReplayClient(slot_dir)
-    pool = strategy_pool(client, store, kind, False)
+    client = CutClient(slot_dir)
+    client.restore_default = 80
+    pool = SlotPool(1, client, Snapshots(store), FP, 4096, save_idle_seconds=0.01,  # type: ignore[arg-type]
+                    capability=Capability("x", ArchKind(kind), False))
     lease = await pool.acquire(A, chain_of("a1"), system=system)
-    assert lease.warm_up  # no system snapshot yet
-    await pool.save_system(lease, 80)
-    lease.release(TurnEnd.COMPLETED, 120, cache_n=80, n_prompt=100)
-    other = await pool.acquire(C, chain_of("c1"), system=system)
+    assert lease.cut_system and lease.cache.outcome is CacheOutcome.COLD and client.cuts == []
+    lease.replay = ("/v1/chat/completions", {"messages": [], "max_tokens": 8})
+    client.save_tokens = 120
+    lease.release(TurnEnd.COMPLETED, 120, cache_n=0, n_prompt=100)
+    assert await eventually(lambda: pool.cuts == 1)
+    await pool.settle()
+    saved = store.get(SessionKey("m", system.digest), SnapshotKind.SYSTEM)
+    assert saved is not None and saved.n_tokens == 80 and store.get(A) is not None
+    assert client.cuts[0]["prompt"] == "<system>shared</system><user>" and client.cuts[0]["n_predict"] == 0
+    assert pool.slots[0].occupant is None and not pool.slots[0].dirty
+    first = await pool.acquire(C, chain_of("c1"), system=system)  # extends what the slot holds now
+    assert first.cache.outcome is CacheOutcome.COLD and not first.cut_system and client.actions("restore") == []
+    first.release(TurnEnd.COMPLETED, 120, n_prompt=100)
+    other = await pool.acquire(D, chain_of("d1"), system=system)
     assert (other.cache.outcome is CacheOutcome.RESTORED) is restored
     other.release(TurnEnd.COMPLETED, 120)
+    back = await pool.acquire(A, chain_of("a1", "answer", "a2"), system=system)  # restores its own state
+    assert back.cache.outcome is CacheOutcome.RESTORED and back.cache.restored_from == "A"
+    back.release(TurnEnd.COMPLETED, 150)
+    await pool.aclose()
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Whether `predicate` holds within `timeout`, the event loop running the pool's timers meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 async def test_keep_hot_never_restores_and_still_saves(store: SnapshotStore, slot_dir: Path) -> None:
@@ -1083,15 +1145,15 @@ async def test_keep_hot_never_restores_and_still_saves(store: SnapshotStore, slo
     await chat_turn(pool, A, chain_of("a1"))
     await chat_turn(pool, B, chain_of("b1"))
     lease = await pool.acquire(A, chain_of("a1", "x", "a2"))
-    assert lease.cache.outcome is CacheOutcome.COLD and client.actions("restore") == [] and not lease.warm_up
+    assert lease.cache.outcome is CacheOutcome.COLD and client.actions("restore") == [] and not lease.cut_system
     lease.release(TurnEnd.COMPLETED, 10)
     assert len(client.actions("save")) == 2 and client.replays == []  # saved, without a prompt-end step
-    # A new system prompt is still warmed up (the turn extends the warm slot) and saved; it is never restored.
+    # A new system prompt is not cut into a state of its own either: it could never be restored.
     from slotkeeper.cache.systemprompt import system_prompt_of
 
     system = system_prompt_of({"messages": [SYS_MSG, {"role": "user", "content": "hello"}]})
     lease = await pool.acquire(C, chain_of("c1"), system=system)
-    assert lease.warm_up and lease.cache.outcome is CacheOutcome.COLD
+    assert not lease.cut_system and lease.cache.outcome is CacheOutcome.COLD
     lease.release(TurnEnd.COMPLETED, 10)
 
 

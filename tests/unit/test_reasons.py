@@ -29,7 +29,7 @@ ROWS = [
      Known(), Reason.REWRITTEN, 0),
     ("own snapshot shares too little", Plan(Why.TOO_SHORT), own(1, False), Known(), Reason.REWRITTEN, 1),
     ("never seen, nothing saved", Plan(Why.NOTHING_SHARED), None, Known(seen=False), Reason.NEW_SESSION, None),
-    ("never seen, a new system prompt", Plan(Why.WARM_UP, warm_up=True), None, Known(seen=False),
+    ("never seen, a new system prompt", Plan(Why.NOTHING_SHARED, cut_system=True), None, Known(seen=False),
      Reason.NEW_SESSION, None),
     ("never seen, from the system snapshot", Plan(Why.SYSTEM, None, CacheOutcome.RESTORED), None,
      Known(seen=False), Reason.NEW_SESSION, None),
@@ -64,7 +64,7 @@ def test_reason(name: str, chosen: Plan, candidate: Candidate | None, known: Kno
 def test_the_words_say_what_happened() -> None:
     assert "taken by session B" in explain(RESTORED, own(3, True), TAKEN).detail
     assert "message 3" in explain(Plan(Why.OWN, own(2, False), CacheOutcome.RESTORED), own(2, False), Known()).detail
-    assert "system snapshot" in explain(Plan(Why.SYSTEM), None, Known(fate=Reason.EVICTED)).detail
+    assert "system part" in explain(Plan(Why.SYSTEM), None, Known(fate=Reason.EVICTED)).detail
 
 
 def test_every_planner_reason_is_a_reason() -> None:

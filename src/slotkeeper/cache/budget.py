@@ -1,7 +1,8 @@
 """The disk budget: which snapshots to evict so the slot directory stays within its limits.
 
-Three limits, each off at 0: a maximum age since last use, a number of system snapshots per model, and a total
-size. Least recently used first; pinned snapshots and the ones in use (a slot holds their session) are never evicted.
+Four limits, each off at 0: a maximum age since last use, a number of system states per model, a number of side
+states per model (what side tasks left: only the last few are worth keeping), and a total size. Least recently
+used first; pinned snapshots and the ones in use (a slot holds their session) are never evicted.
 Pure: the store applies the decision.
 """
 
@@ -22,10 +23,12 @@ class DiskBudget:
     max_bytes: int = 0
     max_age_seconds: float = 0.0
     max_system_snapshots: int = 0  # per model
+    max_side_states: int = 0  # per model
 
     @property
     def limited(self) -> bool:
-        return self.max_bytes > 0 or self.max_age_seconds > 0 or self.max_system_snapshots > 0
+        return (self.max_bytes > 0 or self.max_age_seconds > 0 or self.max_system_snapshots > 0
+                or self.max_side_states > 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,18 +59,21 @@ def choose_evictions(snapshots: Sequence[Snapshot], budget: DiskBudget, protecte
         for snapshot in by_age:
             if evictable(snapshot) and now - snapshot.last_used > budget.max_age_seconds:
                 evict(snapshot, f"unused for more than {budget.max_age_seconds:.0f} s (max age)")
-    if budget.max_system_snapshots > 0:
-        systems: dict[str, list[Snapshot]] = defaultdict(list)
+    for kind, most, what in ((SnapshotKind.SYSTEM, budget.max_system_snapshots, "system snapshot(s)"),
+                             (SnapshotKind.SIDE, budget.max_side_states, "side states")):
+        if most <= 0:
+            continue
+        per_model: dict[str, list[Snapshot]] = defaultdict(list)
         for snapshot in by_age:
-            if snapshot.kind is SnapshotKind.SYSTEM and snapshot.filename not in gone:
-                systems[snapshot.model].append(snapshot)
-        for model_systems in systems.values():
-            excess = len(model_systems) - budget.max_system_snapshots
-            for snapshot in model_systems:
+            if snapshot.kind is kind and snapshot.filename not in gone:
+                per_model[snapshot.model].append(snapshot)
+        for model_states in per_model.values():
+            excess = len(model_states) - most
+            for snapshot in model_states:
                 if excess <= 0:
                     break
                 if evictable(snapshot):
-                    evict(snapshot, f"more than {budget.max_system_snapshots} system snapshot(s) for the model")
+                    evict(snapshot, f"more than {most} {what} for the model")
                     excess -= 1
     if budget.max_bytes > 0:
         total = sum(s.n_bytes for s in snapshots if s.filename not in gone)

@@ -35,6 +35,7 @@ CREATE TABLE IF NOT EXISTS snapshots (
     hits        INTEGER NOT NULL DEFAULT 0,
     pinned      INTEGER NOT NULL DEFAULT 0,
     n_prompt    INTEGER NOT NULL DEFAULT 0,
+    n_blocks    INTEGER NOT NULL DEFAULT -1,
     PRIMARY KEY (model, session_id, kind)
 );
 CREATE TABLE IF NOT EXISTS chains (
@@ -45,6 +46,14 @@ CREATE TABLE IF NOT EXISTS chains (
     PRIMARY KEY (filename, position)
 );
 CREATE INDEX IF NOT EXISTS chains_by_digest ON chains (digest);
+CREATE INDEX IF NOT EXISTS snapshots_by_kind ON snapshots (kind, model);
+CREATE TABLE IF NOT EXISTS blocks (
+    filename    TEXT NOT NULL,
+    position    INTEGER NOT NULL,
+    digest      INTEGER NOT NULL,
+    PRIMARY KEY (filename, position)
+);
+CREATE INDEX IF NOT EXISTS blocks_by_digest ON blocks (digest);
 CREATE TABLE IF NOT EXISTS file_identities (
     path        TEXT NOT NULL,
     size        INTEGER NOT NULL,
@@ -57,12 +66,20 @@ _COLUMNS = (
     "model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned,"
     " n_prompt"
 )
+_S_COLUMNS = ", ".join("s." + c.strip() for c in _COLUMNS.split(","))
+# Candidates are the states of every kind (conversations, system parts, side tasks): the tokens decide, not the kind.
 _PREFIX_CANDIDATES = (
-    f"SELECT {', '.join('s.' + c.strip() for c in _COLUMNS.split(','))}"
-    " FROM chains c CROSS JOIN snapshots s ON s.filename = c.filename"  # CROSS: chains by digest drive
-    " WHERE c.digest = ? AND s.model = ? AND s.fingerprint = ? AND s.kind = 'session'"
+    f"SELECT {_S_COLUMNS} FROM chains c CROSS JOIN snapshots s ON s.filename = c.filename"  # CROSS: chains drive
+    " WHERE c.digest = ? AND s.model = ? AND s.fingerprint = ?"
     " ORDER BY s.last_used DESC LIMIT 8"
 )
+_BLOCK_CANDIDATES = (
+    f"SELECT {_S_COLUMNS} FROM blocks b CROSS JOIN snapshots s ON s.filename = b.filename"
+    " WHERE b.digest = ? AND b.position = ? AND s.model = ? AND s.fingerprint = ?"
+    " ORDER BY s.last_used DESC LIMIT 8"
+)
+# States indexed before token blocks existed (n_blocks -1), to be filled in from their files.
+_UNBLOCKED = "SELECT filename FROM snapshots WHERE n_blocks < 0 LIMIT ?"
 
 
 class SnapshotIndex:
@@ -80,6 +97,11 @@ class SnapshotIndex:
             self._db.execute("ALTER TABLE snapshots ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
         if "n_prompt" not in columns:  # an index from before prompt token counts (0: not known)
             self._db.execute("ALTER TABLE snapshots ADD COLUMN n_prompt INTEGER NOT NULL DEFAULT 0")
+        if "n_blocks" not in columns:  # an index from before token blocks (-1: not indexed yet)
+            self._db.execute("ALTER TABLE snapshots ADD COLUMN n_blocks INTEGER NOT NULL DEFAULT -1")
+        # Side tasks' states were conversations' rows under reserved ids before they became a kind of their own.
+        self._db.execute("UPDATE snapshots SET kind = 'side' WHERE kind = 'session' AND session_id GLOB"
+                         " '~side-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*'")
 
     def close(self) -> None:
         with self._lock:
@@ -95,28 +117,30 @@ class SnapshotIndex:
 
     def replace(self, key: SessionKey, kind: SnapshotKind, filename: str, fingerprint: str, n_tokens: int,
                 n_bytes: int, checksum: str, chain: Sequence[Link] = (),
-                n_prompt: int = 0) -> tuple[Snapshot | None, Snapshot]:
-        """Index `filename` as the key's snapshot, with its chain, in one transaction; returns the row it replaced
-        (its file is now the caller's to remove) and the new one. The replaced row's `created` and `hits` carry
-        over."""
+                n_prompt: int = 0, blocks: Sequence[int] | None = None) -> tuple[Snapshot | None, Snapshot]:
+        """Index `filename` as the key's snapshot, with its chain and its token blocks (tokens.py; None: its tokens
+        could not be read), in one transaction; returns the row it replaced (its file is now the caller's to remove)
+        and the new one. The replaced row's `created` and `hits` carry over."""
         now = time.time()
         with self._lock, self._transaction():
             previous = self._row(key, kind)
             self._db.execute(
                 "INSERT INTO snapshots (model, session_id, kind, filename, fingerprint, n_tokens, n_bytes, checksum,"
-                " created, last_used, hits, n_prompt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)"
+                " created, last_used, hits, n_prompt, n_blocks) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)"
                 " ON CONFLICT(model, session_id, kind) DO UPDATE SET filename=excluded.filename,"
                 " fingerprint=excluded.fingerprint, n_tokens=excluded.n_tokens, n_bytes=excluded.n_bytes,"
-                " checksum=excluded.checksum, last_used=excluded.last_used, n_prompt=excluded.n_prompt",
+                " checksum=excluded.checksum, last_used=excluded.last_used, n_prompt=excluded.n_prompt,"
+                " n_blocks=excluded.n_blocks",
                 (key.model, key.session_id, str(kind), filename, fingerprint, n_tokens, n_bytes, checksum, now, now,
-                 max(n_prompt, 0)),
+                 max(n_prompt, 0), 0 if blocks is None else len(blocks)),
             )
             self._db.executemany(
                 "INSERT INTO chains (filename, position, digest, chars) VALUES (?, ?, ?, ?)",
                 [(filename, i, link.digest, link.chars) for i, link in enumerate(chain)],
             )
+            self._insert_blocks(filename, blocks or ())
             if previous is not None:
-                self._db.execute("DELETE FROM chains WHERE filename=?", (previous.filename,))
+                self._forget_file(previous.filename)
             snapshot = self._row(key, kind)
         assert snapshot is not None
         return previous, snapshot
@@ -125,7 +149,7 @@ class SnapshotIndex:
         """Remove the row naming `filename` and its chain, together; False when there was no such row."""
         with self._lock, self._transaction():
             removed = self._db.execute("DELETE FROM snapshots WHERE filename=?", (filename,)).rowcount > 0
-            self._db.execute("DELETE FROM chains WHERE filename=?", (filename,))
+            self._forget_file(filename)
         return removed
 
     def delete(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
@@ -135,13 +159,35 @@ class SnapshotIndex:
             if snapshot is None:
                 return None
             self._db.execute("DELETE FROM snapshots WHERE filename=?", (snapshot.filename,))
-            self._db.execute("DELETE FROM chains WHERE filename=?", (snapshot.filename,))
+            self._forget_file(snapshot.filename)
         return snapshot
 
     def drop_orphan_chains(self) -> None:
-        """Remove chain rows whose snapshot row is gone."""
+        """Remove chain and block rows whose snapshot row is gone."""
         with self._lock:
             self._db.execute("DELETE FROM chains WHERE filename NOT IN (SELECT filename FROM snapshots)")
+            self._db.execute("DELETE FROM blocks WHERE filename NOT IN (SELECT filename FROM snapshots)")
+
+    def set_blocks(self, filename: str, blocks: Sequence[int] | None) -> None:
+        """The token blocks of a state indexed before blocks existed (None: its tokens could not be read)."""
+        with self._lock, self._transaction():
+            updated = self._db.execute("UPDATE snapshots SET n_blocks=? WHERE filename=? AND n_blocks < 0",
+                                       (0 if blocks is None else len(blocks), filename)).rowcount
+            if updated:
+                self._insert_blocks(filename, blocks or ())
+
+    def unblocked(self, limit: int = 256) -> list[str]:
+        """File names of states whose token blocks are not indexed yet."""
+        with self._lock:
+            return [str(row[0]) for row in self._db.execute(_UNBLOCKED, (limit,)).fetchall()]
+
+    def _insert_blocks(self, filename: str, blocks: Sequence[int]) -> None:
+        self._db.executemany("INSERT OR REPLACE INTO blocks (filename, position, digest) VALUES (?, ?, ?)",
+                             [(filename, i, digest) for i, digest in enumerate(blocks)])
+
+    def _forget_file(self, filename: str) -> None:
+        self._db.execute("DELETE FROM chains WHERE filename=?", (filename,))
+        self._db.execute("DELETE FROM blocks WHERE filename=?", (filename,))
 
     def set_pinned(self, key: SessionKey, pinned: bool, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
         with self._lock:
@@ -188,11 +234,27 @@ class SnapshotIndex:
         return [str(row[0]) for row in rows]
 
     def prefix_candidates(self, digest: str, model: str, fingerprint: str) -> list[Snapshot]:
-        """The session rows of this model and backend whose chain holds `digest` (at most 8, most recently used
-        first): one indexed lookup, the chains by digest driving the join."""
+        """The rows (of every kind) of this model and backend whose chain holds `digest` (at most 8, most recently
+        used first): one indexed lookup, the chains by digest driving the join."""
         with self._lock:
             rows = self._db.execute(_PREFIX_CANDIDATES, (digest, model, fingerprint)).fetchall()
         return [_snapshot(row) for row in rows]
+
+    def deepest_blocks(self, blocks: Sequence[int], model: str, fingerprint: str) -> tuple[int, list[Snapshot]]:
+        """The states of this model and backend sharing the most leading token blocks with `blocks` (a request's
+        block hashes, tokens.py): how many blocks, and the rows (at most 8, most recently used first). A state that
+        holds block k of a request holds every block before it, so a binary search finds the deepest in about
+        log2(len(blocks)) indexed look-ups."""
+        low, high, found = 0, len(blocks), []
+        with self._lock:
+            while low < high:
+                mid = (low + high + 1) // 2  # is block mid-1 held by any state?
+                rows = self._db.execute(_BLOCK_CANDIDATES, (blocks[mid - 1], mid - 1, model, fingerprint)).fetchall()
+                if rows:
+                    low, found = mid, rows
+                else:
+                    high = mid - 1
+        return low, [_snapshot(row) for row in found]
 
     def chain_chars(self, filename: str) -> int:
         """The prompt characters of the whole chain recorded with `filename` (0 when none was)."""
@@ -225,10 +287,12 @@ class SnapshotIndex:
                 "SELECT 1 FROM snapshots WHERE last_used < ? LIMIT 1", (now - budget.max_age_seconds,)
             ).fetchone() is not None:
                 return True
-            return budget.max_system_snapshots > 0 and self._db.execute(
-                "SELECT 1 FROM snapshots WHERE kind = 'system' GROUP BY model HAVING COUNT(*) > ? LIMIT 1",
-                (budget.max_system_snapshots,),
-            ).fetchone() is not None
+            for kind, most in (("system", budget.max_system_snapshots), ("side", budget.max_side_states)):
+                if most > 0 and self._db.execute(
+                    "SELECT 1 FROM snapshots WHERE kind = ? GROUP BY model HAVING COUNT(*) > ? LIMIT 1", (kind, most),
+                ).fetchone() is not None:
+                    return True
+            return False
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Bytes and snapshot counts per kind: {"session": {"count", "bytes", "pinned"}, "system": {...}}."""

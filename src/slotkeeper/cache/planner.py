@@ -1,59 +1,87 @@
-"""The planner: which saved state a request's slot should start from, or none. A pure function of plain values
-(what the slot holds, the candidates the store found, the thresholds, the backend's strategy); the pool looks the
-candidates up, calls `plan`, and does what it says. The rules are in docs/design-pool.md ("What to restore")."""
+"""The planner: which state a request's slot should start from. A pure function of plain values: what the slot holds,
+the saved states the store found (of every kind: conversations, system parts, side tasks), each with the tokens it
+shares with the request, the thresholds, and the backend's strategy. The pool looks the candidates up, calls `plan`,
+and does what it says. The rules are in docs/design-pool.md ("How a request's state is chosen").
+
+The tokens decide: the state sharing the most tokens with the request wins, and on a near-tie the cheapest one
+(what the slot holds, then a copy in RAM, then a file on disk; then the session's own state; then the smallest).
+A session id is only a hint for that last tie.
+"""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from slotkeeper.cache.capability import Strategy
-from slotkeeper.types import CacheOutcome, Snapshot
+from slotkeeper.types import CacheOutcome, Snapshot, SnapshotKind
 
 
 class Why(enum.StrEnum):
     """Why the plan is what it is: the words a request's record uses for where its state came from, or for why the
     backend had to prefill."""
 
-    OWN = "own"  # the session's own snapshot
-    PREFIX = "prefix"  # another conversation's snapshot that shares more than the system part (a fork)
-    SYSTEM = "system"  # the system part's snapshot (a new conversation on a known system prompt)
-    IN_SLOT = "in-slot"  # the slot already holds as much as any snapshot would give
-    WARM_UP = "warm-up"  # a new system prompt: evaluate it into the slot and save it first
-    NOTHING_SHARED = "nothing-shared"  # no snapshot shares enough with the request
-    TOO_SHORT = "too-short"  # what a snapshot would give is less than --min-restore-tokens
-    TOO_LONG = "too-long"  # the snapshot has more tokens than a slot holds
-    NOT_EXTENDED = "not-extended"  # this build can only extend a snapshot, and the request does not
+    OWN = "own"  # the session's own saved state
+    PREFIX = "prefix"  # another saved state (a conversation's or a side task's) that shares the most
+    SYSTEM = "system"  # a system part's saved state
+    IN_SLOT = "in-slot"  # the slot already holds as much as any saved state would give
+    NOTHING_SHARED = "nothing-shared"  # no saved state shares enough with the request
+    TOO_SHORT = "too-short"  # what a saved state would give is less than --min-restore-tokens
+    TOO_LONG = "too-long"  # the state has more tokens than a slot holds
+    NOT_EXTENDED = "not-extended"  # this build can only extend a state, and the request does not
     KEEP_HOT = "keep-hot"  # restores cannot help on this backend (sessions stay hot in their slots)
     DEFAULT = "default-session"  # the catch-all session: never restored
 
 
-# Candidates whose shared tokens differ by no more than this are a tie: the session's own snapshot wins it.
+class Tier(enum.IntEnum):
+    """Where a state is, cheapest first."""
+
+    SLOT = 0  # in the slot already: free
+    RAM = 1  # a copy in the RAM dir: a memory copy
+    DISK = 2  # a file in the slot dir
+
+
+# Candidates whose shared tokens differ by no more than this are a tie: the cheapest wins it.
 NEAR_TIE_TOKENS = 8
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A snapshot the request could start from: `messages` of the request's messages it shares, about `tokens`
-    prompt tokens that a restore of it owes, and `whole`: the request has every message it was saved with."""
+    """A saved state the request could start from: `tokens` it shares with the request (counted one by one when
+    `exact`, else estimated from the `messages` their chains share), and `whole`: the request holds every token of
+    it (every message it was saved with)."""
 
     snapshot: Snapshot
     messages: int
     tokens: int
     whole: bool
+    exact: bool = False
+    tier: Tier = Tier.DISK
+    own: bool = False  # the session's own conversation state (by name: a hint for ties only)
+
+
+@dataclass(frozen=True, slots=True)
+class InSlot:
+    """What the slot's current content gives the request for free: `tokens` (about), `messages` of its chain, and
+    whether it is the session's own state."""
+
+    tokens: int = 0
+    messages: int = 0
+    own: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """The request and its slot: `messages` in the request's chain (0 for a raw prompt), `kept` messages the slot's
-    current content already gives it for free, `n_system` leading system messages (None: no system part), and
-    whether that part's snapshot is worth warming up if there is none."""
+    """The request: `messages` in its chain (0 for a raw prompt), `n_system` leading system messages (None: no
+    system part), and whether a saved state of its system part exists (else, when it is worth one, the slot's state
+    is cut back to it after the turn)."""
 
     messages: int
-    kept: int
-    n_system: int | None
+    n_system: int | None = None
     default: bool = False
-    worth_warming: bool = False
+    system_saved: bool = True
+    worth_cutting: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,14 +93,15 @@ class Rules:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """Restore `restore` (with `outcome` and the tokens it `owes`), or warm a new system prompt up, or nothing.
-    `held_back`: a restore was possible but the strategy did not allow it (a chance for a later trial)."""
+    """Restore `restore` (with `outcome` and the tokens it `owes`), or nothing. `held_back`: a restore was possible
+    but the strategy did not allow it (a chance for a later trial). `cut_system`: after the turn, keep the system part
+    of the slot's state as a saved state of its own (no state covers it yet)."""
 
     why: Why
     restore: Candidate | None = None
     outcome: CacheOutcome = CacheOutcome.COLD
-    warm_up: bool = False
     held_back: bool = False
+    cut_system: bool = False
 
     @property
     def owes(self) -> int:
@@ -80,72 +109,79 @@ class Plan:
 
 
 def extends(candidate: Candidate, request_messages: int) -> bool:
-    """Whether the request strictly extends every token of the snapshot: it holds a prompt and nothing generated,
-    and the request has all of its messages and more (a request without messages: taken as one)."""
-    if not candidate.snapshot.at_prompt_end:
+    """Whether the request strictly extends every token of the state: it holds a prompt and nothing generated, and
+    the request has all of it and more (a request without messages: taken as doing so)."""
+    if not candidate.snapshot.at_prompt_end or not candidate.whole:
         return False
-    return request_messages == 0 or (candidate.whole and request_messages > candidate.messages)
+    return request_messages == 0 or candidate.exact or request_messages > candidate.messages
 
 
-def plan(request: Request, rules: Rules, own: Candidate | None = None, prefix: Candidate | None = None,
-         system: Snapshot | None = None) -> Plan:
-    """What to bring into the request's slot: the state that shares the longest prefix with it. `own`: the session's
-    own snapshot (messages and tokens it shares with the request); `prefix`: the store's best match among all
-    conversations' snapshots; `system`: the system part's snapshot. Candidates are already checked (size,
-    checksum, fingerprint). Near-ties (`NEAR_TIE_TOKENS`) go to the own snapshot, and a tie with the slot to it."""
+def cost(candidate: Candidate) -> tuple[int, int, int]:
+    """The order among near-ties: the cheapest tier, then the session's own state, then the fewest tokens to load."""
+    return candidate.tier, 0 if candidate.own else 1, candidate.snapshot.n_tokens
+
+
+def best(candidates: Sequence[Candidate]) -> Candidate | None:
+    """The candidate sharing the most tokens, the cheapest of those within NEAR_TIE_TOKENS of the most."""
+    if not candidates:
+        return None
+    most = max(c.tokens for c in candidates)
+    return min((c for c in candidates if c.tokens >= most - NEAR_TIE_TOKENS), key=cost)
+
+
+def plan(request: Request, rules: Rules, in_slot: InSlot = InSlot(), saved: Sequence[Candidate] = ()) -> Plan:
+    """What to bring into the request's slot: the saved state that shares the most tokens with the request, if it
+    shares more than the slot's content already does (beyond a near-tie) and enough to be worth a restore; else
+    nothing (the backend reuses what the slot shares). Candidates are already checked (size, checksum,
+    fingerprint)."""
     if request.default:
         return Plan(Why.DEFAULT)
+    # A system part without a saved state of its own gets one, cut from this request's state after the turn, even
+    # when another conversation's state covers it now: that one may be evicted, extended past it, or (on a build
+    # that keeps no checkpoints in its files) impossible to cut back to it.
+    cut = (request.n_system is not None and not request.system_saved and request.worth_cutting
+           and rules.strategy is not Strategy.KEEP_HOT)
+    floor = max(rules.min_restore_tokens, 1)
+    # What the slot holds is the cheapest candidate: a restore must share more than it, beyond a near-tie.
+    margin = in_slot.tokens + (NEAR_TIE_TOKENS if in_slot.tokens > 0 else 0)
+    worth = [c for c in saved if c.tokens >= floor and (c.tokens > margin or _next_message(c, in_slot))]
     if rules.strategy is Strategy.KEEP_HOT:
-        warm = request.n_system is not None and system is None and request.worth_warming
-        return Plan(Why.WARM_UP if warm else Why.KEEP_HOT, warm_up=warm, held_back=True)
-    strict = rules.strategy is Strategy.PROMPT_END
-    floor_tokens = max(rules.min_restore_tokens, 1)
-    held_back = False
-    fits = True
-    # On a tie with what the slot holds, the session's own state wins: it usually shares more than whole messages
-    # (the next message often starts with the old one's text). A raw prompt (no messages) shares all of it.
-    own_ok = own is not None and own.tokens >= floor_tokens and (
-        request.messages == 0 or (own.messages > 0 and request.kept <= own.messages))
-    if prefix is not None and own is not None and prefix.snapshot.filename == own.snapshot.filename:
-        prefix = None  # the best match is the own snapshot
-    # Another conversation's state must share more than the system part and than the slot: conversations on one
-    # system prompt share its system snapshot; a longer prefix anywhere beats the own snapshot's.
-    floor = max(request.kept, request.n_system or 0)
-    choices: list[tuple[Why, Candidate, CacheOutcome]] = []
-    if own is not None and own_ok:
-        choices.append((Why.OWN, own, CacheOutcome.RESTORED))
-    if prefix is not None and prefix.messages > floor and prefix.tokens >= rules.min_restore_tokens:
-        longer = not choices or prefix.tokens > choices[0][1].tokens + NEAR_TIE_TOKENS
-        choices.insert(0 if longer else len(choices), (Why.PREFIX, prefix, CacheOutcome.PREFIX))
-    for why, candidate, outcome in choices:
-        if strict and not extends(candidate, request.messages):
-            held_back = True
-        elif candidate.snapshot.n_tokens > rules.n_ctx_slot:
-            fits = False
-        else:
-            return Plan(why, candidate, outcome)
-    if request.n_system is None or own is not None:
-        return Plan(_miss(own, prefix, held_back, fits, request.kept), held_back=held_back)
-    if system is None:
-        if request.worth_warming:
-            return Plan(Why.WARM_UP, warm_up=True, held_back=held_back)
-        return Plan(_miss(own, prefix, held_back, fits, request.kept), held_back=held_back)
-    if request.kept > 0 and request.kept >= request.n_system:
-        return Plan(Why.IN_SLOT, held_back=held_back)  # the slot holds this system part (a conversation on it)
-    if system.n_tokens < floor_tokens:
-        return Plan(Why.TOO_SHORT, held_back=held_back)
-    if system.n_tokens > rules.n_ctx_slot:
-        return Plan(Why.TOO_LONG, held_back=held_back)
-    return Plan(Why.SYSTEM, Candidate(system, request.n_system, system.n_tokens, False), CacheOutcome.RESTORED,
-                held_back=held_back)
-
-
-def _miss(own: Candidate | None, prefix: Candidate | None, held_back: bool, fits: bool, kept: int) -> Why:
+        return Plan(Why.KEEP_HOT, held_back=bool(worth), cut_system=cut)
+    fitting = [c for c in worth if c.snapshot.n_tokens <= rules.n_ctx_slot]
+    usable = fitting
+    if rules.strategy is Strategy.PROMPT_END:
+        usable = [c for c in fitting if extends(c, request.messages)]
+    chosen = best(usable)
+    held_back = len(usable) < len(fitting)
+    if chosen is not None:
+        return Plan(_why(chosen), chosen, _outcome(chosen), held_back=held_back, cut_system=cut)
     if held_back:
-        return Why.NOT_EXTENDED
-    if not fits:
-        return Why.TOO_LONG
-    shared = [c.messages for c in (own, prefix) if c is not None and c.messages > 0]
-    if shared and kept < max(shared):
-        return Why.TOO_SHORT  # a snapshot shares messages, but fewer tokens than are worth a restore
-    return Why.IN_SLOT if kept > 0 else Why.NOTHING_SHARED
+        why = Why.NOT_EXTENDED
+    elif len(fitting) < len(worth):
+        why = Why.TOO_LONG
+    elif any(0 < c.tokens < floor for c in saved) and not in_slot.tokens:
+        why = Why.TOO_SHORT  # a state shares something, but fewer tokens than are worth a restore
+    elif in_slot.tokens > 0 or in_slot.messages > 0:
+        why = Why.IN_SLOT
+    else:
+        why = Why.NOTHING_SHARED
+    return Plan(why, held_back=held_back, cut_system=cut)
+
+
+def _next_message(candidate: Candidate, in_slot: InSlot) -> bool:
+    """A near-tie at the message level that the session's own state wins over another conversation's in the slot:
+    both hold the same leading messages, and the own state holds the start of the next one too (the client edited
+    or extended its own last message). Counted tokens need no such hint."""
+    return (candidate.own and not candidate.exact and not candidate.whole and not in_slot.own
+            and candidate.messages >= in_slot.messages > 0 and candidate.tokens >= in_slot.tokens - NEAR_TIE_TOKENS)
+
+
+def _why(candidate: Candidate) -> Why:
+    if candidate.own:
+        return Why.OWN
+    return Why.SYSTEM if candidate.snapshot.kind is SnapshotKind.SYSTEM else Why.PREFIX
+
+
+def _outcome(candidate: Candidate) -> CacheOutcome:
+    own = candidate.own or candidate.snapshot.kind is SnapshotKind.SYSTEM
+    return CacheOutcome.RESTORED if own else CacheOutcome.PREFIX

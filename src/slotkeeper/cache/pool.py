@@ -11,25 +11,28 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from slotkeeper.cache.budget import DiskBudget, SnapshotId
 from slotkeeper.cache.capability import ArchKind, Capability, Strategy
 from slotkeeper.cache.chain import Link, common_prefix
+from slotkeeper.cache.cutting import cut_to, system_prefix
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.evidence import CheckpointEvidence
-from slotkeeper.cache.planner import Candidate, Plan, Request, Rules, plan
+from slotkeeper.cache.planner import InSlot, Plan, Request, Rules, plan
 from slotkeeper.cache.proof import RestorePolicy
 from slotkeeper.cache.reasons import Known, Reason, explain
 from slotkeeper.cache.restoring import Restorer
 from slotkeeper.cache.saving import Saver
-from slotkeeper.cache.sidestates import SideStates, is_side_key
+from slotkeeper.cache.sidestates import side_key
 from slotkeeper.cache.slots import Held, SlotLease, SlotState, TurnEnd
-from slotkeeper.cache.snapshots import Snapshots, key_of
+from slotkeeper.cache.snapshots import Found, Snapshots, key_of, snapshot_id
 from slotkeeper.cache.systemprompt import SystemPrompt
-from slotkeeper.errors import NotFound, Overloaded, SaveFailed
+from slotkeeper.cache.tokens import Tokens
+from slotkeeper.cache.tokens import common_prefix as common_tokens
+from slotkeeper.errors import NotFound, Overloaded, SaveFailed, SlotkeeperError
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import BackendHealth
@@ -38,9 +41,18 @@ log = logging.getLogger("slotkeeper.pool")
 
 # System prompts found too short to be worth a snapshot, remembered so they are not warmed up again.
 _SHORT_SYSTEMS_KEPT = 1024
-# The least a side task must share with a kept side state for a restore of it (the tasks' template alone, a few
-# dozen tokens, is not worth one), whatever --min-restore-tokens says.
+# The least a side task's prompt must have for its state to be kept for the next one (the tasks' template alone, a
+# few dozen tokens, is not worth one), whatever --min-restore-tokens says.
 _SIDE_MIN_TOKENS = 64
+# A side task waits for a conversation's request only when none ran within this long: a task sent just after an
+# answer (follow-ups, tags) has nothing to wait for; a new chat's title, sent just before its first request, has.
+SIDE_FOLLOWS_SECONDS = 2.0
+# Characters of canonical JSON per token, at the least, for the estimate of whether a request is long enough for
+# its exact tokens to be worth asking the backend for.
+_CHARS_PER_TOKEN = 4
+
+# The request's tokens, asked for only when the message chains cannot tell which state shares the most.
+TokenSource = Callable[[], Awaitable[Tokens | None]]
 # Sessions remembered for their next turn's reason: seen since start, and what became of their slot state.
 _SESSIONS_KEPT = 4096
 # The shortest idle time before a changed slot is saved (when --save-idle-seconds is longer): an agent's next request
@@ -73,7 +85,6 @@ class SlotPool:
         capability: Capability | None = None,
         health: BackendHealth | None = None,
         side_hold_seconds: float = 0.0,
-        side_states: SideStates | None = None,
     ) -> None:
         self.slots = [SlotState(i) for i in range(n_slots)]
         self._client = client
@@ -93,12 +104,19 @@ class SlotPool:
         self._waiters: deque[_Waiter] = deque()
         # Side tasks held back (see `_hold_side`), each woken when a conversation's request is queued.
         self._held_sides: set[asyncio.Event] = set()
-        # The states the last side tasks left, for the next ones that start the same way.
-        self.side_states = side_states or SideStates()
+        # When a conversation's turn last ended (monotonic), and how many run now: a side task waits for a
+        # conversation's request only when neither says one was just answered.
+        self._turns_running = 0
+        self._last_turn_end = float("-inf")
         self._timers: set[asyncio.Task[None]] = set()
-        # System prompts evaluated into a slot (a new one met by a turn, or an operator's pre-warm), and failures.
+        # System parts evaluated into a slot (an operator's pre-warm, or a slot's state cut back to its system part
+        # after a turn), and failures.
         self.warm_ups = 0
         self.failed_warm_ups = 0
+        self.cuts = 0
+        # Requests whose tokens the planner asked the backend for (the chains could not tell), and the time it took.
+        self.token_lookups = 0
+        self.token_lookup_ms = 0.0
         self.policy = RestorePolicy(capability or Capability("", ArchKind.UNKNOWN, None))
         self._evidence = CheckpointEvidence(self.policy, snapshots.slot_dir)
         self.events = CacheEvents()
@@ -107,7 +125,8 @@ class SlotPool:
         self.saver = Saver(client, snapshots, self._evidence, self.policy, self.slots)
         self.restorer = Restorer(client, snapshots, self.events, self.policy, n_ctx_slot)
         snapshots.attach(client, fingerprint, budget or DiskBudget(), self.events,
-                         lambda: [s.occupant for s in self.slots if s.occupant is not None], self._evidence.inspect)
+                         lambda: [snapshot_id(s.occupant, s.kind) for s in self.slots if s.occupant is not None],
+                         self._evidence.inspect)
 
     # Saves, failed saves and budget evictions: counted by the snapshots when a save's commit is done.
     @property
@@ -155,54 +174,57 @@ class SlotPool:
     # -- leasing --------------------------------------------------------------------------------------------
 
     async def acquire(self, key: SessionKey, chain: Sequence[Link] = (), side: bool = False,
-                      system: SystemPrompt | None = None, side_text: str | None = None) -> SlotLease:
-        """Wait for a slot for `key`, bring the best state for its messages (`chain`) into it, and lease it.
+                      system: SystemPrompt | None = None, tokens: TokenSource | None = None) -> SlotLease:
+        """Wait for a slot for `key`, bring the state that shares the most with the request into it, and lease it.
 
-        `system` is the request's system part: a new conversation starts from its system snapshot, or, when there
-        is none yet, the lease comes back with `warm_up` set (see `save_system`).
+        `chain` is the request's message chain, `system` its system part (what the slot's state is cut back to
+        after the turn when no saved state covers it yet), and `tokens` gives the request's tokens when the chains
+        cannot tell which state shares the most (planner.py; docs/design-pool.md).
 
-        A side request (a title or tag task sent under the conversation's id) must not become the session's state:
-        it gets a slot that holds no unsaved session when there is one, the slot's changed occupant is saved first,
-        nothing is restored but the state an earlier side task left that starts the same way (`side_text`: the
-        request as text), and afterwards the slot holds the task's own state, kept as a side state when it is long
-        enough to be worth one (sidestates.py), or is attributed to nobody.
+        A side request (a title or tag task sent under a conversation's id, or a one-off request that shares little
+        with it) must not take the conversation's state away: it gets a slot that holds no unsaved session when
+        there is one, the slot's changed occupant is saved first, and afterwards the slot holds the task's own
+        state, kept as a side state when it is long enough to be worth one, never as the conversation's.
         """
-        if side and self._side_hold_seconds > 0:
+        if side and self._side_hold_seconds > 0 and self._may_be_followed():
             # OpenWebUI sends a new chat's title task a few ms before the chat's request: that one goes first.
             await self._hold_side()
-        slot = await self._take((lambda: self._choose_side(key)) if side else lambda: self._choose(key), bounded=True,
-                                side=side)
+        choose = (lambda: self._choose_side(key)) if side else (lambda: self._choose(key, chain))
+        slot = await self._take(choose, bounded=True, side=side)
         previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
         held = Held.of(slot)
-        slot.occupant, slot.dirty = (None if side else key), False
+        extended = _extends(in_slot, chain, previous == key and not side)
+        slot.occupant, slot.kind, slot.dirty = (None if side else key), SnapshotKind.SESSION, False
         slot.generation += 1
-        lease = SlotLease(slot.slot_id, key, side=side, chain=list(chain), system=system, side_text=side_text,
-                          _release=self._finish)
+        slot.cut = None
+        lease = SlotLease(slot.slot_id, key, side=side, chain=list(chain), system=system, _release=self._finish)
+        if not side:
+            self._turns_running += 1
         if previous is not None and previous != key:
             taker = "a side task" if side else f"session {key.session_id}"
             self._remember(self._left, previous, (Reason.SLOT_TAKEN, f"slot {slot.slot_id} was taken by {taker}"))
         if side:
             lease.cache.why = Reason.SIDE_TASK
-        if previous == key and not side:
+        if extended and previous == key and not side:
+            # The request holds every message the slot's state was made of: nothing saved can share more (it would
+            # have to hold this request's new messages already).
             slot.dirty = previous_dirty
             lease.cache.outcome, lease.cache.why = CacheOutcome.HOT, Reason.HOT
-            kept = common_prefix(in_slot, lease.chain)
-            if lease.chain and kept < len(in_slot):  # the client changed a message the slot had
-                lease.cache.why, lease.cache.changed_at = Reason.REWRITTEN, kept
-                lease.cache.detail = f"message {kept + 1} differs from the history in the slot; reused up to there"
             self._remember(self._seen, key, None)
+            lease.tokens = slot.tokens
             return lease
         try:
             if previous is not None and previous_dirty:
                 lease.cache.save_ms = await self.saver.save(slot.slot_id, previous, held, wait=False)
-            if not side:
-                await self._bring_in(slot, lease, in_slot)
-            elif side_text is not None:
-                await self._bring_in_side(slot, lease, side_text, previous)
+            await self._bring_in(slot, lease, in_slot, previous, extended, tokens)
         except BaseException:
             lease.release(TurnEnd.FAILED)
             raise
         return lease
+
+    def _may_be_followed(self) -> bool:
+        """Whether a conversation's request may follow a side task: none is running, and none was just answered."""
+        return self._turns_running == 0 and time.monotonic() - self._last_turn_end > SIDE_FOLLOWS_SECONDS
 
     async def _hold_side(self) -> None:
         """Hold a side task back until a conversation's request is queued (side tasks are served after it), or for
@@ -216,14 +238,18 @@ class SlotPool:
         finally:
             self._held_sides.discard(came)
 
-    def _choose(self, key: SessionKey) -> SlotState | None:
+    def _choose(self, key: SessionKey, chain: Sequence[Link] = ()) -> SlotState | None:
         own = next((s for s in self.slots if s.occupant == key), None)
         if own is not None:
             return None if own.busy else own  # one session's turns run one after another, in its own slot
         idle = [s for s in self.slots if not s.busy]
         if not idle:
             return None
-        # An empty slot first; then the least recently used one.
+        # An idle slot holding a state the request extends (whatever its name: a client that changed its id); then
+        # an empty slot; then the least recently used one.
+        extended = [s for s in idle if s.chain and common_prefix(s.chain, chain) == len(s.chain)]
+        if extended:
+            return max(extended, key=lambda s: len(s.chain))
         return min(idle, key=lambda s: (s.occupant is not None, s.last_used))
 
     def _choose_side(self, key: SessionKey | None = None) -> SlotState | None:
@@ -279,26 +305,33 @@ class SlotPool:
         slot = self.slots[lease.slot_id]
         slot.busy = False
         slot.last_used = time.monotonic()
+        if not lease.side:
+            self._turns_running -= 1
+            self._last_turn_end = slot.last_used
         if lease.existing is not None:
             pass  # a pre-warm that found its snapshot on disk did not touch the slot
+        elif lease.side and lease.system is not None:
+            # A pre-warm: a completed one leaves its system part in the slot, for the next conversation on it.
+            slot.occupant, slot.dirty, slot.forgotten_in, slot.replay = None, False, None, None
+            if end is not TurnEnd.COMPLETED:
+                slot.chain, slot.tokens, slot.n_tokens, slot.n_prompt, slot.at_prompt_end = [], None, 0, 0, False
         elif end is TurnEnd.FAILED or slot.forgotten_in == slot.generation or lease.side:
-            slot.occupant, slot.dirty, slot.n_tokens = None, False, 0
-            # A completed pre-warm leaves its system part in the slot, for the next conversation on it.
-            keeps_system = end is TurnEnd.COMPLETED and lease.side and lease.system is not None
-            slot.chain = slot.chain if keeps_system else []
-            slot.forgotten_in = None
-            slot.n_prompt = slot.n_tokens if keeps_system else 0
-            slot.replay, slot.at_prompt_end = None, keeps_system
-            if end is TurnEnd.COMPLETED and lease.side and not keeps_system:
+            slot.occupant, slot.dirty, slot.n_tokens, slot.n_prompt = None, False, 0, 0
+            slot.chain, slot.tokens, slot.forgotten_in = [], None, None
+            slot.replay, slot.at_prompt_end = None, False
+            if end is TurnEnd.COMPLETED and lease.side:
                 self._keep_side_state(slot, lease, n_tokens, n_prompt)
         elif end in (TurnEnd.COMPLETED, TurnEnd.CANCELLED):
             slot.dirty = not lease.key.is_default
             slot.n_tokens = n_tokens or slot.n_tokens
             slot.chain = lease.chain
+            slot.tokens = lease.tokens
             slot.n_prompt = n_prompt
             # A cut-short turn is saved as it is: replaying its prompt could mean its whole prefill again.
             slot.replay = lease.replay if end is TurnEnd.COMPLETED else None
             slot.at_prompt_end = False
+            if end is TurnEnd.COMPLETED and lease.cut_system and slot.dirty and lease.system is not None:
+                slot.cut = lease.system
         if end is TurnEnd.COMPLETED and cache_n is not None and lease.cache.expected_reuse > 0:
             self.restorer.judge(lease, cache_n)
         self._dispatch()
@@ -307,87 +340,103 @@ class SlotPool:
 
     # -- bringing a state in --------------------------------------------------------------------------------
 
-    async def _bring_in(self, slot: SlotState, lease: SlotLease, in_slot: Sequence[Link]) -> None:
-        """Look up what the request could start from and do what the planner says (planner.py): restore the state
-        that shares the longest prefix with it (the session's own snapshot, or another conversation's that shares
-        more than the system part), or the system part's (or warm a new system part up first), or nothing."""
+    async def _bring_in(self, slot: SlotState, lease: SlotLease, in_slot: Sequence[Link],
+                        previous: SessionKey | None, extended: bool, tokens: TokenSource | None) -> None:
+        """Find the saved states the request could start from, each with the tokens it shares with the request
+        (the chains first; the request's exact tokens when they cannot tell), and do what the planner says
+        (planner.py): restore the state that shares the most, or keep what the slot holds."""
         key = lease.key
         known = Known(seen=key in self._seen)
         left = self._left.pop(key, None)
-        if left is not None:
+        if left is not None and not lease.side:
             known = Known(left=left[0], left_detail=left[1], seen=known.seen)
-        self._remember(self._seen, key, None)
-        kept = common_prefix(in_slot, lease.chain)  # what the slot's current content already gives for free
+        if not lease.side:
+            self._remember(self._seen, key, None)
+        chain = lease.chain
+        kept = common_prefix(in_slot, chain)  # what the slot's current content already gives for free
         if kept < len(in_slot) and self.policy.capability.needs_checkpoints:
             # A recurrent, hybrid or SWA slot rolls back only to its checkpoints (at the last user message and the
             # prompt's end): a request that leaves the slot's messages earlier than that reuses nothing of it.
             kept = 0
-        system = lease.system if self._system_snapshots else None
-        request = Request(len(lease.chain), kept, system.n_messages if system is not None else None,
-                          default=key.is_default, worth_warming=system is not None and self._worth_warming(system))
-        rules = Rules(self.policy.strategy, self._min_restore_tokens, self._n_ctx_slot)
-        restoring = not key.is_default and rules.strategy is not Strategy.KEEP_HOT
-        own: Candidate | None = None
-        prefix: Candidate | None = None
-        if restoring:
-            own, fate = await self.snapshots.own(key, lease.chain)
-            known = Known(fate, known.left, known.left_detail, known.seen)
-            # Any conversation's state may share more than the own one (two agents that were one session, a fork):
-            # the planner takes the longest. A match must share more messages than the slot and the system part.
-            if lease.chain:
-                floor = max(kept, request.n_system or 0)
-                prefix = await self.snapshots.best_prefix(key.model, lease.chain, floor + 1)
-        system_snapshot: Snapshot | None = None
-        if system is not None and own is None and not key.is_default:
-            # Where nothing is restored, only whether there is one matters: its row, unchecked.
-            system_snapshot = await self.snapshots.system(SessionKey(key.model, system.digest), checked=restoring)
-        await self._act(slot, lease, plan(request, rules, own, prefix, system_snapshot), own, known)
+        system = lease.system if self._system_snapshots and not lease.side else None
+        system_key = SessionKey(key.model, system.digest) if system is not None else None
+        n_system = system.n_messages if system is not None else 0
+        strategy = self.policy.strategy
+        rules = Rules(strategy, self._min_restore_tokens, self._n_ctx_slot)
+        # A side task has no state of its own: what its name could find is the state an identical task left.
+        named = side_key(key.model, chain) if lease.side else key
+        found = Found(None, None, [])
+        if not key.is_default and strategy is not Strategy.KEEP_HOT:
+            found = await self.snapshots.candidates(named, chain, None, system_key, n_system)
+        slot_tokens = _in_slot_tokens(slot, in_slot, kept)
+        if (not key.is_default and strategy is not Strategy.KEEP_HOT and tokens is not None and not extended
+                and self._needs_tokens(chain, kept, previous == key, found, lease.side)):
+            started = time.perf_counter()
+            exact = await tokens()
+            self.token_lookups += 1
+            self.token_lookup_ms += (time.perf_counter() - started) * 1000
+            if exact is not None:
+                lease.tokens = exact
+                found = await self.snapshots.candidates(named, chain, exact, system_key, n_system)
+                if slot.tokens is not None and (kept == len(in_slot) or not self.policy.capability.needs_checkpoints):
+                    slot_tokens = common_tokens(slot.tokens, exact)
+        saved = found.saved
+        # The slot shares at least what a saved state made of messages it holds too has (a count, not an estimate).
+        slot_tokens = max([slot_tokens, *(c.tokens for c in saved if c.whole and 0 < c.messages <= kept)])
+        request = Request(len(chain), system.n_messages if system is not None else None, default=key.is_default,
+                          system_saved=found.system_saved, worth_cutting=system is not None and self._worth(system))
+        chosen = plan(request, rules, InSlot(slot_tokens, kept, previous == key), saved)
+        await self._act(slot, lease, chosen, found, known, in_slot, kept, previous)
 
-    async def _act(self, slot: SlotState, lease: SlotLease, chosen: Plan, own: Candidate | None,
-                   known: Known) -> None:
+    def _needs_tokens(self, chain: Sequence[Link], kept: int, own_slot: bool, found: Found, side: bool) -> bool:
+        """Whether the chains leave open which state shares the most with the request, enough to matter: some
+        message before the request's newest one is held by no state (an agent moved a reminder, dropped tool
+        messages, edited the history; or nothing shares even the first message), and the session's own state
+        does not hold as many messages as any other (its own next message shares the most of the rest). A short
+        request is not worth the backend's time."""
+        if not chain or chain[-1].chars < _CHARS_PER_TOKEN * max(self._min_restore_tokens, _SIDE_MIN_TOKENS):
+            return False
+        deepest = max([kept, *(c.messages for c in found.saved)])
+        own = max([kept if own_slot else -1, *(c.messages for c in found.saved if c.own)])
+        if not side and own == deepest and deepest > 0:
+            return False
+        return deepest < len(chain) - 1 or deepest == 0
+
+    async def _act(self, slot: SlotState, lease: SlotLease, chosen: Plan, found: Found, known: Known,
+                   in_slot: Sequence[Link], kept: int, previous: SessionKey | None) -> None:
         if chosen.held_back:
             self.policy.skipped()  # a chance for a trial of the strategy before a fallback, if there is one
-        lease.warm_up = chosen.warm_up
-        explained = explain(chosen, own, known)
+        lease.cut_system = chosen.cut_system
+        if lease.side:
+            if chosen.restore is not None:
+                await self._restore(slot, lease, chosen.restore.snapshot, chosen.outcome, chosen.owes)
+                if lease.cache.outcome is not CacheOutcome.COLD:
+                    lease.cache.detail = (f"started from a saved state sharing {chosen.owes} tokens with the task "
+                                          f"({chosen.restore.snapshot.kind} {chosen.restore.snapshot.session_id})")
+            return
+        if chosen.restore is None and previous == lease.key and kept > 0:
+            # The slot held the session's own state and still gives the most: the backend reuses up to the message
+            # the client changed.
+            lease.cache.outcome, lease.cache.why, lease.cache.changed_at = CacheOutcome.HOT, Reason.REWRITTEN, kept
+            lease.cache.detail = f"message {kept + 1} differs from the history in the slot; reused up to there"
+            return
+        explained = explain(chosen, found.own, Known(found.fate, known.left, known.left_detail, known.seen))
         lease.cache.why, lease.cache.detail, lease.cache.changed_at = (explained.reason, explained.detail,
                                                                       explained.changed_at)
         if chosen.restore is not None:
             await self._restore(slot, lease, chosen.restore.snapshot, chosen.outcome, chosen.owes)
 
-    async def _bring_in_side(self, slot: SlotState, lease: SlotLease, text: str, previous: SessionKey | None) -> None:
-        """Restore the side state sharing the longest beginning with the task, where that is worth a restore (and
-        the slot does not hold it already)."""
-        if self.policy.strategy is not Strategy.RESTORE:
-            return  # only a plain attention state can be cut back to the part the next task shares
-        match = self.side_states.best(lease.key.model, text)
-        if match is None or match.tokens < max(self._min_restore_tokens, _SIDE_MIN_TOKENS) or match.key == previous:
-            return
-        own, _ = await self.snapshots.own(match.key, [])
-        if own is None:
-            self.side_states.drop(match.key)
-            return
-        await self._restore(slot, lease, own.snapshot, CacheOutcome.PREFIX, 0)
-        if lease.cache.outcome is CacheOutcome.PREFIX:
-            self.side_states.used(match.key)
-            lease.cache.detail = f"started from an earlier side task's state (about {match.tokens} tokens shared)"
-
     def _keep_side_state(self, slot: SlotState, lease: SlotLease, n_tokens: int, n_prompt: int) -> None:
         """A side task ended: where its prompt is long enough for a later task to be worth restoring from, the slot
-        keeps its state under a side key, saved like a session's (on a switch, when idle, at exit)."""
-        text = lease.side_text
-        if text is None or self.policy.strategy is not Strategy.RESTORE:
+        keeps its state as a side state (saved like a conversation's: on a switch, when idle, at exit; the disk
+        budget keeps the last few per model)."""
+        if not lease.chain or self.policy.strategy is not Strategy.RESTORE:
             return
         if n_prompt < 2 * max(self._min_restore_tokens, _SIDE_MIN_TOKENS):
             return
-        key, dropped = self.side_states.keep(lease.key.model, text, n_prompt)
-        slot.occupant, slot.dirty = key, True
+        slot.occupant, slot.kind, slot.dirty = side_key(lease.key.model, lease.chain), SnapshotKind.SIDE, True
+        slot.chain, slot.tokens = lease.chain, lease.tokens
         slot.n_tokens, slot.n_prompt = n_tokens or n_prompt, n_prompt
-        for old in dropped:
-            self._drop_side_state(old)
-
-    def _drop_side_state(self, key: SessionKey) -> None:
-        self.forget(key)
-        self._in_background(self._delete_quietly(key))
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         """Run `work` as a task the pool keeps (aclose cancels and awaits them)."""
@@ -395,25 +444,7 @@ class SlotPool:
         self._timers.add(task)
         task.add_done_callback(self._timers.discard)
 
-    async def _delete_quietly(self, key: SessionKey) -> None:
-        try:
-            await self.snapshots.delete(key)
-        except Exception as exc:  # bookkeeping: a side state left behind costs only disk, and ages out
-            log.warning("deleting the side state %s failed: %s", key, exc)
-
-    async def load_side_states(self) -> int:
-        """At start: the side states an earlier run kept come back where their snapshot is still on disk (the rest are
-        forgotten), and side snapshots no longer listed (what matched them is gone) are deleted. Returns how many came
-        back."""
-        listed = self.side_states.load()
-        on_disk = {key_of(s) for s in await self.snapshots.list(None) if is_side_key(s.session_id)}
-        for key in listed - on_disk:
-            self.side_states.drop(key)
-        for key in on_disk - listed:
-            await self._delete_quietly(key)
-        return len(listed & on_disk)
-
-    def _worth_warming(self, system: SystemPrompt) -> bool:
+    def _worth(self, system: SystemPrompt) -> bool:
         # About two characters of canonical JSON per token at the least: shorter prompts cannot reach the threshold.
         return system.chars >= 2 * self._min_restore_tokens and system.digest not in self._short_systems
 
@@ -422,28 +453,35 @@ class SlotPool:
         the system snapshot, unless it is too short to be worth one. Only called after a warm-up that succeeded.
 
         With `wait`, the snapshot is returned once committed (a pre-warm reports it). Without, only the backend's
-        write of the slot is waited for, and the commit (the copy to the slot dir, fsync, checksum, index row) goes
-        on behind the turn: a turn need not wait for it, and whoever looks the snapshot up waits for its commit."""
+        write of the slot is waited for, and the commit goes on in the background."""
         system = lease.system
         assert system is not None
         self.warm_ups += 1
         slot = self.slots[lease.slot_id]
+        return await self._save_system_part(slot, lease.key.model, system, n_tokens, wait, lease)
+
+    async def _save_system_part(self, slot: SlotState, model: str, system: SystemPrompt, n_tokens: int, wait: bool,
+                                lease: SlotLease | None = None) -> Snapshot | None:
+        """The slot holds exactly `system`'s part (`n_tokens`): save it as a system state, unless it is too short."""
         slot.chain = system.chain()
         slot.n_tokens = slot.n_prompt = n_tokens
-        slot.replay, slot.at_prompt_end = None, True
+        slot.replay, slot.at_prompt_end, slot.tokens = None, True, None
         if n_tokens < max(self._min_restore_tokens, 1):
             self._short_systems.append(system.digest)
             log.info("system prompt %s has %d tokens, fewer than --min-restore-tokens: no system snapshot",
                      system.short_id, n_tokens)
             return None
-        key = SessionKey(lease.key.model, system.digest)
-        lease.cache.save_ms += await self.saver.save(slot.slot_id, key, Held.of(slot), SnapshotKind.SYSTEM, wait=wait)
+        key = SessionKey(model, system.digest)
+        waited = await self.saver.save(slot.slot_id, key, Held.of(slot), SnapshotKind.SYSTEM, wait=wait)
+        if lease is not None:
+            lease.cache.save_ms += waited
         return await self.snapshots.get(key, SnapshotKind.SYSTEM) if wait else None
 
     def warm_up_failed(self, lease: SlotLease) -> None:
         """The warm-up request failed: nothing is saved, and the slot's content is not known any more."""
         self.failed_warm_ups += 1
         self.slots[lease.slot_id].chain = []
+        self.slots[lease.slot_id].tokens = None
 
     async def warm_lease(self, model: str, system: SystemPrompt) -> SlotLease:
         """Lease a slot to warm `system` up ahead of time (an operator's pre-warm). The lease's `existing` is the
@@ -472,8 +510,10 @@ class SlotPool:
             return
         restored = await self.restorer.restore(slot.slot_id, lease.cache, snapshot, outcome, expected)
         slot.chain = []  # a restore replaces the slot's content, a failed one empties it
+        slot.tokens = None
         if restored is not None:
             slot.n_tokens = restored
+            slot.tokens = await self.snapshots.tokens_of(snapshot)
 
     def learn_from_disk(self) -> None:
         """In a worker thread at start: what the newest snapshots of this backend tell about its build."""
@@ -508,11 +548,13 @@ class SlotPool:
             await self._health.wait_up()  # a save sent to a backend that is away would fail and lose the turn
         if slot.busy or slot.generation != generation or not slot.dirty or slot.occupant is None:
             return
-        await self._save_held(slot)
+        if await self._save_held(slot) and slot.cut is not None and slot.generation == generation:
+            await self._cut_held(slot)
 
-    async def _save_held(self, slot: SlotState) -> None:
-        """Take an idle slot, save its dirty occupant, and give the slot back. A save that failed because the
-        backend went away leaves the slot changed, saved once the backend is back (or forgotten, if it restarted)."""
+    async def _save_held(self, slot: SlotState) -> bool:
+        """Take an idle slot, save its dirty occupant, and give the slot back; True when the backend wrote it. A
+        save that failed because the backend went away leaves the slot changed, saved once the backend is back (or
+        forgotten, if it restarted)."""
         key = slot.occupant
         assert key is not None
         slot.busy = True
@@ -527,6 +569,38 @@ class SlotPool:
                 and slot.occupant == key and not slot.busy):
             slot.dirty = True
             self._schedule_idle_save(slot)
+        return bool(saved)
+
+    async def _cut_held(self, slot: SlotState) -> None:
+        """The slot's conversation is saved and idle, and no saved state covers its system part: cut the slot's
+        state back to that part (cutting.py) and save it as a system state, which every later conversation on it
+        starts from, as does this one's next turn after restoring its own state. Off the requests' path; a failure
+        costs only the system state."""
+        system, key = slot.cut, slot.occupant
+        slot.cut = None
+        if system is None or key is None or slot.busy or slot.dirty:
+            return
+        slot.busy = True
+        started = time.perf_counter()
+        try:
+            prefix = await system_prefix(self._client, system)
+            if prefix is None:
+                return
+            slot.occupant, slot.chain, slot.tokens = None, [], None  # from here the slot holds no session's state
+            self._remember(self._left, key, (Reason.SLOT_TAKEN, f"slot {slot.slot_id} was cut back to its system "
+                                                                "part, which was saved for later conversations"))
+            n_tokens = await cut_to(self._client, slot.slot_id, prefix)
+            self.cuts += 1
+            await self._save_system_part(slot, key.model, system, n_tokens, wait=False)
+            log.info("slot %d cut back to system prompt %s after %s's turn: %d tokens in %.0f ms", slot.slot_id,
+                     system.short_id, key.session_id, n_tokens, (time.perf_counter() - started) * 1000)
+        except SlotkeeperError as exc:
+            self.failed_warm_ups += 1
+            slot.chain, slot.tokens, slot.n_tokens, slot.n_prompt, slot.at_prompt_end = [], None, 0, 0, False
+            log.warning("cutting slot %d back to system prompt %s failed, so no system state was saved: %s",
+                        slot.slot_id, system.short_id, exc.message)
+        finally:
+            self._give_back(slot)
 
     def _give_back(self, slot: SlotState) -> None:
         """Free a slot taken for a save (not leased): if its session was deleted meanwhile, the slot no longer holds
@@ -632,9 +706,7 @@ class SlotPool:
                 raise SaveFailed(f"saving slot {slot_id} ({held}) failed, so it was not erased: it keeps its "
                                  "unsaved state (see the log for why)")
             await self._client.slot_action(slot.slot_id, "erase")
-            slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
-            slot.n_prompt, slot.replay, slot.at_prompt_end = 0, None, False
-            slot.forgotten_in = None
+            _empty(slot)
         finally:
             slot.busy = False
             self._dispatch()
@@ -659,8 +731,7 @@ class SlotPool:
                             slot.occupant, reason)
                 self._remember(self._left, slot.occupant, (Reason.BACKEND_RESTARTED, reason))
                 reset.append(slot.slot_id)
-            slot.occupant, slot.dirty, slot.n_tokens, slot.chain = None, False, 0, []
-            slot.n_prompt, slot.replay, slot.at_prompt_end = 0, None, False
+            _empty(slot)
         return reset
 
     @staticmethod
@@ -696,6 +767,31 @@ class SlotPool:
             task.cancel()
         await asyncio.gather(*self._timers, return_exceptions=True)
         return await self.snapshots.settle(timeout=timeout)
+
+
+def _empty(slot: SlotState) -> None:
+    """The slot holds nothing known any more (erased, or lost with the backend)."""
+    slot.occupant, slot.kind, slot.dirty, slot.n_tokens, slot.chain, slot.tokens = (None, SnapshotKind.SESSION, False,
+                                                                                     0, [], None)
+    slot.n_prompt, slot.replay, slot.at_prompt_end, slot.forgotten_in, slot.cut = 0, None, False, None, None
+
+
+def _extends(in_slot: Sequence[Link], chain: Sequence[Link], own: bool) -> bool:
+    """Whether the request holds every message of the slot's state (a raw prompt, or a slot of no known messages:
+    taken as doing so when the slot is the session's own)."""
+    if not in_slot or not chain:
+        return own
+    return common_prefix(in_slot, chain) == len(in_slot)
+
+
+def _in_slot_tokens(slot: SlotState, in_slot: Sequence[Link], kept: int) -> int:
+    """About how many tokens the slot's content gives a request that shares `kept` of its messages: its last prompt
+    when the request has all of them, else that prompt's share by characters."""
+    if kept <= 0 or not in_slot:
+        return 0
+    if kept >= len(in_slot):
+        return slot.n_prompt or slot.n_tokens
+    return int((slot.n_prompt or slot.n_tokens) * in_slot[kept - 1].chars / max(in_slot[-1].chars, 1))
 
 
 class Flushed(NamedTuple):

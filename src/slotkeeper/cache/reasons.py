@@ -16,8 +16,8 @@ from slotkeeper.cache.planner import Candidate, Plan, Why
 class Reason(enum.StrEnum):
     HOT = "hot"  # the slot held the session: only the new messages were prefilled
     OWN = "own"  # the session's own snapshot was restored
-    PREFIX = "prefix"  # another conversation's snapshot that shares more than the system part
-    SYSTEM = "system"  # the system prompt's snapshot
+    PREFIX = "prefix"  # another saved state (a conversation's or a side task's) that shares the most
+    SYSTEM = "system"  # the system part's saved state
     IN_SLOT = "in-slot"  # the slot already held what any snapshot would give
     NEW_SESSION = "new-session"  # nothing of this conversation was seen or saved before
     SIDE_TASK = "side-task"  # a title, tag or other side request: runs apart, restores nothing
@@ -31,17 +31,16 @@ class Reason(enum.StrEnum):
     KEEP_HOT = "keep-hot"  # restores cannot help on this backend (sliding window without checkpoints)
     TOO_SHORT = "too-short"  # what could be restored is less than --min-restore-tokens
     TOO_LONG = "too-long"  # the snapshot is larger than a slot
-    WARM_UP = "warm-up"  # a new system prompt, evaluated and saved first
     NOTHING_SHARED = "nothing-shared"  # no snapshot shares enough with the request
     RESTORE_FAILED = "restore-failed"  # the backend refused the restore; the turn ran cold
-    DEFAULT = "default-session"  # the catch-all session (no id, no system prompt): never saved
+    DEFAULT = "default-session"  # the catch-all session (a request without messages or an id): never saved
 
 
 # A session's snapshot that is gone or unusable, as the look-up found it (Snapshots.own).
 FATES = frozenset({Reason.EVICTED, Reason.NOT_RESTORABLE, Reason.QUARANTINED})
 # What became of a session's state in its slot since its last turn (the pool notes it).
 LEFT = frozenset({Reason.BACKEND_RESTARTED, Reason.SLOT_TAKEN})
-_MISSES = frozenset({Why.NOTHING_SHARED, Why.WARM_UP, Why.IN_SLOT, Why.SYSTEM, Why.PREFIX, Why.TOO_SHORT})
+_MISSES = frozenset({Why.NOTHING_SHARED, Why.IN_SLOT, Why.SYSTEM, Why.PREFIX, Why.TOO_SHORT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +76,8 @@ def explain(chosen: Plan, own: Candidate | None, known: Known) -> Explained:
         return Explained(Reason.OWN)
     if own is not None and own.messages == 0 and not own.whole:
         return _rewritten(own, "nothing of the saved state applies")
-    source = {Why.SYSTEM: "started from the system snapshot",
-              Why.PREFIX: "started from another conversation's snapshot",
-              Why.WARM_UP: "its new system prompt was evaluated and saved first",
+    source = {Why.SYSTEM: "started from the system part's saved state",
+              Why.PREFIX: f"started from the saved state sharing the most with it ({chosen.owes} tokens)",
               Why.IN_SLOT: "the slot already held its beginning"}.get(chosen.why, "")
     if chosen.why in _MISSES or chosen.why in (Why.KEEP_HOT, Why.NOT_EXTENDED):
         if known.fate is not None:

@@ -55,8 +55,8 @@ class Restorer:
         cache.outcome = outcome
         cache.restored_tokens = result.n_tokens
         cache.expected_reuse = min(expected, result.n_tokens)
-        cache.restored_from = snapshot.session_id if snapshot.kind is SnapshotKind.SESSION else (
-            f"system:{snapshot.session_id[:12]}")
+        cache.restored_from = (f"system:{snapshot.session_id[:12]}" if snapshot.kind is SnapshotKind.SYSTEM
+                               else snapshot.session_id)
         self.restores += 1
         self._events.restored(cache.restore_ms, snapshot.n_bytes, result.n_tokens)
         self._snapshots.used(snapshot)

@@ -37,7 +37,7 @@ class Saver:
         self.prompt_end_tokens = 0
         self.prompt_end_ms = 0.0
 
-    async def save(self, slot_id: int, key: SessionKey, held: Held, kind: SnapshotKind = SnapshotKind.SESSION, *,
+    async def save(self, slot_id: int, key: SessionKey, held: Held, kind: SnapshotKind | None = None, *,
                    wait: bool = True) -> float:
         """Save the slot's state (`held`: what it holds) as `key`'s snapshot, waiting for its commit or not (see
         snapshots.py); returns the milliseconds waited (0 when it failed: logged, and it costs only the snapshot's
@@ -49,9 +49,11 @@ class Saver:
         return (time.perf_counter() - started) * 1000
 
     async def start(self, slot_id: int, key: SessionKey, held: Held,
-                    kind: SnapshotKind = SnapshotKind.SESSION) -> asyncio.Task[bool] | None:
-        """`save` until the backend wrote the slot's state; returns the commit going on in the background (its
-        result: whether the save succeeded), or None when the backend's write failed."""
+                    kind: SnapshotKind | None = None) -> asyncio.Task[bool] | None:
+        """`save` until the backend wrote the slot's state (as a state of `kind`, by default what the slot holds);
+        returns the commit going on in the background (its result: whether the save succeeded), or None when the
+        backend's write failed."""
+        kind = held.kind if kind is None else kind
         self._evidence.saving()
         n_prompt = held.n_prompt
         if kind is SnapshotKind.SESSION and self._policy.prompt_end_saves and not held.at_prompt_end and (

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from slotkeeper.cache.chain import Link
 from slotkeeper.cache.promptend import Replay
 from slotkeeper.cache.systemprompt import SystemPrompt
-from slotkeeper.types import CacheOutcome, SessionKey, Snapshot
+from slotkeeper.cache.tokens import Tokens
+from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
 
 
 class TurnEnd(enum.Enum):
@@ -26,6 +27,8 @@ class TurnEnd(enum.Enum):
 class SlotState:
     slot_id: int
     occupant: SessionKey | None = None
+    # What the occupant's state is saved as: a conversation's, or a side task's (kept for the next side task).
+    kind: SnapshotKind = SnapshotKind.SESSION
     dirty: bool = False
     busy: bool = False
     generation: int = 0
@@ -33,6 +36,11 @@ class SlotState:
     n_tokens: int = 0
     # The message chain of the last turn that ran in the slot: what a save of it will cover.
     chain: list[Link] = field(default_factory=list)
+    # Tokens the slot's state is known to start with (a restored state's, or the last prompt's when it was
+    # tokenized), for exact comparisons with a request; None when not known.
+    tokens: Tokens | None = None
+    # The system part to cut the slot's state back to once it is saved and idle (no state of that part is saved).
+    cut: SystemPrompt | None = None
     # The last turn's prompt tokens, and its request (to bring the slot back to the end of that prompt before a
     # save, on backends that need it: see promptend.py); `at_prompt_end` once it was.
     n_prompt: int = 0
@@ -73,15 +81,16 @@ class SlotLease:
     side: bool = False
     chain: list[Link] = field(default_factory=list)
     cache: TurnCache = field(default_factory=TurnCache)
-    # The request's system part; `warm_up` asks the caller to evaluate it into the slot (and `save_system` it) first.
+    # The request's system part: the part a slot's state is cut back to after the turn when no saved state covers
+    # it yet (`cut_system`), or, for a pre-warm's lease, the part to evaluate and save.
     system: SystemPrompt | None = None
-    warm_up: bool = False
+    cut_system: bool = False
     # The system snapshot already on disk, for a lease taken only to warm a system prompt up (see `warm_lease`).
     existing: Snapshot | None = None
     # The request sent for the turn (set by the caller), kept by the slot to bring it back to the prompt's end.
     replay: Replay | None = None
-    # A side task's request as text: what its state is matched by (sidestates.py).
-    side_text: str | None = None
+    # The request's tokens when the planner needed them (the slot holds them after the turn).
+    tokens: Tokens | None = None
     _release: Callable[[SlotLease, TurnEnd, int, int | None, int], None] | None = field(default=None, repr=False)
 
     def release(self, end: TurnEnd, n_tokens: int = 0, cache_n: int | None = None, n_prompt: int = 0) -> None:
@@ -100,7 +109,8 @@ class Held:
     n_prompt: int = 0
     replay: Replay | None = None
     at_prompt_end: bool = False
+    kind: SnapshotKind = SnapshotKind.SESSION
 
     @classmethod
     def of(cls, slot: SlotState) -> Held:
-        return cls(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end)
+        return cls(slot.chain, slot.n_prompt, slot.replay, slot.at_prompt_end, slot.kind)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import dataclasses
 import logging
 import os
 import shutil
@@ -37,10 +38,12 @@ from slotkeeper.cache.budget import DiskBudget, SnapshotId
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.fingerprint import model_file_identity
-from slotkeeper.cache.planner import Candidate
+from slotkeeper.cache.planner import Candidate, Tier
 from slotkeeper.cache.ramdir import RamDir
 from slotkeeper.cache.reasons import Reason
-from slotkeeper.cache.store import QUARANTINE_DIR, PrefixMatch, SnapshotStore, file_checksum, shared_with
+from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore, file_checksum, shared_with
+from slotkeeper.cache.tokens import Tokens
+from slotkeeper.cache.tokens import common_prefix as common_tokens
 from slotkeeper.errors import SnapshotError, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult, UpstreamClient
@@ -62,6 +65,17 @@ def key_of(snapshot: Snapshot) -> SessionKey:
     return SessionKey(snapshot.model, snapshot.session_id)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Found:
+    """What a look-up found for a request: the session's own state (or what became of it: `fate`), every candidate
+    (the own one included) with the tokens it shares, and whether the request's system part has a saved state."""
+
+    own: Candidate | None
+    fate: Reason | None
+    saved: builtins.list[Candidate]
+    system_saved: bool = False
+
+
 class Snapshots:
     """One backend's snapshots. Opened at start (`open`: the directories, the index, a reconcile); the slot pool then
     `attach`es the backend they belong to, which saving and every fingerprint-checked lookup need."""
@@ -74,7 +88,7 @@ class Snapshots:
         self.budget = DiskBudget()
         self.events = CacheEvents()
         # The sessions the slots hold now: the budget never evicts their snapshots.
-        self._occupants: Callable[[], Iterable[SessionKey]] = lambda: ()
+        self._occupants: Callable[[], Iterable[SnapshotId]] = lambda: ()
         # Called in the commit's worker thread with each new snapshot (the pool learns from saved files).
         self._inspect: Callable[[Snapshot], None] | None = None
         # Called on the event loop after each committed save (the shared tier uploads it).
@@ -101,7 +115,7 @@ class Snapshots:
         return cls(store)
 
     def attach(self, client: UpstreamClient, fingerprint: str, budget: DiskBudget, events: CacheEvents,
-               occupants: Callable[[], Iterable[SessionKey]],
+               occupants: Callable[[], Iterable[SnapshotId]],
                inspect: Callable[[Snapshot], None] | None = None) -> None:
         """The backend these snapshots belong to, and what the pool lends them: its slots' occupants (kept from the
         budget), its event counters, and a look at each saved file."""
@@ -283,15 +297,70 @@ class Snapshots:
 
     # -- what a request could start from (the pool's look-ups) --------------------------------------------------
 
-    async def own(self, key: SessionKey, chain: Sequence[Link]) -> tuple[Candidate | None, Reason | None]:
-        """The session's checked snapshot, once a save of it still being committed is done, and what of it the
-        request still shares (a client may have edited or trimmed its history); without one, what became of it
-        (evicted, not restorable here, quarantined), if anything is known."""
-        await self._writes.wait([snapshot_id(key)])
-        return await asyncio.to_thread(self._own_now, key, chain)
+    async def candidates(self, key: SessionKey, chain: Sequence[Link], tokens: Tokens | None = None,
+                         system: SessionKey | None = None, n_system: int = 0) -> Found:
+        """Every saved state a request could start from, each with the tokens it shares with the request: the
+        session's own (its name is a hint, never the proof), and those of every kind that share the most leading
+        messages (the chains) or, given the request's `tokens`, the most leading tokens, compared one by one.
+        `system` names the request's system part, to tell whether a state of it is saved.
+
+        Writes still pending that the look-up could find are waited for first: the session's own, the system
+        part's, and those of states sharing more than the system part (`n_system` messages) with the request. When
+        a state found has a save that started since, the look-up runs again once that is done (its file is about to
+        be replaced)."""
+        pending = [snapshot_id(key)] + ([snapshot_id(system, SnapshotKind.SYSTEM)] if system is not None else [])
+        await self._writes.wait(pending)
+        if chain:
+            await self._writes.wait(self._writes.sharing(chain, n_system + 1))
+        found = await asyncio.to_thread(self._find_now, key, chain, tokens, system)
+        replaced = [sid for c in found.saved if (sid := snapshot_id(key_of(c.snapshot), c.snapshot.kind))
+                    in self._writes]
+        if replaced:
+            await self._writes.wait(replaced)
+            found = await asyncio.to_thread(self._find_now, key, chain, tokens, system)
+        return found
+
+    def _find_now(self, key: SessionKey, chain: Sequence[Link], tokens: Tokens | None,
+                  system: SessionKey | None) -> Found:
+        """In a worker thread, in one go."""
+        own, fate = self._own_now(key, chain)
+        found: dict[str, Candidate] = {} if own is None else {own.snapshot.filename: own}
+        if chain:
+            for match in self._store.prefix_matches(key.model, self._fingerprint, chain):
+                if match.snapshot.filename not in found:
+                    found[match.snapshot.filename] = Candidate(match.snapshot, match.messages, match.est_tokens,
+                                                               match.whole, tier=self._tier(match.snapshot))
+        if tokens is not None:
+            for name, candidate in list(found.items()):
+                found[name] = self._exact(candidate, tokens)
+            for token_match in self._store.best_by_tokens(key.model, self._fingerprint, tokens):
+                snapshot = token_match.snapshot
+                if snapshot.filename in found:
+                    continue
+                messages = common_prefix(self._store.chain_of(snapshot), chain) if chain else 0
+                saved = self._store.tokens_of(snapshot)
+                whole = saved is not None and token_match.tokens >= saved.size
+                found[snapshot.filename] = Candidate(snapshot, messages, token_match.tokens, whole, exact=True,
+                                                     tier=self._tier(snapshot), own=False)
+        own = found.get(own.snapshot.filename) if own is not None else None
+        system_saved = system is not None and self._store.get(system, SnapshotKind.SYSTEM) is not None
+        return Found(own, fate, list(found.values()), system_saved)
+
+    def _exact(self, candidate: Candidate, tokens: Tokens) -> Candidate:
+        """The candidate with the tokens it shares counted one by one, when its file's tokens can be read."""
+        saved = self._store.tokens_of(candidate.snapshot)
+        if saved is None:
+            return candidate
+        shared = common_tokens(saved, tokens)
+        return dataclasses.replace(candidate, tokens=shared, whole=shared >= saved.size, exact=True)
+
+    def _tier(self, snapshot: Snapshot) -> Tier:
+        return Tier.RAM if self._store.in_ram(snapshot) else Tier.DISK
 
     def _own_now(self, key: SessionKey, chain: Sequence[Link]) -> tuple[Candidate | None, Reason | None]:
-        """In a worker thread, in one go. A request without messages (a raw prompt), or a snapshot without a
+        """The session's own conversation state and what of it the request still shares (a client may have
+        edited or trimmed its history); without one, what became of it (evicted, not restorable here,
+        quarantined), if anything is known. A request without messages (a raw prompt), or a state without a
         recorded chain, is taken as sharing all of it."""
         row = self._store.get(key)
         own = self._store.checked_snapshot(key, self._fingerprint) if row is not None else None
@@ -303,22 +372,22 @@ class Snapshots:
             return None, Reason.NOT_RESTORABLE if row.fingerprint != self._fingerprint else Reason.QUARANTINED
         saved = self._store.chain_of(own) if chain else []
         shared = shared_with(own, saved, chain)  # one read of the recorded chain for both answers
+        tier = self._tier(own)
         if shared is None:
-            return Candidate(own, len(chain), own.owed_tokens, True), None
-        return Candidate(own, shared[0], shared[1], shared[0] == len(saved)), None
+            return Candidate(own, len(chain), own.owed_tokens, True, tier=tier, own=True), None
+        return Candidate(own, shared[0], shared[1], shared[0] == len(saved), tier=tier, own=True), None
 
-    async def best_prefix(self, model: str, chain: Sequence[Link], min_messages: int) -> Candidate | None:
-        """Another conversation's checked snapshot sharing the most (at least `min_messages`) leading messages with
-        `chain`. Saves still being committed that it could find are waited for first (a new conversation's
-        prefill, or restore, is worth a few milliseconds more); when the session found has a save that started
-        since, the match is looked up again once that is done (its file is about to be replaced)."""
-        if chain:
-            await self._writes.wait(self._writes.sharing(chain, min_messages))
-        match = await asyncio.to_thread(self._store.best_prefix, model, self._fingerprint, chain, min_messages)
-        if match is not None and (found := snapshot_id(key_of(match.snapshot))) in self._writes:
-            await self._writes.wait([found])
-            match = await asyncio.to_thread(self._store.best_prefix, model, self._fingerprint, chain, min_messages)
-        return None if match is None else _candidate(match)
+    async def index_old_states(self) -> int:
+        """At start, in the background: index the token blocks of states saved before blocks were (read from their
+        files); returns how many. Until then they are found by their chains and names only."""
+        done = 0
+        while added := await asyncio.to_thread(self._store.fill_blocks):
+            done += added
+        return done
+
+    async def tokens_of(self, snapshot: Snapshot) -> Tokens | None:
+        """The tokens a saved state holds (None: its file is not one this code reads)."""
+        return await asyncio.to_thread(self._store.tokens_of, snapshot)
 
     async def system(self, key: SessionKey, checked: bool = True) -> Snapshot | None:
         """The system snapshot of `key` (model, system digest); unchecked (its index row only) when all that matters
@@ -374,7 +443,7 @@ class Snapshots:
 
     def _budget_keep(self, also_keep: set[SnapshotId] | None) -> set[SnapshotId]:
         keep = set(also_keep or ())
-        keep.update(snapshot_id(key) for key in self._occupants())
+        keep.update(self._occupants())
         return keep
 
     def _trim_quarantine_now(self) -> None:
@@ -491,10 +560,6 @@ class Snapshots:
         return None
 
 
-def _candidate(match: PrefixMatch) -> Candidate:
-    return Candidate(match.snapshot, match.messages, match.est_tokens, match.whole)
-
-
 class _PendingWrites:
     """The running background writes, by snapshot; only the newest of each snapshot is kept (it waits for the
     earlier ones before it starts, or with `at_once` before it finishes, whether it succeeded or not)."""
@@ -549,10 +614,9 @@ class _PendingWrites:
             log.error("a background write of %s/%s failed", snapshot[0], snapshot[1], exc_info=exc)
 
     def sharing(self, chain: Sequence[Link], min_messages: int) -> builtins.list[SnapshotId]:
-        """The session snapshots with a pending commit whose chain shares at least `min_messages` leading messages
+        """The states with a pending commit whose chain shares at least `min_messages` leading messages
         with `chain`: the ones a prefix lookup for it could find once they are committed."""
-        return [s for s, pending in self._chains.items()
-                if s[2] is SnapshotKind.SESSION and common_prefix(pending, chain) >= min_messages]
+        return [s for s, pending in self._chains.items() if common_prefix(pending, chain) >= min_messages]
 
     async def wait(self, snapshots: Iterable[SnapshotId] | None = None, timeout: float | None = None) -> bool:
         """Wait for the writes of `snapshots` (every snapshot's, with None) started so far; True when they all

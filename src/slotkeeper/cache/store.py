@@ -16,7 +16,9 @@ import re
 import secrets
 import sqlite3
 import stat
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,8 @@ from slotkeeper.cache.files import file_checksum as file_checksum  # where the r
 from slotkeeper.cache.hashmemo import HashMemo, fine_timestamps, read_identity
 from slotkeeper.cache.index import SnapshotIndex
 from slotkeeper.cache.ramdir import RamDir
+from slotkeeper.cache.tokens import Tokens, block_hashes, read_tokens
+from slotkeeper.cache.tokens import common_prefix as common_tokens
 from slotkeeper.errors import SnapshotError
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 
@@ -41,6 +45,8 @@ SIDECAR_SUFFIXES = (".ckpt",)
 QUARANTINE_DIR = "quarantine"
 # How long a quarantined file is kept for a person to look at when the budget sets no max age.
 QUARANTINE_KEEP_SECONDS = 7 * 86400
+# Token lists of saved states kept in memory for exact comparisons (4 bytes a token): about 32 MiB.
+_TOKENS_KEPT = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +58,14 @@ class PrefixMatch:
     messages: int
     est_tokens: int
     whole: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TokenMatch:
+    """A saved state and exactly how many leading tokens it shares with a request (its token list was compared)."""
+
+    snapshot: Snapshot
+    tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +87,7 @@ class SnapshotStore:
         self._index = SnapshotIndex(index_path)
         self.hashes = HashMemo(fine_timestamps(slot_dir))
         self._not_here: set[str] = set()  # snapshots of another fingerprint already reported
+        self._tokens = _TokenMemo(_TOKENS_KEPT)
 
     def close(self) -> None:
         self._index.close()
@@ -117,6 +132,9 @@ class SnapshotStore:
             raise SnapshotError(f"the backend saved 0 tokens for {key}; the previous snapshot is kept")
         final_name = f"{key.file_stem(fingerprint, kind)}-{secrets.token_hex(4)}.bin"
         in_ram = self.ram is not None and self.ram.in_ram(temp_name)
+        # Read before the copy, from where the backend wrote it (the RAM dir's copy is memory; the slot dir's file
+        # is in the page cache still): a state whose tokens cannot be read is kept whole, found by its chain only.
+        tokens = read_tokens((self.ram.path if in_ram and self.ram is not None else self.slot_dir) / temp_name)
         try:
             if in_ram:
                 n_bytes, checksum = self._copy_from_ram(temp_name, final_name, n_written)
@@ -136,8 +154,11 @@ class SnapshotStore:
                     self.ram.remove(temp_name)
             else:
                 self.ram.remove(temp_name)  # the symlink the backend saved through
+        blocks = None if tokens is None else block_hashes(tokens)
         previous, snapshot = self._index.replace(key, kind, final_name, fingerprint, n_tokens, n_bytes, checksum,
-                                                 chain, n_prompt)
+                                                 chain, n_prompt, blocks)
+        if tokens is not None:
+            self._tokens.put(final_name, tokens)
         if previous is not None and previous.filename != final_name:
             self._unlink_snapshot_files(previous.filename)
         if in_ram:
@@ -203,18 +224,18 @@ class SnapshotStore:
         snapshot = self._index.get(key, kind)
         return None if snapshot is None else self._verified(snapshot, fingerprint)
 
-    def best_prefix(self, model: str, fingerprint: str, chain: Sequence[Link],
-                    min_messages: int = 1) -> PrefixMatch | None:
-        """The intact session snapshot (of any session of this model and backend) sharing the longest message
-        prefix, of at least `min_messages` messages. System snapshots are found by their key instead (see
-        checked_snapshot).
+    def prefix_matches(self, model: str, fingerprint: str, chain: Sequence[Link],
+                       min_messages: int = 1) -> list[PrefixMatch]:
+        """The intact states (of every kind, of this model and backend) sharing the most leading messages with
+        `chain`, at least `min_messages`: the few that hold the deepest shared position (most recently used first).
 
-        A digest covers every message up to its position, so a snapshot that holds the request's digest at position
-        i shares its first i+1 messages: positions are tried from the deepest one down, one indexed lookup each, and
-        the first that an intact snapshot holds wins. (Matching all digests in one join let SQLite scan every
-        snapshot of the model, and sort every conversation on a shared system prompt, on each lookup.)
+        A digest covers every message up to its position, so a state that holds the request's digest at position i
+        shares its first i+1 messages: positions are tried from the deepest one down, one indexed lookup each, and
+        the first that an intact state holds wins. (Matching all digests in one join let SQLite scan every state of
+        the model, and sort every conversation on a shared system prompt, on each lookup.)
         """
         for position in range(len(chain) - 1, max(min_messages, 1) - 2, -1):
+            found = []
             for candidate in self._index.prefix_candidates(chain[position].digest, model, fingerprint):
                 snapshot = self._verified(candidate, fingerprint)
                 if snapshot is None:
@@ -222,8 +243,57 @@ class SnapshotStore:
                 total_chars = self._index.chain_chars(snapshot.filename)
                 share = chain[position].chars / total_chars if total_chars else 0.0
                 whole = chain[position].chars >= total_chars
-                return PrefixMatch(snapshot, position + 1, int(snapshot.owed_tokens * min(share, 1.0)), whole)
-        return None
+                found.append(PrefixMatch(snapshot, position + 1, int(snapshot.owed_tokens * min(share, 1.0)), whole))
+            if found:
+                return found
+        return []
+
+    def best_prefix(self, model: str, fingerprint: str, chain: Sequence[Link],
+                    min_messages: int = 1) -> PrefixMatch | None:
+        """The most recently used of `prefix_matches`."""
+        found = self.prefix_matches(model, fingerprint, chain, min_messages)
+        return found[0] if found else None
+
+    def in_ram(self, snapshot: Snapshot) -> bool:
+        """Whether a restore of the state reads a copy in the RAM dir (not its file on disk)."""
+        return self.ram is not None and self.ram.in_ram(snapshot.filename)
+
+    def best_by_tokens(self, model: str, fingerprint: str, tokens: Tokens) -> list[TokenMatch]:
+        """The intact states (of every kind) of this model and backend that share the most leading tokens with
+        `tokens`, each with exactly how many: the deepest shared token block found in the index (index.py), then the
+        states holding it compared token by token. Most shared first; empty when none shares a whole block."""
+        depth, rows = self._index.deepest_blocks(block_hashes(tokens), model, fingerprint)
+        if depth == 0:
+            return []
+        found = []
+        for row in rows:
+            snapshot = self._verified(row, fingerprint)
+            saved = self.tokens_of(snapshot) if snapshot is not None else None
+            if snapshot is not None and saved is not None:
+                found.append(TokenMatch(snapshot, common_tokens(saved, tokens)))
+        return sorted(found, key=lambda m: -m.tokens)
+
+    def tokens_of(self, snapshot: Snapshot) -> Tokens | None:
+        """The tokens a saved state holds, from memory or from its file (None: not a file this code reads)."""
+        known = self._tokens.get(snapshot.filename)
+        if known is not None:
+            return known
+        path = self.slot_dir / snapshot.filename
+        if self.ram is not None and self.ram.in_ram(snapshot.filename):
+            path = self.ram.path / snapshot.filename
+        tokens = read_tokens(path)
+        if tokens is not None:
+            self._tokens.put(snapshot.filename, tokens)
+        return tokens
+
+    def fill_blocks(self, limit: int = 256) -> int:
+        """Index the token blocks of states saved before blocks were indexed (read from their files); returns how
+        many were done. Called at start, in a worker thread, until it returns 0."""
+        names = self._index.unblocked(limit)
+        for name in names:
+            tokens = read_tokens(self.slot_dir / name)
+            self._index.set_blocks(name, None if tokens is None else block_hashes(tokens))
+        return len(names)
 
     def chain_of(self, snapshot: Snapshot) -> list[Link]:
         """The message chain recorded with a snapshot (empty when none was)."""
@@ -377,6 +447,7 @@ class SnapshotStore:
 
     def _unlink_snapshot_files(self, filename: str) -> None:
         self.hashes.forget(filename)
+        self._tokens.drop(filename)
         if self.ram is not None:
             self.ram.remove(filename)
         unlink_quietly(self.slot_dir / filename)
@@ -447,6 +518,38 @@ def shared_with(snapshot: Snapshot, saved: Sequence[Link], chain: Sequence[Link]
     if shared == 0:
         return 0, 0
     return shared, int(snapshot.owed_tokens * saved[shared - 1].chars / max(saved[-1].chars, 1))
+
+
+class _TokenMemo:
+    """Token lists by file name, the least recently used dropped past a total count. Thread-safe."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._lists: OrderedDict[str, Tokens] = OrderedDict()
+        self._total = 0
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> Tokens | None:
+        with self._lock:
+            tokens = self._lists.get(name)
+            if tokens is not None:
+                self._lists.move_to_end(name)
+            return tokens
+
+    def put(self, name: str, tokens: Tokens) -> None:
+        with self._lock:
+            old = self._lists.pop(name, None)
+            self._total -= 0 if old is None else old.size
+            self._lists[name] = tokens
+            self._total += tokens.size
+            while self._total > self._capacity and len(self._lists) > 1:
+                _, dropped = self._lists.popitem(last=False)
+                self._total -= dropped.size
+
+    def drop(self, name: str) -> None:
+        with self._lock:
+            old = self._lists.pop(name, None)
+            self._total -= 0 if old is None else old.size
 
 
 def _is_final_name(name: str) -> bool:

@@ -71,8 +71,18 @@ class SystemPrompt:
         return body
 
     def chain(self) -> list[Link]:
-        """The message chain of the warm-up request, recorded with its snapshot."""
+        """The message chain of the warm-up request, recorded with its snapshot: the system messages, then the
+        instruction blocks as a user message of their own (when there are any)."""
+        if not self.instructions:
+            return message_chain(list(self.messages), list(self.tools) or None)
         return message_chain(self.warmup_messages(), list(self.tools) or None)
+
+    def without_instructions(self) -> SystemPrompt:
+        """The part without the instruction blocks of the first user message: what a conversation's state is cut
+        back to (agents move those blocks between messages and change them from one run to the next)."""
+        if not self.instructions:
+            return self
+        return _part(self.messages, self.tools, ())
 
 
 def system_prompt_of(body: Mapping[str, Any]) -> SystemPrompt | None:
@@ -91,9 +101,14 @@ def system_prompt_of(body: Mapping[str, Any]) -> SystemPrompt | None:
         return None
     rest = messages[len(leading):]
     instructions = _instruction_blocks(rest[0]) if rest else ()
-    canonical = canonical_json({"system": leading, "tools": list(tools), "instructions": list(instructions)})
+    return _part(tuple(leading), tools, instructions)
+
+
+def _part(leading: tuple[Mapping[str, Any], ...], tools: tuple[Mapping[str, Any], ...],
+          instructions: tuple[Mapping[str, Any], ...]) -> SystemPrompt:
+    canonical = canonical_json({"system": list(leading), "tools": list(tools), "instructions": list(instructions)})
     digest = hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
-    return SystemPrompt(digest, tuple(leading), tools, instructions, len(canonical))
+    return SystemPrompt(digest, leading, tools, instructions, len(canonical))
 
 
 def _instruction_blocks(message: object) -> tuple[Mapping[str, Any], ...]:

@@ -51,7 +51,7 @@ async def create_message(request: Request) -> Response:
     stop_sequences = message.stop_sequences or []
     if message.stream:
         turn = await turns.open_stream("anthropic.messages", key, "/v1/chat/completions", build, side=side,
-                                       warm_in_stream=True, hung_up=request.is_disconnected)
+                                       hung_up=request.is_disconnected)
         encoder = anthropic.MessageStreamEncoder(message_id, message.model, stop_sequences)
         return TurnStreamResponse(turn, _encode(turn, encoder), media_type="text/event-stream")
     data, record = await turns.unary("anthropic.messages", key, "/v1/chat/completions", build, side=side,

@@ -33,7 +33,7 @@ class Turns(Protocol):
                     chain: Sequence[Link] | None = None) -> tuple[Any, TurnRecord]: ...
 
     async def open_stream(self, api: str, key: SessionKey, path: str, build: BodyBuilder, side: bool = False,
-                          warm_in_stream: bool = False, hung_up: HungUp | None = None,
+                          hung_up: HungUp | None = None,
                           chat: Mapping[str, Any] | None = None,
                           chain: Sequence[Link] | None = None) -> StreamTurn: ...
 

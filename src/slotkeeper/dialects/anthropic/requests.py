@@ -85,7 +85,9 @@ ContentBlock = Annotated[
 
 
 class InputMessage(_Model):
-    role: Literal["user", "assistant"]
+    # "system" too: Claude Code sends `[user, system]` when it opens or resumes a conversation, and llama-server's own
+    # /v1/messages takes it as a system message in its place.
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 

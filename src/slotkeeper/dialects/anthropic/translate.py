@@ -57,6 +57,9 @@ def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
     for message in request.messages:
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
+        elif message.role == "system":
+            out.append({"role": "system", "content": _text_content(
+                [b.text for b in message.content if isinstance(b, TextBlock)])})
         elif message.role == "assistant":
             out.append(_assistant_message(message.content))
         else:
