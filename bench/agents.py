@@ -25,6 +25,7 @@ Run: `python -m bench.agents [--agent NAME ...] [--out DIR] [--keep DIR]` (or, o
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -45,22 +46,28 @@ DEFAULT_CACHE_RAM = 8192
 NAMES = {"claude-code": "Claude Code", "codex": "Codex", "opencode": "OpenCode", "qwen-code": "Qwen Code"}
 
 
-def run_one(agent: str, target: str, root: Path, model: Path, bin_dir: Path) -> dict[str, Any]:
-    """One agent's sequence against one target, on processes of its own."""
+def run_one(agent: str, target: str, root: Path, model: Path, bin_dir: Path, work: Path) -> dict[str, Any]:
+    """One agent's sequence against one target, on processes of its own. `work` holds the agent's HOME and project:
+    the same path for every target and emptied before each, since the agents put both paths in their prompts."""
     label = target.replace(" ", "-")
+    shutil.rmtree(work, ignore_errors=True)
     with processes(root, model) as procs, httpx.Client(timeout=300) as client:
         metrics = ("--metrics",)
         if target == "slotkeeper":
             backend = procs.backend(f"{label}-behind", 0, CONTEXT, extra_args=metrics)
             keeper = procs.slotkeeper(label, backend)
-            result = run_sequence(agent, keeper.url, bin_dir, root / "work", backend_url=backend.url,
+            result = run_sequence(agent, keeper.url, bin_dir, work, backend_url=backend.url,
                                   keeper_url=keeper.url, target=target)
         else:
             cache_ram = DEFAULT_CACHE_RAM if target == "llama-server default" else 0
             backend = procs.backend(label, cache_ram, CONTEXT, extra_args=metrics)
-            result = run_sequence(agent, backend.url, bin_dir, root / "work", backend_url=backend.url,
+            result = run_sequence(agent, backend.url, bin_dir, work, backend_url=backend.url,
                                   target=target)
+        if target == "slotkeeper":
+            keeper.stop()  # the replays of its error responses go to llama-server alone
         result.save(root / "recordings")
+        if (work / "home" / "turn-logs").is_dir():  # the agents' own output of each turn
+            shutil.copytree(work / "home" / "turn-logs", root / "turn-logs", dirs_exist_ok=True)
         notes = describe(result, client, backend.url)
         ours = [r.index for r in not_from_backend(result, client, backend.url)] if target == "slotkeeper" else []
     summary = result.summary()
@@ -99,7 +106,8 @@ def run(config: BenchConfig, root: Path, agents: tuple[str, ...] = AGENTS) -> di
         rows[agent] = {}
         for target in TARGETS:
             t0 = time.monotonic()
-            rows[agent][target] = run_one(agent, target, root / agent / target.replace(" ", "-"), model, bin_dir)
+            rows[agent][target] = run_one(agent, target, root / agent / target.replace(" ", "-"), model, bin_dir,
+                                          root / agent / "work")
             print(f"agents: {agent} on {target}: prefilled {rows[agent][target]['prefilled']:,}, efficiency "
                   f"{rows[agent][target]['efficiency']}, {len(rows[agent][target]['errors'])} errors "
                   f"({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)

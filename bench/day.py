@@ -13,6 +13,8 @@ The traffic is one request list, generated deterministically and sent unchanged 
   no `tools` field anyway).
 - A Claude-Code-shaped client: streamed Anthropic /v1/messages with `metadata.user_id`, tools and reminder blocks.
   Every target gets it on /v1/messages, llama-server's own route for the direct ones.
+- OpenWebUI under its default settings (bench/day_openwebui.py): two chats without chat id or system prompt, one
+  opening with a pasted document, with their title, tags and follow-up tasks, spread over the day.
 
 Eight conversations in all, more than the small RAM cache target holds. Halfway through, the target is stopped
 and started again (slotkeeper too, its cache dir kept and its RAM dir emptied, so it restores from disk).
@@ -39,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from bench import day_openwebui
 from bench.agent import AgentSession
 from bench.common import GRAMMAR, BenchConfig, machine, make_model, percentile, prime, processes, state_size
 from bench.messages import CHARS_PER_TOKEN, PrefillCounters, prefill_counters, system_part
@@ -87,14 +90,17 @@ class Shape:
     claude_turns: int
     result_tokens: int
     answer_tokens: tuple[int, int]  # each answer's length is drawn from this range
+    document_tokens: int  # the document pasted into the first message of an OpenWebUI default-settings chat
 
 
 def shape(config: BenchConfig) -> Shape:
     if config.small:
         return Shape(chats=3, chat_turns=2, owui_tokens=300, first_message_tokens=80, agent_tokens=500,
-                     agent_turns=2, subagent_turns=1, claude_turns=2, result_tokens=80, answer_tokens=(4, 6))
+                     agent_turns=2, subagent_turns=1, claude_turns=2, result_tokens=80, answer_tokens=(4, 6),
+                     document_tokens=300)
     return Shape(chats=4, chat_turns=3, owui_tokens=1500, first_message_tokens=200, agent_tokens=3000,
-                 agent_turns=6, subagent_turns=3, claude_turns=4, result_tokens=300, answer_tokens=(8, 12))
+                 agent_turns=6, subagent_turns=3, claude_turns=4, result_tokens=300, answer_tokens=(8, 12),
+                 document_tokens=2500)
 
 
 def _chat_body(messages: list[dict[str, Any]], max_tokens: int, stream: bool) -> dict[str, Any]:
@@ -221,6 +227,9 @@ def traffic(config: BenchConfig) -> list[Step]:
                 agent_turns += 1
                 if agent_turns == min(3, s.agent_turns):
                     steps += [agent_step("subagent", "subagent", 5000) for _ in range(s.subagent_turns)]
+    groups = day_openwebui.part_steps(_text(s.document_tokens, 91), s.answer_tokens, _chat_body)
+    steps = day_openwebui.interleave(steps, [[[Request(p.kind, p.conversation, "chat", p.body, {}) for p in step]
+                                              for step in group] for group in groups])
     for step in steps:
         for r in step:
             if r.api == "chat":
@@ -559,5 +568,6 @@ def summarize(requests: list[Request], samples: list[dict[str, Any]], totals: di
             "by_step_kind": by_kind,
             "prompt_check": {"reported": len(check),
                              "mismatched": sum(1 for s in check if s["reported_prompt_tokens"] != s["prompt_tokens"])},
+            **day_openwebui.summary(mine),
         }
     return {"targets": out}

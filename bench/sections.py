@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench import day_openwebui
+
 
 def _fmt(value: float, digits: int = 1) -> str:
     return f"{value:,.{digits}f}"
@@ -222,6 +224,7 @@ def day(r: dict[str, Any]) -> list[str]:
     for target, t in s.items():
         lines.append(f"| {target} | " + " | ".join(f"{t['by_step_kind'][k]['prefilled']:,}"
                                                   if k in t["by_step_kind"] else "" for k in kinds) + " |")
+    lines += day_openwebui.report_lines(r)
     lines += [f"\n{note}" for note in r.get("notes", [])]
     return [*lines, ""]
 

@@ -294,7 +294,10 @@ def run_sequence(agent: str, target_url: str, bin_dir: Path, work_dir: Path, *, 
             turn = driver.run_turn(conversation, number, prompt, **kwargs)
             turns.append(turn)
             if keeper_url:
-                journal[turn.label] = journal_rows(client, keeper_url, turn_started, len(turn.requests))
+                # Requests slotkeeper refused outright (a 4xx before any slot was involved) have no row.
+                records = proxies.snapshot()
+                served = sum(1 for i in turn.requests if is_generation(records[i]) and records[i].status < 400)
+                journal[turn.label] = journal_rows(client, keeper_url, turn_started, served)
                 warm_ups[turn.label] = keeper_counter(client, keeper_url, WARM_UPS) - warm_before
         proxies.wait_idle(60)
         prefilled = prompt_tokens_total(client, backend_url) - before
@@ -345,10 +348,16 @@ def backend_gives_it(client: httpx.Client, backend_url: str, record: Record) -> 
     if body is not None:
         cap_body(record.path, body, CAP)
     headers = {"Content-Type": "application/json"} if body is not None else {}
-    with client.stream(record.method, f"{backend_url}{record.path}", json=body, headers=headers) as answer:
-        text = answer.read().decode("utf-8", errors="replace")
-        if answer.status_code >= 400:
-            return True
+    for attempt in range(2):
+        try:
+            with client.stream(record.method, f"{backend_url}{record.path}", json=body, headers=headers) as answer:
+                text = answer.read().decode("utf-8", errors="replace")
+            break
+        except httpx.RemoteProtocolError:  # a pooled connection the server had closed: once more
+            if attempt:
+                raise
+    if answer.status_code >= 400:
+        return True
     replayed = Record(0, "", record.method, record.path, {}, None, status=answer.status_code,
                       content_type=answer.headers.get("content-type", ""))
     read_answer(replayed, text.encode())

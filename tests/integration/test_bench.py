@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.openwebui_chats import TASK_KINDS
+from tests.openwebui_chats import steps as openwebui_steps
 from tests.support import REPO
 
 # The whole --small run is the module fixture's setup, counted in the first test's timeout.
@@ -243,6 +245,8 @@ def test_day(results: Path) -> None:
     assert data["state_probe"]["small_ram_mib"] >= 1 and positive(data["state_probe"]["bytes_per_token"])
     n = sum(traffic["requests"].values())
     assert len(data["samples"]) == n * len(data["targets"])
+    openwebui_requests = [ask for step in openwebui_steps() for ask in step]
+    assert {"owui-default-A", "owui-default-B"} <= set(traffic["conversations"])
     for target in data["targets"]:
         t = summary[target]
         assert t["requests"] == n and t["errors"] == 0
@@ -251,6 +255,15 @@ def test_day(results: Path) -> None:
         assert t["prompt_check"]["mismatched"] == 0
         for kind, n_kind in traffic["requests"].items():
             assert t["ttft_ms"][kind]["n"] == n_kind and positive(t["ttft_ms"][kind]["p50"])
+        # OpenWebUI under its default settings (bench/day_openwebui.py): the side tasks' time, the chats' TTFT and
+        # the part's own reuse are reported.
+        assert t["side_tasks"]["n"] == sum(traffic["requests"][kind] for kind in TASK_KINDS)
+        assert positive(t["side_tasks"]["total_s"]) and positive(t["chat_ttft_ms"]["p50"])
+        part = t["openwebui_default"]
+        assert part["requests"] == len(openwebui_requests) and part["prompt_tokens"] > part["shared_prefix_tokens"] > 0
+        assert part["side_tasks"]["n"] == sum(1 for a in openwebui_requests if a.kind in TASK_KINDS)
+        assert positive(part["side_tasks"]["total_s"]) and positive(part["chat_ttft_ms"]["p50"])
+        assert part["efficiency"] is not None
     # slotkeeper brings conversations back after the restart and past the small RAM cache: it prefills less than
     # llama-server without a cache.
     assert summary["slotkeeper"]["prefilled"] < summary["llama-server cram0"]["prefilled"]

@@ -174,23 +174,31 @@ def test_slot_taken_on_a_backend_that_keeps_sessions_hot(stack: Stack, client_fo
 
 
 def test_default_session(stack: Stack, client_for) -> None:
+    """Only a request without messages or an id is the catch-all session; a chat without an id or a system prompt is
+    named by its first message and planned like any other."""
     keeper = stack.slotkeeper(stack.backend(cache_ram=0))
     client = client_for(keeper)
-    Chat(client, None, 1, system=None).turn()
+    response = client.post("/v1/completions", json={"prompt": words(50, 1), "max_tokens": 2})
+    assert response.status_code == 200
     assert reason_of(keeper, client, "default")["why"] == "default-session"
+    named = Chat(client, None, 1, system=None).turn()
+    assert named.headers["x-slotkeeper-session"].startswith("chat-")
+    assert reason_of(keeper, client, named.headers["x-slotkeeper-session"])["why"] == "new-session"
 
 
 def test_a_new_system_prompt_and_the_next_chat_on_it(stack: Stack, client_for) -> None:
-    keeper = stack.slotkeeper(stack.backend(parallel=1, cache_ram=0))
+    keeper = stack.slotkeeper(stack.backend(parallel=1, cache_ram=0), "--save-idle-seconds", "0.5")
     client = client_for(keeper)
     system = "You are a coding agent. " + words(1500, 5)
     Chat(client, "one", 1, system=system).turn()
     first = reason_of(keeper, client, "one")
-    assert first["why"] == "new-session" and "evaluated and saved first" in first["why_detail"], first
-    Chat(client, "between", 3).turn()  # takes the one slot: the next chat on the prompt starts from its snapshot
+    assert first["why"] == "new-session" and first["cache"] == "cold", first
+    # Nothing was evaluated before the turn; its slot is cut back to the system part once it idles.
+    assert wait_until(lambda: "cut back to system prompt" in keeper.log_text(), timeout=30)
+    Chat(client, "between", 3).turn()  # takes the one slot: the next chat on the prompt starts from the system state
     Chat(client, "two", 2, system=system).turn()
     second = reason_of(keeper, client, "two")
-    assert second["why"] == "new-session" and "system snapshot" in second["why_detail"], second
+    assert second["why"] == "new-session" and "system part" in second["why_detail"], second
     assert second["cache_n"] > 0
 
 

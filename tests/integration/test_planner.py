@@ -55,26 +55,46 @@ def test_fork_restores_the_state_up_to_the_edited_message(stack: Stack, client_f
 
 def test_new_chat_on_a_known_system_prompt_starts_from_its_system_snapshot(stack: Stack, client_for) -> None:
     backend = stack.backend(cache_ram=0)
-    keeper = stack.slotkeeper(backend)
+    keeper = stack.slotkeeper(backend, "--save-idle-seconds", "0.5")
     client = client_for(keeper)
     system = {"role": "system", "content": "Shared agent instructions. " + words(1500, 11)}
     first = chat(client, [system, {"role": "user", "content": "first chat " + words(100, 1)}], "chat-x")
     assert first.status_code == 200
-    Conversation(client, "unrelated", size=300, seed=4).turn()  # displaces chat-x (saved) from the only slot
+    # Once chat-x is saved and the slot idles, the slot is cut back to the system part and that is saved too.
+    assert wait_until(lambda: any(r["kind"] == "system" for r in keeper.index_rows()), timeout=30)
+    Conversation(client, "unrelated", size=300, seed=4).turn()  # the slot now holds nothing of the system part
     row_x = keeper.row("chat-x")
     assert row_x is not None
 
     second = chat(client, [system, {"role": "user", "content": "second chat " + words(100, 2)}], "chat-y")
-    # From the system prompt's own snapshot (made when chat-x brought the prompt in), not from chat-x's.
+    # The system part's own state and chat-x's share as much with it: the smaller one is restored.
     assert second.headers["x-slotkeeper-cache"] == "restored"
     system_tokens = prompt_tokens(backend.url, [system])
     assert timings(second)["cache_n"] >= system_tokens - 8
     # chat-y's own state goes to its own snapshot; chat-x's snapshot is untouched.
     Conversation(client, "unrelated", size=300, seed=4).turn()
-    assert keeper.row("chat-y") is not None and keeper.row("chat-y")["filename"] != row_x["filename"]  # type: ignore[index]
+    assert wait_until(lambda: keeper.row("chat-y") is not None)
+    assert keeper.row("chat-y")["filename"] != row_x["filename"]  # type: ignore[index]
     assert keeper.row("chat-x")["checksum"] == row_x["checksum"]  # type: ignore[index]
     restores = [line for line in keeper.log_text().splitlines() if "session=tiny/chat-y" in line]
-    assert restores and "cache=restored" in restores[0]
+    assert restores and "cache=restored" in restores[0] and " from=system:" in restores[0]
+
+
+def test_without_a_system_state_a_new_chat_starts_from_another_sharing_its_system_part(stack: Stack,
+                                                                                       client_for) -> None:
+    """Decided by the tokens, not by kinds: with no system part saved (idle saves off, so nothing was cut), the
+    conversation that shares the system prompt is the best start."""
+    backend = stack.backend(cache_ram=0)
+    keeper = stack.slotkeeper(backend)
+    client = client_for(keeper)
+    system = {"role": "system", "content": "Shared agent instructions. " + words(1500, 11)}
+    assert chat(client, [system, {"role": "user", "content": "first chat " + words(100, 1)}], "chat-x").status_code \
+        == 200
+    Conversation(client, "unrelated", size=300, seed=4).turn()
+    second = chat(client, [system, {"role": "user", "content": "second chat " + words(100, 2)}], "chat-y")
+    assert second.headers["x-slotkeeper-cache"] == "prefix"
+    assert timings(second)["cache_n"] >= prompt_tokens(backend.url, [system]) - 8
+    assert [r for r in keeper.index_rows() if r["kind"] == "system"] == []
 
 
 def test_a_full_queue_answers_503_in_the_clients_dialect(stack: Stack, client_for) -> None:

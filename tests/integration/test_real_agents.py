@@ -20,7 +20,6 @@ The tests skip only when the agents are not installed and the npm registry canno
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -28,6 +27,7 @@ import pytest
 
 from slotkeeper.tinymodel import write_tiny_model
 from tests.agents.drivers import AGENTS
+from tests.agents.proxy import Record
 from tests.agents.runner import (
     AGENT_MODEL,
     CONTEXT,
@@ -46,12 +46,11 @@ EFFICIENCY = 0.98
 
 
 class Run:
-    """One agent's sequence through slotkeeper, with its llama-server still up (for replays)."""
+    """One agent's sequence through slotkeeper, and its error responses that llama-server itself would not give."""
 
-    def __init__(self, result: SequenceResult, backend: Backend, keeper: Slotkeeper) -> None:
+    def __init__(self, result: SequenceResult, ours: list[Record]) -> None:
         self.result = result
-        self.backend = backend
-        self.keeper = keeper
+        self.ours = ours
 
 
 @pytest.fixture(scope="module")
@@ -70,32 +69,34 @@ def agent_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(agents_bin: Path, agent_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
-    """Each agent's sequence, run once (on first use) and shared by the checks; its processes stop at the end."""
-    done: dict[str, Run] = {}
+def runs(agents_bin: Path, agent_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """Each agent's sequence, run once (on first use) and shared by the checks."""
 
     class Lazy(dict[str, Run]):
         def __missing__(self, agent: str) -> Run:
-            root = tmp_path_factory.mktemp(agent)
-            backend = Backend("binary", agent_model, root / "slots", root / "llama-server.log", parallel=1,
-                              ctx_per_slot=CONTEXT, cache_ram=0, extra_args=("--metrics",))
-            keeper = Slotkeeper(root / "cache", root / "slotkeeper.log", backend)
-            backend.start()
-            keeper.start()
-            result = run_sequence(agent, keeper.url, agents_bin, root / "work", backend_url=backend.url,
-                                  keeper_url=keeper.url, target="slotkeeper")
-            recordings = os.environ.get("SLOTKEEPER_AGENT_RECORDINGS")
-            result.save(Path(recordings) / agent if recordings else root / "recordings")
-            done[agent] = Run(result, backend, keeper)
-            self[agent] = done[agent]
-            return done[agent]
+            self[agent] = run_agent(agent, agents_bin, agent_model, tmp_path_factory.mktemp(agent))
+            return self[agent]
 
+    return Lazy()
+
+
+def run_agent(agent: str, agents_bin: Path, model: Path, root: Path) -> Run:
+    backend = Backend("binary", model, root / "slots", root / "llama-server.log", parallel=1, ctx_per_slot=CONTEXT,
+                      cache_ram=0, extra_args=("--metrics",))
+    keeper = Slotkeeper(root / "cache", root / "slotkeeper.log", backend)
     try:
-        yield Lazy()
+        backend.start()
+        keeper.start()
+        result = run_sequence(agent, keeper.url, agents_bin, root / "work", backend_url=backend.url,
+                              keeper_url=keeper.url, target="slotkeeper")
+        keeper.stop()  # the replays of error responses go to llama-server alone
+        recordings = os.environ.get("SLOTKEEPER_AGENT_RECORDINGS")
+        result.save(Path(recordings) / agent if recordings else root / "recordings")
+        with httpx.Client(timeout=300) as client:
+            return Run(result, not_from_backend(result, client, backend.url))
     finally:
-        for run in done.values():
-            run.keeper.stop()
-            run.backend.stop()
+        keeper.stop()
+        backend.stop()
 
 
 def _story(result: SequenceResult) -> str:
@@ -107,9 +108,7 @@ def _story(result: SequenceResult) -> str:
 
 @pytest.mark.parametrize("agent", AGENTS)
 def test_no_error_llama_server_would_not_give(runs: dict[str, Run], agent: str) -> None:
-    run = runs[agent]
-    with httpx.Client(timeout=300) as client:
-        ours = not_from_backend(run.result, client, run.backend.url)
+    ours = runs[agent].ours
     assert not ours, "\n".join(f"#{r.index} {r.turn} {r.method} {r.path} {r.status}: {r.error[:400]}" for r in ours)
 
 

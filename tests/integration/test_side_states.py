@@ -1,15 +1,16 @@
 """Side tasks (OpenWebUI's title, tags and follow-ups) start from the state an earlier task left that begins the
-same way, also after slotkeeper and the backend restart: against real llama.cpp servers, on counts."""
+same way, found by its tokens like every saved state, also after slotkeeper and the backend restart and after an
+upgrade from a version that kept them otherwise: against real llama.cpp servers, on counts."""
 
 from __future__ import annotations
 
-import json
+import sqlite3
 
 import httpx
 import pytest
 
 from tests.conftest import Stack
-from tests.support import Conversation, timings, words
+from tests.support import Conversation, Slotkeeper, timings, wait_until, words
 
 pytestmark = pytest.mark.backend
 
@@ -36,6 +37,10 @@ def shared_tokens(backend_url: str, a: dict[str, object], b: dict[str, object]) 
     return n
 
 
+def side_rows(keeper: Slotkeeper) -> list[dict[str, object]]:
+    return [r for r in keeper.index_rows() if r["kind"] == "side"]
+
+
 def test_a_follow_up_task_after_a_restart_starts_from_the_last_runs_state(stack: Stack, client_for) -> None:
     backend = stack.backend(cache_ram=0)
     keeper = stack.slotkeeper(backend)
@@ -45,12 +50,11 @@ def test_a_follow_up_task_after_a_restart_starts_from_the_last_runs_state(stack:
     assert first.status_code == 200 and first.headers["x-slotkeeper-request"] == "side"
     first_prompt = timings(first)["prompt_n"] + timings(first)["cache_n"]
     assert first_prompt >= 256  # long enough to be kept
-    # The chat's next turn takes the one slot: the task's state is saved first, like a session's.
+    # The chat's next turn takes the one slot: the task's state is saved first, as a side state.
     Conversation(client, "c1", size=300).turn()
     assert keeper.stop() in (0, -15)
-    kept = json.loads((stack.cache_dir / "side-states.json").read_text())["states"]
-    assert len(kept) == 1 and kept[0]["n_tokens"] == first_prompt
-    assert keeper.row(kept[0]["session_id"]) is not None
+    [kept] = side_rows(keeper)
+    assert kept["n_prompt"] == first_prompt and str(kept["session_id"]).startswith("~side-")
     backend.stop()
 
     backend = stack.backend(cache_ram=0)
@@ -65,7 +69,9 @@ def test_a_follow_up_task_after_a_restart_starts_from_the_last_runs_state(stack:
     assert timings(second)["cache_n"] >= owed - 1, (owed, timings(second))
 
 
-def test_side_states_an_earlier_version_left_without_the_file_are_deleted(stack: Stack, client_for) -> None:
+def test_side_states_an_earlier_version_left_are_found_by_their_tokens(stack: Stack, client_for) -> None:
+    """An earlier version kept side states as conversations' rows under `~side-` ids, with no token blocks: at the
+    next start they become the side kind, their tokens are read from their files, and the next task finds them."""
     backend = stack.backend(cache_ram=0)
     keeper = stack.slotkeeper(backend)
     client = client_for(keeper)
@@ -73,12 +79,14 @@ def test_side_states_an_earlier_version_left_without_the_file_are_deleted(stack:
     assert client.post("/v1/chat/completions", json=task(history)).status_code == 200
     Conversation(client, "c2", size=300).turn()
     assert keeper.stop() in (0, -15)
-    side_id = json.loads((stack.cache_dir / "side-states.json").read_text())["states"][0]["session_id"]
-    assert keeper.row(side_id) is not None
-    (stack.cache_dir / "side-states.json").unlink()  # what an earlier version left: snapshots, no file
+    [kept] = side_rows(keeper)
+    with sqlite3.connect(stack.cache_dir / "index.sqlite3") as db:  # what an earlier version's index held
+        db.execute("UPDATE snapshots SET kind = 'session', n_blocks = -1 WHERE kind = 'side'")
+        db.execute("DELETE FROM blocks")
 
     keeper = stack.slotkeeper(backend)
-    assert keeper.row(side_id) is None  # deleted at start: nothing could match it
+    assert wait_until(lambda: "indexed the tokens of 1 state(s)" in keeper.log_text(), timeout=30)
+    assert [r["session_id"] for r in side_rows(keeper)] == [kept["session_id"]]
     client = client_for(keeper)
     again = client.post("/v1/chat/completions", json=task(history + "\nUSER: more"))
-    assert again.status_code == 200 and again.headers["x-slotkeeper-cache"] != "prefix"
+    assert again.status_code == 200 and again.headers["x-slotkeeper-cache"] == "prefix"

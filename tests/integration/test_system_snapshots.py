@@ -1,5 +1,8 @@
-"""System snapshots against real servers: a 4k-token system prompt with tools is warmed up once, new conversations
-start from its snapshot and then get their own, turn N keeps turn 1's key, and a failed pre-warm saves nothing."""
+"""System states against real servers: a 4k-token system prompt with tools is never warmed up on a request's path;
+the first conversation on it runs in one pass and its slot is cut back to the system part once it idles, saved
+once; a new conversation then starts from the saved state sharing the most with it (another conversation's, when
+it opens with the same reminders, else the system part's); a pre-warm saves a system state that survives a restart,
+and a failed pre-warm saves nothing."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import Stack
-from tests.support import REPO, Conversation, Slotkeeper, words
+from tests.support import REPO, Conversation, Slotkeeper, wait_until, words
 
 pytestmark = pytest.mark.backend
 
@@ -63,38 +66,59 @@ def warm_ups(keeper: Slotkeeper) -> int:
     return keeper.log_text().count("warmed up in slot")
 
 
-def test_a_4k_system_prompt_is_warmed_up_once_and_starts_new_conversations(stack: Stack, client_for) -> None:
+def cuts(keeper: Slotkeeper) -> int:
+    return keeper.log_text().count("cut back to system prompt")
+
+
+def restored_from(keeper: Slotkeeper, session: str) -> str:
+    [line, *_] = [x for x in reversed(keeper.log_text().splitlines()) if f"session=tiny/{session} " in x]
+    return line.split(" from=", 1)[1].split(" ", 1)[0] if " from=" in line else ""
+
+
+def test_a_4k_system_prompt_is_cut_from_the_first_conversation_and_starts_new_ones(stack: Stack,
+                                                                                   client_for) -> None:
     backend = stack.backend(cache_ram=0)
-    keeper = stack.slotkeeper(backend)
+    keeper = stack.slotkeeper(backend, "--save-idle-seconds", "0.5")  # the cut follows an idle save
     system = "You are a coding agent. " + words(4800, 31)
 
     a = Agent(keeper, "conv-a", system, seed=1)
-    cache, reused = a.turn()
-    assert cache == "cold"
-    assert warm_ups(keeper) == 1
+    cache, _ = a.turn()
+    assert cache == "cold" and warm_ups(keeper) == 0  # nothing ran on the request's path before it
+    # Once the turn is saved and the slot idles, the slot is cut back to the system part, saved on its own.
+    assert wait_until(lambda: len(system_rows(keeper)) == 1, timeout=30), keeper.log_text()[-3000:]
     [row] = system_rows(keeper)
-    assert row["n_tokens"] >= 4000
-    # The warm-up left the system part in the slot, so even the first conversation's turn reused it.
-    assert reused >= row["n_tokens"] - 16
+    assert row["n_tokens"] >= 3500 and cuts(keeper) == 1  # the system text and the tools, without the reminders
+    assert wait_until(lambda: any(r["session_id"] == "conv-a" for r in keeper.index_rows()))
 
     other = client_for(keeper)
-    Conversation(other, "elsewhere", size=300, seed=9).turn()  # takes the only slot; conv-a is saved
+    Conversation(other, "elsewhere", size=300, seed=9).turn()  # takes the only slot
 
+    # conv-b opens with the same reminder blocks as conv-a: conv-a's state shares the most with it.
     b = Agent(keeper, "conv-b", system, seed=2)
     cache, reused = b.turn()
-    assert cache == "restored"  # from the system snapshot: conv-b has none of its own, conv-a's is not used
-    assert reused >= row["n_tokens"] - 16
-    [line] = [x for x in keeper.log_text().splitlines() if "session=tiny/conv-b " in x]
-    assert f"cache=restored restored={row['n_tokens']} from=system:{row['session_id'][:12]} " in line
-    Conversation(other, "elsewhere", size=300, seed=9).turn()
-    rows = {r["session_id"]: r for r in keeper.index_rows()}
-    assert {"conv-a", "conv-b"} <= rows.keys()
-    assert len({rows["conv-a"]["filename"], rows["conv-b"]["filename"], row["filename"]}) == 3
-    assert rows["conv-b"]["n_tokens"] > row["n_tokens"]
+    assert cache == "prefix" and restored_from(keeper, "conv-b") == "conv-a"
+    assert reused >= row["n_tokens"] + 200  # the system part and the reminders
 
-    # Turn 2 of each conversation hashes to the same system key: no second warm-up, still one system snapshot.
+    # conv-c opens with other reminders: conv-b's state still shares a few tokens more than the system part's
+    # (the user message's start and the reminder tag), so it is the one restored.
+    Conversation(other, "elsewhere", size=300, seed=9).turn()
+    c = Agent(keeper, "conv-c", system, seed=3)
+    c.messages[0]["content"][:2] = [{"type": "text", "text": f"<system-reminder>{words(150, 90 + i)}"
+                                                             "</system-reminder>"} for i in range(2)]
+    cache, reused = c.turn()
+    assert cache == "prefix" and restored_from(keeper, "conv-c") in ("conv-a", "conv-b")
+    assert row["n_tokens"] - 16 <= reused < row["n_tokens"] + 100
+    # conv-d opens with a plain message: the system part's state shares as much as any, and is the smallest.
+    Conversation(other, "elsewhere", size=300, seed=9).turn()
+    d = Agent(keeper, "conv-d", system, seed=4)
+    d.messages[0]["content"] = words(30, 4)
+    cache, reused = d.turn()
+    assert cache == "restored" and restored_from(keeper, "conv-d") == f"system:{row['session_id'][:12]}"
+    assert reused >= row["n_tokens"] - 16
+
+    # Turn 2 of each conversation starts from its own state; the system part is never cut again.
     assert a.turn()[0] == "restored" and b.turn()[0] == "restored"
-    assert warm_ups(keeper) == 1
+    assert warm_ups(keeper) == 0 and cuts(keeper) == 1
     [again] = system_rows(keeper)
     assert (again["filename"], again["checksum"]) == (row["filename"], row["checksum"])
 
@@ -141,7 +165,7 @@ def test_a_failed_prewarm_saves_nothing(stack: Stack) -> None:
         assert streamed.status_code == 200  # the NDJSON answer started before the backend refused
         assert lines[0]["status"] == "started" and lines[-1]["status"] == "failed"
         assert "context" in lines[-1]["error"]
-        # A conversation on that prompt fails the same way, and its warm-up saves nothing either.
+        # A conversation on that prompt fails the same way, and nothing of it is saved either.
         chat = client.post("/v1/chat/completions", headers={"X-Session-Id": "too-long"}, json={
             "messages": [{"role": "system", "content": words(4000, 3)}, {"role": "user", "content": "hi"}],
             "max_tokens": 4})

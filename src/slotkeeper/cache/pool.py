@@ -8,6 +8,7 @@ except a save's commit, which need not hold the slot (snapshots.py). See docs/de
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import OrderedDict, deque
@@ -377,7 +378,9 @@ class SlotPool:
             self.token_lookup_ms += (time.perf_counter() - started) * 1000
             if exact is not None:
                 lease.tokens = exact
+                fate = found.fate  # what the first look-up found of the own state (a quarantine is done by then)
                 found = await self.snapshots.candidates(named, chain, exact, system_key, n_system)
+                found = found if found.fate is not None else dataclasses.replace(found, fate=fate)
                 if slot.tokens is not None and (kept == len(in_slot) or not self.policy.capability.needs_checkpoints):
                     slot_tokens = common_tokens(slot.tokens, exact)
         saved = found.saved
@@ -389,18 +392,19 @@ class SlotPool:
         await self._act(slot, lease, chosen, found, known, in_slot, kept, previous)
 
     def _needs_tokens(self, chain: Sequence[Link], kept: int, own_slot: bool, found: Found, side: bool) -> bool:
-        """Whether the chains leave open which state shares the most with the request, enough to matter: some
-        message before the request's newest one is held by no state (an agent moved a reminder, dropped tool
-        messages, edited the history; or nothing shares even the first message), and the session's own state
-        does not hold as many messages as any other (its own next message shares the most of the rest). A short
-        request is not worth the backend's time."""
-        if not chain or chain[-1].chars < _CHARS_PER_TOKEN * max(self._min_restore_tokens, _SIDE_MIN_TOKENS):
-            return False
+        """Whether the chains leave open which state shares the most with the request, by enough to matter: the
+        first message that no state holds whole is long (a new conversation opening with reminders or a pasted
+        document another one opened with too, a moved reminder block, dropped tool messages, an edited history),
+        and it is not the session's own state that holds the most messages (its own version of that message shares
+        the most of it)."""
         deepest = max([kept, *(c.messages for c in found.saved)])
+        if deepest >= len(chain):
+            return False
         own = max([kept if own_slot else -1, *(c.messages for c in found.saved if c.own)])
         if not side and own == deepest and deepest > 0:
             return False
-        return deepest < len(chain) - 1 or deepest == 0
+        stake = chain[deepest].chars - (chain[deepest - 1].chars if deepest > 0 else 0)
+        return stake >= _CHARS_PER_TOKEN * max(self._min_restore_tokens, _SIDE_MIN_TOKENS)
 
     async def _act(self, slot: SlotState, lease: SlotLease, chosen: Plan, found: Found, known: Known,
                    in_slot: Sequence[Link], kept: int, previous: SessionKey | None) -> None:
