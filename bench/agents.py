@@ -79,6 +79,12 @@ def run_one(agent: str, target: str, root: Path, model: Path, bin_dir: Path, wor
     return summary
 
 
+def _errors(summary: dict[str, Any]) -> str:
+    """Error responses, and of them those llama-server itself would not give (checked on slotkeeper's only)."""
+    total, ours = len(summary["errors"]), len(summary["errors_not_from_llama_server"])
+    return f"{total} ({ours} not llama-server's)" if ours else str(total)
+
+
 def table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
     head = ("| client | " + " | ".join(f"{t}: prefilled" for t in TARGETS) + " | "
             + " | ".join(f"{t}: efficiency" for t in TARGETS) + " | " + " | ".join(f"{t}: errors" for t in TARGETS)
@@ -89,7 +95,7 @@ def table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
         prefilled = [f"{by_target[t]['prefilled']:,}" if t in by_target else "" for t in TARGETS]
         efficiency = [f"{by_target[t]['efficiency']:.3f}" if t in by_target and by_target[t]["efficiency"] is not None
                       else "" for t in TARGETS]
-        errors = [str(len(by_target[t]["errors"])) if t in by_target else "" for t in TARGETS]
+        errors = [_errors(by_target[t]) if t in by_target else "" for t in TARGETS]
         lines.append(f"| {NAMES.get(agent, agent)} | " + " | ".join([*prefilled, *efficiency, *errors]) + " |")
     return head + "\n".join(lines) + "\n"
 

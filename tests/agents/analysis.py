@@ -70,7 +70,9 @@ def diff(previous: list[dict[str, Any]], current: list[dict[str, Any]]) -> str:
                 detail += " (parts <-> string)"
             return (f"rewritten at message {k} ({a.get('role')}, {what}: {detail}); {len(previous)} -> "
                     f"{len(current)} messages")
-    if len(current) >= len(previous):
+    if len(current) == len(previous):
+        return "the same messages again (a retry)"
+    if len(current) > len(previous):
         return f"appended {len(current) - len(previous)} message(s)"
     return f"dropped the last {len(previous) - len(current)} message(s)"
 
@@ -78,10 +80,11 @@ def diff(previous: list[dict[str, Any]], current: list[dict[str, Any]]) -> str:
 def describe(result: SequenceResult, client: httpx.Client, backend_url: str) -> dict[str, Any]:
     """A summary of the recorded sequence for people: per distinct system prompt (with its tools), how many
     requests, in which turns, its size, the first 200 characters of its system and first user message, the session
-    signals it carried; and per conversation and system prompt, what changed between consecutive requests."""
+    signals it carried, and whether it is a conversation's main prompt or a side request's; and per conversation and
+    system prompt, what changed between consecutive requests."""
     through_slotkeeper = result.target.startswith("slotkeeper")
     systems: dict[str, dict[str, Any]] = {}
-    order: Counter[str] = Counter()
+    per_conversation: list[tuple[str, str, int]] = []
     changes: dict[str, list[str]] = defaultdict(list)
     last: dict[tuple[str, str], list[dict[str, Any]]] = {}
     other_routes: Counter[str] = Counter()
@@ -95,7 +98,7 @@ def describe(result: SequenceResult, client: httpx.Client, backend_url: str) -> 
             continue
         system = _system(chat)
         key = _fingerprint(system, chat.get("tools"))
-        order[key] += 1
+        per_conversation.append((record.turn[:1], key, record.index))
         if key not in systems:
             tokens = 0
             if system:
@@ -117,8 +120,16 @@ def describe(result: SequenceResult, client: httpx.Client, backend_url: str) -> 
             change = diff(previous, chat["messages"])
             changes[f"{conversation} {key}"].append(f"#{record.index} {record.turn}: {change}")
         last[(conversation, key)] = chat["messages"]
-    main = order.most_common(1)[0][0] if order else ""
+    # A conversation's main system prompt is the one of its longest prompt (side requests, titles and memory
+    # extraction, are shorter than the agent's own turns); any other is a side request's.
+    size = {m.index: m.prompt_tokens for m in result.measured}
+    longest: dict[str, tuple[int, str]] = {}
+    for conv, key, index in per_conversation:
+        n = size.get(index, len(json.dumps(result.records[index].body)))
+        if conv not in longest or n > longest[conv][0]:
+            longest[conv] = (n, key)
+    main = {key for _n, key in longest.values()}
     for key, entry in systems.items():
-        entry["kind"] = "main" if key == main else "side"
+        entry["kind"] = "main" if key in main else "side"
         entry["max_tokens_asked"] = dict(entry["max_tokens_asked"])
     return {"system_prompts": systems, "changes": dict(changes), "other_routes": dict(other_routes)}

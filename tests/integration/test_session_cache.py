@@ -169,7 +169,9 @@ def test_identity_rules_through_a_real_backend(stack: Stack, client_for) -> None
         assert response.status_code == 200, response.text
         assert response.headers["x-slotkeeper-session"].startswith(expected), (headers, fields)
     no_system = client.post("/v1/chat/completions", json={"messages": messages[1:], "max_tokens": 1})
-    assert no_system.headers["x-slotkeeper-session"] == "default"
+    assert no_system.headers["x-slotkeeper-session"].startswith("chat-")  # named by its first message
+    raw = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert raw.headers["x-slotkeeper-session"] == "default"  # no messages, no id
 
 
 def test_text_completions_stream_and_not(stack: Stack, client_for) -> None:

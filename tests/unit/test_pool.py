@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 import os
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest

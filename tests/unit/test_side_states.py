@@ -92,7 +92,7 @@ async def test_short_tasks_and_other_architectures_keep_nothing(client: FakeClie
 async def test_side_states_past_the_last_few_are_evicted(client: FakeClient, store: SnapshotStore) -> None:
     p = pool(client, store, budget=DiskBudget(max_side_states=KEPT))
     for i in range(KEPT + 2):
-        await side_task(p, client, [i] + HISTORY, f"task {i}")
+        await side_task(p, client, [i, *HISTORY], f"task {i}")
         await chat_turn(p, client)
     await p.settle()
     kept = store.list(kind=SnapshotKind.SIDE)
