@@ -18,7 +18,7 @@ marker="$prefix/.complete"
 if [ ! -f "$marker" ]; then
   command -v npm >/dev/null 2>&1 || { echo "install-agents.sh: npm is missing (Node.js 20 or later)" >&2; exit 2; }
   registry="$(npm config get registry)"
-  if ! npm view --silent "${PINNED[0]}" version >/dev/null 2>&1; then
+  if ! npm view --silent --fetch-retries=0 --fetch-timeout=20000 "${PINNED[0]}" version >/dev/null 2>&1; then
     echo "install-agents.sh: the npm registry ($registry) is unreachable" >&2
     exit 3
   fi

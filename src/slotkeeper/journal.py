@@ -49,6 +49,8 @@ class RequestEntry:
     # Why the backend prefilled what it did (cache/reasons.py), and the same in words.
     why: str = ""
     why_detail: str = ""
+    # Milliseconds slotkeeper took to decide which state to start from (None for a hot turn: no look-up).
+    decide_ms: float | None = None
     time: float = field(default_factory=time.time)
 
     def log_line(self) -> str:
@@ -57,7 +59,8 @@ class RequestEntry:
             f"{self.api}{' side' if self.side else ''} session={self.model}/{self.session} slot={self.slot} "
             f"cache={self.cache} restored={self.restored}"
             f"{f' from={self.restored_from}' if self.restored_from else ''} restore_ms={self.restore_ms:.1f} "
-            f"save_ms={self.save_ms:.1f} cache_n={_dash(self.cache_n)} prompt_n={_dash(self.prompt_n)} "
+            f"save_ms={self.save_ms:.1f}{f' decide_ms={self.decide_ms:.1f}' if self.decide_ms is not None else ''} "
+            f"cache_n={_dash(self.cache_n)} prompt_n={_dash(self.prompt_n)} "
             f"status={self.status} end={self.end} ms={self.ms:.0f}"
             f"{f' why={self.why}' if self.why else ''}{f' ({self.why_detail})' if self.why_detail else ''}"
         )

@@ -77,7 +77,7 @@ class TurnRecord:
             cache.restored_tokens, cache.restore_ms, cache.save_ms, _int(t.get("cache_n")),
             _int(t.get("prompt_n")), _int(t.get("predicted_n")), _float(t.get("prompt_ms")), self.status, end.value,
             (time.perf_counter() - self.started) * 1000, restored_from=cache.restored_from, why=str(cache.why),
-            why_detail=cache.detail,
+            why_detail=cache.detail, decide_ms=cache.decide_ms,
         )
         log.info("%s", entry.log_line(), extra={"request": entry})
         if self.journal is not None:

@@ -5,7 +5,8 @@ earlier state, minus 8 tokens; what it shares is counted exactly, with the backe
 - OpenCode sends its session id (`x-session-affinity`, `X-Session-Id`) and moves its `<system-reminder>` from one
   user message to the next: the history is rewritten there, reuse stops there, and the turn says so (`rewritten`).
 - Qwen Code sends no session id and a system prompt of about 20k tokens on every new session: each new session starts
-  from the system prompt's state, also after a restart and after another conversation took the slot."""
+  from the state sharing the most with it (another session's, holding the system prompt), also after a restart and
+  after another conversation took the slot."""
 
 from __future__ import annotations
 
@@ -130,10 +131,13 @@ def test_qwen_code_new_sessions_start_from_the_system_prompts_state(stack: Stack
     keeper = stack.slotkeeper(stack.backend(parallel=1, cache_ram=0, ctx_per_slot=32768))
     client = client_for(keeper)
     second = qwen_turn(keeper, client, fixture, bodies[1])
-    assert second["cache"] == "restored" and second["cache_n"] >= system_part - SLACK, (system_part, second)
+    # From the state sharing the most with it: the first session's (saved at exit; nothing was cut, with idle saves
+    # off), which holds the system prompt.
+    assert second["cache"] == "prefix" and second["cache_n"] >= system_part - SLACK, (system_part, second)
 
     other = {"messages": [{"role": "system", "content": "Another assistant."}, {"role": "user", "content": "hi"}],
              "max_tokens": 4}
     assert client.post("/v1/chat/completions", json=other, headers={"X-Session-Id": "other"}).status_code == 200
     third = qwen_turn(keeper, client, fixture, bodies[2])
-    assert third["cache"] == "restored" and third["cache_n"] >= shared(tokens[1], tokens[2]) - SLACK, third
+    best = max(shared(tokens[0], tokens[2]), shared(tokens[1], tokens[2]))
+    assert third["cache"] in ("restored", "prefix") and third["cache_n"] >= best - SLACK, third

@@ -4,9 +4,10 @@ backends, through the official `openai` client, on one slot without a RAM cache.
 Two agents on one system prompt are two conversations (named by the system prompt and their first message), not
 one `sys-<hash>` session: each resumed turn reuses that agent's own previous prompt, minus 8 tokens, although every
 turn of the other agent took the slot in between. A subagent on the same system prompt starts from the system
-snapshot. The client sends back a short assistant message, not what was generated. Dense, recurrent, hybrid and
-sliding-window tiny models; on b11434 a sliding-window state cannot be reused after a restore, so none is attempted.
-Assertions are on counts (timings.cache_n, prompt_n, headers, index rows), never on the random model's text.
+state, cut from a slot once the agents paused. The client sends back a short assistant message, not what was
+generated. Dense, recurrent, hybrid and sliding-window tiny models; on b11434 a sliding-window state cannot be
+reused after a restore, so none is attempted. Assertions are on counts (timings.cache_n, prompt_n, headers, index
+rows), never on the random model's text.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def test_two_agents_on_one_system_prompt_without_ids_keep_their_own_state(stack:
                                                                          models: dict[str, Path], arch: str) -> None:
     nothing_restores = arch == "gemma3" and stack.kind == "binary"
     backend = stack.backend(model=None if arch == "llama" else models[arch], parallel=1, cache_ram=0)
-    keeper = stack.slotkeeper(backend)
+    keeper = stack.slotkeeper(backend, "--save-idle-seconds", "0.5")  # the system part is cut when a slot idles
     client = client_for(keeper)
     with openai.OpenAI(base_url=keeper.url + "/v1", api_key="x", max_retries=0, timeout=120) as sdk:
         agents = [Agent(sdk, "Fix the failing parser test.", 21), Agent(sdk, "Write the release notes.", 31)]
@@ -86,7 +87,11 @@ def test_two_agents_on_one_system_prompt_without_ids_keep_their_own_state(stack:
                     # The other agent held the slot: this agent's own state came back, all of its previous prompt.
                     assert outcome == "restored" and t["cache_n"] >= owed - SLACK, (number, owed, outcome, t)
 
-        # A subagent on the same system prompt: a conversation of its own that starts from its system part.
+        # A subagent on the same system prompt: a conversation of its own that starts from its system part, cut from
+        # the slot once the agents paused.
+        if not nothing_restores:
+            assert wait_until(lambda: client.get("/api/sessions", params={"kind": "system"}).json()["sessions"],
+                              timeout=60), keeper.log_text()[-2000:]
         sub = Agent(sdk, "Subagent: list the files that import the parser.", 41)
         session, outcome, t = sub.turn()
     group = system_session_id([SYSTEM])
@@ -105,7 +110,7 @@ def test_two_agents_on_one_system_prompt_without_ids_keep_their_own_state(stack:
 
 
 def test_openwebui_chats_with_ids_on_one_system_prompt_still_share_its_snapshot(stack: Stack, client_for) -> None:
-    keeper = stack.slotkeeper(stack.backend(parallel=1, cache_ram=0))
+    keeper = stack.slotkeeper(stack.backend(parallel=1, cache_ram=0), "--save-idle-seconds", "0.5")
     client = client_for(keeper)
     system = {"role": "system", "content": SYSTEM}
 
@@ -117,6 +122,8 @@ def test_openwebui_chats_with_ids_on_one_system_prompt_still_share_its_snapshot(
         return response
 
     first_turn("chat-1", 51)
+    # Saved once the slot idles, then cut back to the system part, which is saved on its own.
+    assert wait_until(lambda: client.get("/api/sessions", params={"kind": "system"}).json()["sessions"], timeout=30)
     other = {"model": "tiny", "messages": [{"role": "system", "content": "Another assistant."},
                                            {"role": "user", "content": "hi"}], "max_tokens": 4}
     assert client.post("/v1/chat/completions", json=other, headers={"X-Session-Id": "other"}).status_code == 200

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import Stack
-from tests.support import REPO, Conversation, Slotkeeper, chat, words
+from tests.support import REPO, Conversation, Slotkeeper, chat, wait_until, words
 
 pytestmark = pytest.mark.backend
 
@@ -109,14 +109,16 @@ def test_max_age_evicts_stale_snapshots_but_not_one_in_a_slot(stack: Stack, clie
 
 def test_a_system_snapshot_limit_of_one_keeps_exactly_one(stack: Stack, client_for) -> None:
     backend = stack.backend(cache_ram=0)
-    keeper = stack.slotkeeper(backend, "--max-system-snapshots", "1")
+    # Idle saves on: each chat's slot is cut back to its new system part once saved, and that part is saved.
+    keeper = stack.slotkeeper(backend, "--max-system-snapshots", "1", "--save-idle-seconds", "0.3")
     client = client_for(keeper)
     systems = [{"role": "system", "content": f"Agent profile {i}. " + words(800, 40 + i)} for i in range(3)]
     for i, system in enumerate(systems):
         response = chat(client, [system, {"role": "user", "content": words(50, i)}], f"chat-{i}")
         assert response.status_code == 200
-        assert len(rows(keeper, "system")) == 1
-    assert keeper.log_text().count("warmed up in slot") == 3
+        assert wait_until(lambda i=i: keeper.log_text().count("cut back to system prompt") == i + 1, timeout=30)
+        assert wait_until(lambda: len(rows(keeper, "system")) == 1)
+    assert keeper.log_text().count("cut back to system prompt") == 3
     [kept] = rows(keeper, "system").values()
     assert {r["filename"] for r in keeper.index_rows()} == files(stack)
     Conversation(client, "elsewhere", size=300, seed=9).turn()

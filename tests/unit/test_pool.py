@@ -1190,3 +1190,43 @@ async def test_a_rolled_back_save_without_checkpoints_says_the_build_has_none(st
     await pool.settle()
     await asyncio.sleep(0)
     assert pool.policy.capability.checkpoints_in_file is False and pool.policy.strategy is Strategy.PROMPT_END
+
+
+async def test_a_small_request_that_shares_nothing_with_its_sessions_state_runs_as_a_side_request(
+        client: FakeClient, store: SnapshotStore) -> None:
+    """A client's one-off request under a conversation's id (a title, a summary: no shape rule knew it) shares no
+    message with the conversation's state and is much smaller: it runs as a side request, so the conversation's
+    state stays its own, and the conversation's next turn starts from it again."""
+    from slotkeeper.cache.chain import message_chain
+
+    pool = make_pool(client, store, min_restore_tokens=0)
+    conversation = chain_of("a long task " + "x" * 4000)
+    lease = await pool.acquire(A, conversation)
+    lease.release(TurnEnd.COMPLETED, 1200, cache_n=0, n_prompt=1150)
+    title = message_chain([{"role": "system", "content": "You are a title generator."},
+                           {"role": "user", "content": "a long task"}])
+    one_off = await pool.acquire(A, title)
+    assert one_off.side and one_off.cache.why == "side-task" and pool.slots[0].occupant is None
+    one_off.release(TurnEnd.COMPLETED, 60, n_prompt=50)
+    await pool.settle()
+    saved = store.get(A)
+    assert saved is not None and store.chain_of(saved) == conversation  # saved before the one-off, and kept
+    back = await pool.acquire(A, [*conversation, *chain_of("a long task " + "x" * 4000, "ok", "next")[2:]])
+    assert back.cache.outcome is CacheOutcome.RESTORED and back.cache.restored_from == "A"
+    back.release(TurnEnd.COMPLETED, 1300)
+
+
+async def test_a_first_small_request_then_the_conversation_keeps_the_conversation(client: FakeClient,
+                                                                                  store: SnapshotStore) -> None:
+    """OpenCode's order: its title request comes first under the new conversation's id, then the conversation's
+    first, much larger request, which shares nothing with it: the larger one is the conversation."""
+    from slotkeeper.cache.chain import message_chain
+
+    pool = make_pool(client, store, min_restore_tokens=0)
+    title = message_chain([{"role": "system", "content": "You are a title generator."},
+                           {"role": "user", "content": "a long task"}])
+    first = await pool.acquire(A, title)
+    first.release(TurnEnd.COMPLETED, 60, n_prompt=50)
+    main = await pool.acquire(A, chain_of("a long task " + "x" * 4000))
+    assert not main.side and pool.slots[0].occupant == A
+    main.release(TurnEnd.COMPLETED, 1200, n_prompt=1150)

@@ -346,6 +346,7 @@ class SlotPool:
         """Find the saved states the request could start from, each with the tokens it shares with the request
         (the chains first; the request's exact tokens when they cannot tell), and do what the planner says
         (planner.py): restore the state that shares the most, or keep what the slot holds."""
+        started = time.perf_counter()
         key = lease.key
         known = Known(seen=key in self._seen)
         left = self._left.pop(key, None)
@@ -369,13 +370,16 @@ class SlotPool:
         found = Found(None, None, [])
         if not key.is_default and strategy is not Strategy.KEEP_HOT:
             found = await self.snapshots.candidates(named, chain, None, system_key, n_system)
+        if not lease.side and self._one_off(slot, lease, in_slot, kept, previous, found):
+            named, system, system_key = side_key(key.model, chain), None, None
+            found = await self.snapshots.candidates(named, chain, None, None, 0)
         slot_tokens = _in_slot_tokens(slot, in_slot, kept)
         if (not key.is_default and strategy is not Strategy.KEEP_HOT and tokens is not None and not extended
                 and self._needs_tokens(chain, kept, previous == key, found, lease.side)):
-            started = time.perf_counter()
+            asked = time.perf_counter()
             exact = await tokens()
             self.token_lookups += 1
-            self.token_lookup_ms += (time.perf_counter() - started) * 1000
+            self.token_lookup_ms += (time.perf_counter() - asked) * 1000
             if exact is not None:
                 lease.tokens = exact
                 fate = found.fate  # what the first look-up found of the own state (a quarantine is done by then)
@@ -389,7 +393,33 @@ class SlotPool:
         request = Request(len(chain), system.n_messages if system is not None else None, default=key.is_default,
                           system_saved=found.system_saved, worth_cutting=system is not None and self._worth(system))
         chosen = plan(request, rules, InSlot(slot_tokens, kept, previous == key), saved)
+        lease.cache.decide_ms = (time.perf_counter() - started) * 1000
         await self._act(slot, lease, chosen, found, known, in_slot, kept, previous)
+
+    def _one_off(self, slot: SlotState, lease: SlotLease, in_slot: Sequence[Link], kept: int,
+                 previous: SessionKey | None, found: Found) -> bool:
+        """A request under a conversation's name that shares no message with the conversation's state, and is
+        much smaller than it (a client's title or summary request that no shape rule knew): it runs as a side request,
+        so that the conversation's state is not replaced by it (its next request then finds its own state again).
+        Turned into one here, its slot no longer attributes the conversation."""
+        chain = lease.chain
+        if lease.key.is_default or not chain:
+            return False
+        if previous == lease.key and in_slot:
+            shared, size = kept, slot.n_prompt or slot.n_tokens
+        elif found.own is not None and not found.own.whole:
+            shared, size = found.own.messages, found.own.snapshot.owed_tokens
+        else:
+            return False
+        if shared > 0 or chain[-1].chars // _CHARS_PER_TOKEN * 2 > size:
+            return False
+        lease.side, lease.system = True, None
+        lease.cache.why = Reason.SIDE_TASK
+        lease.cache.detail = (f"shares no message with its session's state ({size} tokens): run as a side request, "
+                              "which leaves that state alone")
+        slot.occupant = None
+        self._turns_running -= 1
+        return True
 
     def _needs_tokens(self, chain: Sequence[Link], kept: int, own_slot: bool, found: Found, side: bool) -> bool:
         """Whether the chains leave open which state shares the most with the request, by enough to matter: the

@@ -70,6 +70,8 @@ class TurnCache:
     restore_ms: float = 0.0
     save_ms: float = 0.0
     warm_ms: float = 0.0
+    # The time the decision took: the look-ups, the request's tokens when the planner asked for them, the plan.
+    decide_ms: float | None = None
 
 
 @dataclass
