@@ -1,5 +1,6 @@
 """Benchmark runner: `python -m bench [--scenario
-switch|reading|overhead|restart|system|agent|scale|day|title|beyond|first|client|backends|all] [--small]`.
+switch|reading|overhead|restart|system|agent|scale|day|title|beyond|first|client|backends|decide|agents|all]
+[--small]` (`all` leaves out `agents`, which drives real coding agents installed by scripts/install-agents.sh).
 
 Starts the llama-server processes (and slotkeepers) each scenario needs on loopback ports, measures slotkeeper
 against llama-server alone side by side, and writes `<out>/<scenario>.json` and `<out>/README.md`."""
@@ -15,7 +16,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import agent, backends, beyond, client, day, first, overhead, restart, scale, switch, system, title
+from bench import (
+    agent,
+    agents,
+    backends,
+    beyond,
+    client,
+    day,
+    decide,
+    first,
+    overhead,
+    restart,
+    scale,
+    switch,
+    system,
+    title,
+)
 from bench.chart import write_chart
 from bench.common import MODEL_SPECS, BenchConfig, write_result
 from bench.report import write_report
@@ -23,8 +39,12 @@ from bench.report import write_report
 SCENARIOS: dict[str, Callable[[BenchConfig, Path], dict[str, Any]]] = {
     "switch": switch.run, "reading": switch.run_reading, "overhead": overhead.run, "restart": restart.run,
     "system": system.run, "agent": agent.run, "scale": scale.run, "day": day.run, "title": title.run,
-    "beyond": beyond.run, "first": first.run, "client": client.run, "backends": backends.run,
+    "beyond": beyond.run, "first": first.run, "client": client.run, "backends": backends.run, "decide": decide.run,
+    "agents": agents.run,
 }
+# Scenarios `all` leaves out: they need what a plain test run does not have (the agents from the npm registry) and
+# take long.
+OPT_IN = ("agents",)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,7 +93,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = config_from(args)
-    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    names = [n for n in SCENARIOS if n not in OPT_IN] if args.scenario == "all" else [args.scenario]
     with tempfile.TemporaryDirectory(prefix="slotkeeper-bench-") as tmp:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)

@@ -130,6 +130,22 @@ def run(config: BenchConfig, root: Path, agents: tuple[str, ...] = AGENTS) -> di
     }
 
 
+def section(r: dict[str, Any]) -> list[str]:
+    return [
+        "## agents: four real coding agents, A1 B1 A2 B2 A3 on one slot",
+        "",
+        f"{', '.join(r['pinned'])} from the npm registry, each running two conversations turn by turn, "
+        "non-interactively, against slotkeeper (in front of a `--cache-ram 0` llama-server), llama-server with its "
+        "default RAM cache, and llama-server with `--cache-ram 0`. A 1-layer, 64-wide generated model with the "
+        f"Qwen3-style template, {r['llama_server']['ctx']:,} tokens of context, every answer capped at "
+        f"{r['output_cap_tokens']} tokens. *Prefilled*: the prompt tokens llama-server evaluated over the whole "
+        "sequence (its own counter, so slotkeeper's own evaluations count). *Efficiency*: the tokens reused over the "
+        "tokens each request shares with any earlier one, exact with the backend's tokenizer.",
+        "",
+        r["table"],
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.agents", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -2,9 +2,10 @@
 
 Two conversations of about 30k tokens each on one slot (`--parallel 1`, the backend's RAM cache off, a RAM dir as
 in launch mode). Their turns alternate so that every other request is a switch (the state is restored), and each
-switch is followed by a hot turn of the same conversation. Every fourth switch resumes a conversation whose first
-user message changed (a reminder block moved out of it, as agents do on resume): there the message chains cannot
-tell which state shares the most, and slotkeeper asks the backend for the request's tokens.
+switch is followed by a hot turn of the same conversation. Every fourth switch resumes a conversation under a new
+id with its first user message changed (the reminder block at its end moved to the newest message, as agents do on
+resume): there the message chains cannot tell which state shares the most (no state holds that message whole, and
+no own state breaks the tie), so slotkeeper asks the backend for the request's tokens.
 
 Measured per request: slotkeeper's own time, the request's wall time minus what the backend reports for the prompt
 and the answer (`timings.prompt_ms`, `predicted_ms`) and minus the restore and save the turn waited for (its
@@ -36,7 +37,7 @@ CONTEXT = 32768
 def conversation(seed: int, history_words: int) -> list[dict[str, str]]:
     """A long conversation's messages: a system prompt, a first message with a reminder, and a long history."""
     messages = [{"role": "system", "content": SYSTEM + words(1500, 1)},
-                {"role": "user", "content": REMINDER + "Task: " + words(200, seed)}]
+                {"role": "user", "content": "Task: " + words(200, seed) + "\n" + REMINDER}]
     for i in range(6):
         messages.append({"role": "assistant", "content": words(history_words // 12, seed * 100 + i)})
         messages.append({"role": "user", "content": words(history_words // 12, seed * 200 + i)})
@@ -50,7 +51,7 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
     baseline = os.environ.get(BASELINE_ENV)
     if baseline:
         targets["slotkeeper, earlier"] = baseline
-    rounds = 2 if config.small else 8
+    rounds = 4 if config.small else 8
     samples: list[dict[str, Any]] = []
     for name, src in targets.items():
         samples += _run_target(root / name.replace(", ", "-"), model, name, src, history, rounds)
@@ -81,12 +82,13 @@ def _drive(client: httpx.Client, keeper: Slotkeeper, name: str, history: int, ro
     for label in ("a", "b"):
         _ask(client, keeper, label, chats[label], "first")  # prefills, not measured
     for i in range(rounds):
-        for label in ("a", "b"):
-            messages = chats[label]
+        for which in ("a", "b"):
+            label, messages = which, chats[which]
             moved = i % 4 == 3
             if moved:  # the reminder leaves the first message for the newest one, as an agent's resume does
                 messages[1]["content"] = messages[1]["content"].replace(REMINDER, "")
                 messages.append({"role": "user", "content": REMINDER + words(40, 900 + i)})
+                label = f"{label}-resumed-{i}"  # and the resumed run is named anew
             else:
                 messages.append({"role": "user", "content": words(40, 700 + i)})
             samples.append({"target": name, **_ask(client, keeper, label, messages, "switch-tokens" if moved
@@ -132,3 +134,27 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
                               "reused_p50": statistics.median(s["cache_n"] for s in rows)}
         out[target] = per_kind
     return out
+
+
+def section(r: dict[str, Any]) -> list[str]:
+    lines = [
+        "## decide: what deciding by tokens costs a turn",
+        "",
+        "Two conversations of about 30k tokens on one slot, taking turns: every other request is a switch (its state "
+        "restored), each followed by a hot turn; every fourth switch resumes a conversation whose first message "
+        "changed (a reminder moved, as agents do on resume), where the message chains cannot tell which state shares "
+        "the most and slotkeeper asks the backend for the request's tokens. *Own ms* is the wall time minus what the "
+        "backend reports for prompt and answer and minus the restore and save the turn waited for: what slotkeeper "
+        "adds. *Decide ms* is the decision alone (look-ups, tokens, plan), from the request's journal row. "
+        + (f"The earlier slotkeeper is `{r['baseline']}`." if r.get("baseline") else ""),
+        "",
+        "| target | request | n | tokens p50 | reused p50 | own ms p50 | own ms p90 | decide ms p50 | decide ms max |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for target, kinds in r["summary"].items():
+        for kind, k in kinds.items():
+            decide = f"{k['decide_ms_p50']:.1f}" if k["decide_ms_p50"] is not None else "-"
+            most = f"{k['decide_ms_max']:.1f}" if k["decide_ms_max"] is not None else "-"
+            lines.append(f"| {target} | {kind} | {k['n']} | {k['tokens_p50']:,.0f} | {k['reused_p50']:,.0f} "
+                         f"| {k['own_ms_p50']:.1f} | {k['own_ms_p90']:.1f} | {decide} | {most} |")
+    return [*lines, ""]

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench import sections
+from bench import agents, decide, sections
 
 
 def _fmt(value: float, digits: int = 1) -> str:
@@ -173,7 +173,7 @@ def _restart(r: dict[str, Any]) -> list[str]:
 SECTIONS = {"switch": _switch, "reading": _reading, "overhead": _overhead, "restart": _restart,
             "system": sections.system, "agent": sections.agent, "scale": sections.scale, "day": sections.day,
             "title": sections.title, "beyond": sections.beyond, "first": sections.first, "client": sections.client,
-            "backends": sections.backends}
+            "backends": sections.backends, "decide": decide.section, "agents": agents.section}
 
 
 def write_report(out: Path) -> Path:

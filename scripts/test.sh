@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SLOTKEEPER_LLAMA_SERVER="$(bash .ci/build-llama-server.sh)"
+# The coding agents tests/integration/test_real_agents.py drives, from the npm registry at pinned versions (cached
+# outside the checkout); status 3 means the registry is unreachable, and those tests then skip.
+bash scripts/install-agents.sh >/dev/null || [ $? -eq 3 ]
 # The dashboard test drives Debian's chromium; install it once when we may (root) and it is missing.
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then

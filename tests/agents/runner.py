@@ -14,8 +14,9 @@ What is measured, per sequence:
         efficiency = (sum of prompt tokens - prefilled) / sum of S_i
 
     i.e. reused tokens (prompt minus what the backend had to evaluate) over what could at best have been reused. It
-    may exceed 1: a slot also holds the tokens it generated, which a next turn can reuse. Requests answered with an
-    HTTP error never reached the prompt stage and are left out of both sums.
+    may exceed 1: a slot also holds the tokens it generated, which a next turn can reuse. Requests refused with an
+    HTTP error never reached the prompt stage and are left out of both sums (a 500 about the model's output, after
+    the prompt was evaluated, is kept).
 (c) error responses: HTTP status >= 400, and error events inside a 200 stream, each with its body.
 
 For slotkeeper targets, slotkeeper's journal (`/api/requests/recent`) and its warm-up counter are read after every
@@ -53,6 +54,12 @@ GENERATION_ROUTES = ("/v1/chat/completions", "/chat/completions", "/v1/messages"
                      "/api/chat", "/completion", "/v1/completions")
 INSTALL_SCRIPT = REPO / "scripts" / "install-agents.sh"
 REGISTRY_UNREACHABLE = 3  # install-agents.sh's exit status when npm cannot reach its registry
+
+
+# llama-server's own errors about what the model generated (its output parser on sampled tokens): they come with or
+# without slotkeeper, whenever the random model happens to emit a malformed tool call or reasoning block.
+MODEL_OUTPUT_ERRORS = ("The model produced output that does not match the expected",
+                       "Failed to parse tool call arguments as JSON")
 
 
 class RegistryUnreachable(RuntimeError):
@@ -309,12 +316,20 @@ def run_sequence(agent: str, target_url: str, bin_dir: Path, work_dir: Path, *, 
     return result
 
 
+def processed(record: Record) -> bool:
+    """Whether the backend evaluated the request's prompt: it answered 200, or failed only on what the model
+    generated afterwards (an error about its output, HTTP 500 on a request that was not streamed)."""
+    if record.status == 200:
+        return True
+    return record.status >= 400 and any(message in record.error for message in MODEL_OUTPUT_ERRORS)
+
+
 def measure(client: httpx.Client, backend_url: str, records: list[Record], through_slotkeeper: bool) -> list[Measured]:
     """Each processed generation request's prompt tokens and S_i, in the order they were sent."""
     seen: list[tuple[int, list[int]]] = []
     out = []
     for record in sorted(records, key=lambda r: r.started):
-        if not is_generation(record) or record.status >= 400 or record.status == 0:
+        if not is_generation(record) or not processed(record):
             continue
         chat = chat_form(record, through_slotkeeper)
         if chat is None:
@@ -331,12 +346,6 @@ def measure(client: httpx.Client, backend_url: str, records: list[Record], throu
         out.append(Measured(record.index, len(tokens), best, best_index, reported))
         seen.append((record.index, tokens))
     return out
-
-
-# llama-server's own errors about what the model generated (its output parser on sampled tokens): they come with or
-# without slotkeeper, whenever the random model happens to emit a malformed tool call or reasoning block.
-MODEL_OUTPUT_ERRORS = ("The model produced output that does not match the expected",
-                       "Failed to parse tool call arguments as JSON")
 
 
 def backend_gives_it(client: httpx.Client, backend_url: str, record: Record) -> bool:

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.backend, pytest.mark.timeout(900)]
 
 
 SCENARIOS = ("switch", "reading", "overhead", "restart", "system", "agent", "scale", "day", "title", "beyond", "first",
-             "client", "backends")
+             "client", "backends", "decide")
 TARGETS = ["llama-server cram0", "llama-server default", "slotkeeper"]
 
 
@@ -338,3 +338,14 @@ def test_first(results: Path) -> None:
     assert len(data["warm_ups"]) == data["pairs"]
     ratio = data["summary"]["slotkeeper_over_llama_server"]
     assert positive(ratio["of_medians"]) and positive(ratio["median_per_pair"])
+
+
+def test_decide(results: Path) -> None:
+    """Hot turns are decided without a look-up; switches with one; a resumed conversation whose first message
+    changed, with the request's tokens (decide_ms counts them)."""
+    summary = load(results, "decide")["summary"]["slotkeeper"]
+    assert summary["hot"]["n"] == summary["switch"]["n"] + summary["switch-tokens"]["n"] > 0
+    assert summary["hot"]["decide_ms_p50"] is None  # no decision was needed
+    for kind in ("switch", "switch-tokens"):
+        assert positive(summary[kind]["decide_ms_p50"]) and summary[kind]["reused_p50"] > 0, summary[kind]
+    assert summary["switch-tokens"]["reused_p50"] > 0.9 * summary["switch-tokens"]["tokens_p50"] - 500

@@ -218,7 +218,7 @@ def test_recurrent_hybrid_and_swa_models_reuse_what_they_share(stack: Stack, cli
 
     state = current(client)
     assert state["restores_ineffective"] == 0 and state["restore_effective"], state
-    assert state["saves"] >= 6 and state["failed_saves"] == 0, state  # saving never stops
+    assert state["saves"] >= 5 and state["failed_saves"] == 0, state  # saving never stops
     if stack.kind == "binary" and not swa:
         assert state["restoring"]["prompt_end_steps"] > 0, state  # the switches, the fork and the new chat
         # The step before each save evaluated a few tokens, not the prompt again.

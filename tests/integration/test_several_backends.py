@@ -189,21 +189,23 @@ def test_a_killed_backends_sessions_move_with_their_last_committed_state(cluster
 
 def test_new_conversations_on_another_backend_start_from_the_system_snapshot_of_the_first(cluster: Cluster) -> None:
     """Conversations without ids on one system prompt go where it is warm until the load bound sends some to the
-    next backends on its ring walk; the prompt is warmed up once, and the others start from a copy of its
-    snapshot."""
+    next backends on its ring walk; the system part is cut from the first one's slot once it idles, saved once,
+    and the others start from it, or from a copy of it on another backend."""
     client = openai_client(cluster.keeper)
     long_system = "You are an agent with a long prompt. " + words(600, 8)  # long enough to be worth a snapshot
     chats = [Chat(f"agent-{i}", with_id=False, system=long_system) for i in range(9)]
-    for chat in chats:  # one after another: each new one is placed knowing where the others went
+    chats[0].turn(client)
+    assert wait_until(lambda: "cut back to system prompt" in cluster.keeper.log_text(), timeout=30)
+    for chat in chats[1:]:  # one after another: each new one is placed knowing where the others went
         chat.turn(client)
     used = Counter(chat.served_by[0] for chat in chats)
     assert len(used) >= 2 and max(used.values()) <= math.ceil(1.25 * 9 / 3), used  # the bound, rounded up
     log = cluster.keeper.log_text()
-    assert log.count("warmed up in slot") == 1, log
+    assert log.count("cut back to system prompt") == 1 and "warmed up in slot" not in log, log
     copies = [line for line in log.splitlines() if "for a new conversation" in line]
     assert len(copies) == len(used) - 1  # one per other backend
     system_tokens = int(copies[0].split("snapshot of ")[1].split(" tokens")[0])
-    for chat in chats:
+    for chat in chats[1:]:
         assert chat.cache_n[0] >= system_tokens - 8, (chat.session, chat.cache_n, system_tokens)
 
 

@@ -110,6 +110,8 @@ ROWS = [
         held_back=True),
     Row("keep-hot: nothing is restored", Request(5, 1), KEEP_HOT, NOTHING, [own(3, 400, True)], Why.KEEP_HOT,
         held_back=True),
+    Row("keep-hot: a new system part is still marked for a cut (the pool asks again when it would make it)",
+        Request(2, 1, system_saved=False, worth_cutting=True), KEEP_HOT, NOTHING, [], Why.KEEP_HOT, cut=True),
 ]
 
 

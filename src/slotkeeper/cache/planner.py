@@ -138,9 +138,9 @@ def plan(request: Request, rules: Rules, in_slot: InSlot = InSlot(), saved: Sequ
         return Plan(Why.DEFAULT)
     # A system part without a saved state of its own gets one, cut from this request's state after the turn, even
     # when another conversation's state covers it now: that one may be evicted, extended past it, or (on a build
-    # that keeps no checkpoints in its files) impossible to cut back to it.
-    cut = (request.n_system is not None and not request.system_saved and request.worth_cutting
-           and rules.strategy is not Strategy.KEEP_HOT)
+    # that keeps no checkpoints in its files) impossible to cut back to it. (Whether a cut can help on the backend
+    # is asked when it would be made: the strategy may be known only once a file was saved.)
+    cut = request.n_system is not None and not request.system_saved and request.worth_cutting
     floor = max(rules.min_restore_tokens, 1)
     # What the slot holds is the cheapest candidate: a restore must share more than it, beyond a near-tie.
     margin = in_slot.tokens + (NEAR_TIE_TOKENS if in_slot.tokens > 0 else 0)

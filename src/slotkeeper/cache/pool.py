@@ -48,9 +48,10 @@ _SIDE_MIN_TOKENS = 64
 # A side task waits for a conversation's request only when none ran within this long: a task sent just after an
 # answer (follow-ups, tags) has nothing to wait for; a new chat's title, sent just before its first request, has.
 SIDE_FOLLOWS_SECONDS = 2.0
-# Characters of canonical JSON per token, at the least, for the estimate of whether a request is long enough for
-# its exact tokens to be worth asking the backend for.
-_CHARS_PER_TOKEN = 4
+# Characters of canonical JSON per token, at the least (a token of text is a character or more): a message of N
+# characters holds at most N tokens. What the chains leave unexplained is worth asking the backend's tokens for
+# only when it may hold enough tokens; a request is surely smaller than a state only when its characters are.
+_CHARS_PER_TOKEN = 1
 
 # The request's tokens, asked for only when the message chains cannot tell which state shares the most.
 TokenSource = Callable[[], Awaitable[Tokens | None]]
@@ -614,6 +615,13 @@ class SlotPool:
         slot.cut = None
         if system is None or key is None or slot.busy or slot.dirty:
             return
+        if self.policy.strategy is Strategy.KEEP_HOT:
+            # The file just saved may tell that this build keeps checkpoints in its files (then restores help).
+            await self.snapshots.settle(key)
+            if self.policy.strategy is Strategy.KEEP_HOT or slot.busy or slot.occupant != key or slot.dirty:
+                return  # under keep-hot no state is restored: a system state could never help
+        if await self.snapshots.get(SessionKey(key.model, system.digest), SnapshotKind.SYSTEM) is not None:
+            return  # another slot's cut saved it meanwhile
         slot.busy = True
         started = time.perf_counter()
         try:

@@ -38,7 +38,7 @@ from slotkeeper.cache.budget import DiskBudget, SnapshotId
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.fingerprint import model_file_identity
-from slotkeeper.cache.planner import Candidate, Tier
+from slotkeeper.cache.planner import NEAR_TIE_TOKENS, Candidate, Tier
 from slotkeeper.cache.ramdir import RamDir
 from slotkeeper.cache.reasons import Reason
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore, file_checksum, shared_with
@@ -305,20 +305,25 @@ class Snapshots:
         `system` names the request's system part, to tell whether a state of it is saved.
 
         Writes still pending that the look-up could find are waited for first: the session's own, the system
-        part's, and those of states sharing more than the system part (`n_system` messages) with the request. When
-        a state found has a save that started since, the look-up runs again once that is done (its file is about to
-        be replaced)."""
+        part's, and those of states sharing more than the system part (`n_system` messages) with the request. A
+        state found whose save started since (its file is about to be replaced) is waited for, and the look-up made
+        again, only when it shares more than every other; else it is left out."""
         pending = [snapshot_id(key)] + ([snapshot_id(system, SnapshotKind.SYSTEM)] if system is not None else [])
         await self._writes.wait(pending)
         if chain:
             await self._writes.wait(self._writes.sharing(chain, n_system + 1))
         found = await asyncio.to_thread(self._find_now, key, chain, tokens, system)
-        replaced = [sid for c in found.saved if (sid := snapshot_id(key_of(c.snapshot), c.snapshot.kind))
-                    in self._writes]
-        if replaced:
-            await self._writes.wait(replaced)
-            found = await asyncio.to_thread(self._find_now, key, chain, tokens, system)
-        return found
+        settled = [c for c in found.saved if snapshot_id(key_of(c.snapshot), c.snapshot.kind) not in self._writes]
+        if len(settled) == len(found.saved):
+            return found
+        best = max((c.tokens for c in settled), default=0)
+        if all(c.tokens <= best + NEAR_TIE_TOKENS for c in found.saved):
+            # A state whose file a save is about to replace, and that shares no more than others: left out rather
+            # than waited for (the save being committed is another conversation's, and its newer state no better).
+            return dataclasses.replace(found, saved=settled)
+        await self._writes.wait([snapshot_id(key_of(c.snapshot), c.snapshot.kind) for c in found.saved
+                                 if c not in settled])
+        return await asyncio.to_thread(self._find_now, key, chain, tokens, system)
 
     def _find_now(self, key: SessionKey, chain: Sequence[Link], tokens: Tokens | None,
                   system: SessionKey | None) -> Found:
@@ -330,6 +335,7 @@ class Snapshots:
                 if match.snapshot.filename not in found:
                     found[match.snapshot.filename] = Candidate(match.snapshot, match.messages, match.est_tokens,
                                                                match.whole, tier=self._tier(match.snapshot))
+        found = _same_estimates(found)
         if tokens is not None:
             for name, candidate in list(found.items()):
                 found[name] = self._exact(candidate, tokens)
@@ -558,6 +564,23 @@ class Snapshots:
             chain = await asyncio.to_thread(self._store.chain_of, snapshot)
             return snapshot, chain, handle
         return None
+
+
+def _same_estimates(found: dict[str, Candidate]) -> dict[str, Candidate]:
+    """Candidates that hold the same leading messages of a request share the same tokens of it (but for part of the
+    next message, which only counting tells): they get the same estimate, the count of one the request holds whole
+    where there is one (its prompt), else the largest, so that a near-tie between them is a tie the cheapest wins."""
+    by_depth: dict[int, list[Candidate]] = {}
+    for candidate in found.values():
+        if not candidate.exact and candidate.messages > 0:
+            by_depth.setdefault(candidate.messages, []).append(candidate)
+    out = dict(found)
+    for group in by_depth.values():
+        whole = [c.tokens for c in group if c.whole]
+        shared = max(whole) if whole else max(c.tokens for c in group)
+        for candidate in group:
+            out[candidate.snapshot.filename] = dataclasses.replace(candidate, tokens=shared)
+    return out
 
 
 class _PendingWrites:

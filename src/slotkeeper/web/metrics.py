@@ -180,10 +180,16 @@ _COUNTERS: list[tuple[str, str, Callable[[_Reading], float]]] = [
      lambda r: r.state.pool.prompt_end_tokens),
     ("slotkeeper_evictions", "Snapshots the disk budget evicted since slotkeeper started.",
      lambda r: r.state.pool.evictions),
-    ("slotkeeper_warm_ups", "System prompts evaluated into a slot to make a system snapshot (a new prompt met by a "
-     "turn, or a pre-warm).", lambda r: r.state.pool.warm_ups),
-    ("slotkeeper_failed_warm_ups", "Warm-ups the backend refused or broke off (nothing was saved).",
+    ("slotkeeper_warm_ups", "System prompts evaluated into an empty slot ahead of time (an operator's pre-warm).",
+     lambda r: r.state.pool.warm_ups),
+    ("slotkeeper_system_cuts", "Slots cut back to their system part once their conversation was saved and idle, "
+     "that part then saved as a system state (a new system prompt, met by a turn).", lambda r: r.state.pool.cuts),
+    ("slotkeeper_failed_warm_ups", "Pre-warms and cuts the backend refused or broke off (nothing was saved).",
      lambda r: r.state.pool.failed_warm_ups),
+    ("slotkeeper_token_lookups", "Requests whose tokens slotkeeper asked the backend for, because the message "
+     "chains could not tell which saved state shares the most with them.", lambda r: r.state.pool.token_lookups),
+    ("slotkeeper_token_lookup_seconds", "Time spent asking the backend for those tokens.",
+     lambda r: r.state.pool.token_lookup_ms / 1000),
     ("slotkeeper_sessions_moved_in", "Sessions of a model on several backends that moved to this one (their owner "
      "was down or overloaded), their snapshot copied here.",
      lambda r: r.state.group.moved_in.get(r.state.backend.url, 0) if r.state.group is not None else 0),
