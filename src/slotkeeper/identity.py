@@ -184,15 +184,22 @@ def _checked(value: str, where: str) -> str:
 
 TASK_HEADER = "x-openwebui-task"
 TASK_PREFIX = "### Task:"
+# How the system prompts of other clients' side requests begin: OpenCode's title request, sent under the
+# conversation's id just before a new conversation's first request.
+SIDE_SYSTEM_PREFIXES: tuple[str, ...] = ("You are a title generator",)
 
 
 def is_side_task(headers: Mapping[str, str], messages: object, stream: bool) -> bool:
-    """OpenWebUI's background tasks (titles, tags, follow-ups, queries, autocomplete) share the chat's id.
+    """Side requests that share a conversation's id: OpenWebUI's background tasks (titles, tags, follow-ups, queries,
+    autocomplete) and OpenCode's title request.
 
-    They are recognised by the task header (a connection header `X-OpenWebUI-Task: {{TASK}}`), or by their shape:
-    not streamed, one user message starting with `### Task:`.
+    They are recognised by OpenWebUI's task header (a connection header `X-OpenWebUI-Task: {{TASK}}`), or by their
+    shape: not streamed, one user message starting with `### Task:`; or a system prompt that starts like one of
+    SIDE_SYSTEM_PREFIXES. (A one-off request no rule knows is told by its tokens: cache/pool.py.)
     """
     if (headers.get(TASK_HEADER) or "").strip():
+        return True
+    if isinstance(messages, list) and messages and _side_system(messages[0]):
         return True
     if stream or not isinstance(messages, list) or len(messages) != 1:
         return False
@@ -203,3 +210,12 @@ def is_side_task(headers: Mapping[str, str], messages: object, stream: bool) -> 
     if isinstance(content, list):
         content = next((p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"), None)
     return isinstance(content, str) and content.lstrip().startswith(TASK_PREFIX)
+
+
+def _side_system(message: object) -> bool:
+    if not isinstance(message, Mapping) or message.get("role") not in ("system", "developer"):
+        return False
+    content = message.get("content")
+    if isinstance(content, list):
+        content = next((p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"), None)
+    return isinstance(content, str) and content.lstrip().startswith(SIDE_SYSTEM_PREFIXES)

@@ -20,6 +20,7 @@ from slotkeeper.identity import (
     DEFAULT_SESSION,
     MAX_ID_LENGTH,
     conversation_id,
+    is_side_task,
     resolve_session,
     session_group,
     system_session_id,
@@ -567,3 +568,15 @@ def test_any_valid_header_id_round_trips(text: str, fingerprint: str) -> None:
     assert key.session_id == text.strip()
     assert key.source is IdSource.HEADER
     assert HEX40.fullmatch(key.file_stem(fingerprint))
+
+
+def test_opencodes_title_request_is_a_side_request() -> None:
+    """OpenCode sends it streamed, under the conversation's id, just before a new conversation's first request."""
+    title = [{"role": "system", "content": "You are a title generator. You output ONLY a thread title."},
+             {"role": "user", "content": "Generate a title for this conversation:\n"},
+             {"role": "user", "content": '"Read calc.py"'}]
+    assert is_side_task({}, title, stream=True)
+    parts = [{"role": "system", "content": [{"type": "text", "text": "You are a title generator."}]}]
+    assert is_side_task({}, parts, stream=True)
+    main = [{"role": "system", "content": "You are opencode, an interactive CLI tool."}, title[2]]
+    assert not is_side_task({}, main, stream=True)

@@ -1233,3 +1233,25 @@ async def test_a_first_small_request_then_the_conversation_keeps_the_conversatio
     main = await pool.acquire(A, chain_of("a long task " + "x" * 4000))
     assert not main.side and pool.slots[0].occupant == A
     main.release(TurnEnd.COMPLETED, 1200, n_prompt=1150)
+
+
+async def test_hot_turns_keep_a_pending_cut_until_the_conversation_pauses(store: SnapshotStore,
+                                                                           slot_dir: Path) -> None:
+    """An agent's tool loop: turn after turn comes back hot before the slot idles; the system part is cut once it
+    pauses, not forgotten."""
+    from slotkeeper.cache.systemprompt import system_prompt_of
+
+    system = system_prompt_of({"messages": [SYS_MSG, {"role": "user", "content": "hello"}]})
+    assert system is not None
+    client = CutClient(slot_dir)
+    pool = SlotPool(1, client, Snapshots(store), FP, 4096, save_idle_seconds=0.3)  # type: ignore[arg-type]
+    history = ["a1"]
+    for turn_number in range(3):
+        lease = await pool.acquire(A, chain_of(*history), system=system)
+        assert lease.cut_system and (turn_number == 0 or lease.cache.outcome is CacheOutcome.HOT)
+        client.save_tokens = 120
+        lease.release(TurnEnd.COMPLETED, 120, n_prompt=100)
+        history += ["tool call", f"tool output {turn_number}"]
+    assert pool.cuts == 0
+    assert await eventually(lambda: pool.cuts == 1)
+    await pool.aclose()

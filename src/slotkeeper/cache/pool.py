@@ -198,7 +198,7 @@ class SlotPool:
         extended = _extends(in_slot, chain, previous == key and not side)
         slot.occupant, slot.kind, slot.dirty = (None if side else key), SnapshotKind.SESSION, False
         slot.generation += 1
-        slot.cut = None
+        pending_cut, slot.cut = slot.cut, None
         lease = SlotLease(slot.slot_id, key, side=side, chain=list(chain), system=system, _release=self._finish)
         if not side:
             self._turns_running += 1
@@ -214,6 +214,7 @@ class SlotPool:
             lease.cache.outcome, lease.cache.why = CacheOutcome.HOT, Reason.HOT
             self._remember(self._seen, key, None)
             lease.tokens = slot.tokens
+            lease.cut_system = pending_cut is not None  # still to be cut once the conversation pauses
             return lease
         try:
             if previous is not None and previous_dirty:
@@ -350,8 +351,8 @@ class SlotPool:
         started = time.perf_counter()
         key = lease.key
         known = Known(seen=key in self._seen)
-        left = self._left.pop(key, None)
-        if left is not None and not lease.side:
+        left = None if lease.side else self._left.pop(key, None)
+        if left is not None:
             known = Known(left=left[0], left_detail=left[1], seen=known.seen)
         if not lease.side:
             self._remember(self._seen, key, None)
