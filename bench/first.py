@@ -1,12 +1,13 @@
 """Scenario `first`: the first turn of a conversation on a system prompt nobody sent before, through slotkeeper and
 straight to the llama-server behind it, on the same llama-server process.
 
-slotkeeper evaluates a new system part into the slot first and saves it as the system snapshot, then runs the turn
-(docs/design-pool.md); llama-server alone prefills the whole prompt at once. Separate llama-server processes of one
+slotkeeper runs the turn in one pass, as llama-server alone does, and once the slot idles cuts it back to the system
+part and saves that as a system state (docs/design-pool.md), off the turn's path. Separate llama-server processes of one
 configuration differ in speed by up to about 15% on this machine, so both go to one process (`--cache-ram 0`,
 slotkeeper's RAM dir as its `--slot-save-path`), alternating which goes first, each with a system prompt of its own.
 slotkeeper saves idle slots after 1 s, and each turn waits 2 s after the one before, so no save of the previous turn
-falls inside a measured one. Measured: time to the first streamed content chunk, and slotkeeper's warm-up and save."""
+falls inside a measured one. Measured: time to the first streamed content chunk, and slotkeeper's cuts (after the
+turns, counted and timed apart)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tests.support import words
 TARGETS = ("llama-server", "slotkeeper")
 USER_TOKENS = 150
 IDLE_S = 2.0
-WARMED_UP = re.compile(r"system prompt \w+ warmed up in slot \d+: (\d+) tokens in (\d+) ms")
+CUT = re.compile(r"cut back to system prompt \w+ after .*'s turn: (\d+) tokens in (\d+) ms")
 
 
 def conversation(seed: int, system_tokens: int) -> list[dict[str, str]]:
@@ -57,11 +58,12 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
                     row = keeper_record(client, keeper.url, session, since)
                     sample.update({"cache": row["cache"], "why": row.get("why", ""), "save_ms": row["save_ms"]})
                 samples.append(sample)
-        warm_ups = [{"tokens": int(m[0]), "ms": int(m[1])} for m in WARMED_UP.findall(keeper.log_text())]
+        time.sleep(IDLE_S)  # the last turn's cut
+        cuts = [{"tokens": int(m[0]), "ms": int(m[1])} for m in CUT.findall(keeper.log_text())]
     summary = summarize(samples)
-    summary["targets"]["slotkeeper"]["warm_up_ms"] = describe([w["ms"] for w in warm_ups]) if warm_ups else None
+    summary["targets"]["slotkeeper"]["cut_ms"] = describe([c["ms"] for c in cuts]) if cuts else None
     return {"scenario": "first", "config": config.as_json(), "machine": machine(), "targets": list(TARGETS),
-            "pairs": pairs, "samples": samples, "warm_ups": warm_ups, "summary": summary}
+            "pairs": pairs, "samples": samples, "cuts": cuts, "summary": summary}
 
 
 def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -29,11 +29,11 @@ def system(r: dict[str, Any]) -> list[str]:
         f"{s['conversations']} new conversations, each sending its first turn (Anthropic `/v1/messages`, streamed) "
         f"on one system prompt of about {c['system_tokens']} tokens with four tools and two `<system-reminder>` "
         "blocks in front of the user's text; one turn of an unrelated conversation runs between them, so the slot "
-        "no longer holds the prompt. Targets as in `switch`; slotkeeper warms a new prompt up once, saves it as a "
-        "system snapshot, and restores it for later conversations. *Backend prompt ms* is what the llama-server "
-        "behind the target spent evaluating prompts for the request (its `/metrics`; slotkeeper's warm-up "
-        "included); the TTFT beyond it is everything else: restore, save, the proxy, and waiting for a core on this "
-        f"shared machine. {_model(r)}",
+        "no longer holds the prompt. Targets as in `switch`; slotkeeper runs the first conversation in one pass, "
+        "and after a pause (a person reading) cuts its idle slot back to the system part and saves that; later "
+        "conversations start from the saved state sharing the most with them. *Backend prompt ms* is what the "
+        "llama-server behind the target spent evaluating prompts for the request (its `/metrics`); the TTFT beyond "
+        f"it is everything else: restore, save, the proxy, and waiting for a core on this shared machine. {_model(r)}",
         "",
         "First conversation (the prompt is new everywhere):",
         "",
@@ -46,10 +46,9 @@ def system(r: dict[str, Any]) -> list[str]:
                      f"| {t['backend_prefilled']} | {t['prompt_n']} | {t['cache_n']} |")
     lines += [
         "",
-        f"slotkeeper's extra cost on it: warm-up of {first['warm_up_tokens']} tokens in {first['warm_up_ms']} ms, "
-        f"system snapshot save {_fmt(first['save_ms'])} ms ({first['system_snapshot_bytes'] / 2**20:.1f} MiB); "
-        f"TTFT {first['slotkeeper_extra_ms_over_cram0']:+,.1f} ms against cram0's cold prefill of the same turn "
-        "(one sample each).",
+        f"slotkeeper's TTFT on it: {first['slotkeeper_extra_ms_over_cram0']:+,.1f} ms against cram0's cold prefill of "
+        f"the same turn (one sample each). Afterwards, off the requests' path, the cut: {first['cut_tokens']} tokens "
+        f"in {first['cut_ms']} ms, saved as a system state of {first['system_snapshot_bytes'] / 2**20:.1f} MiB.",
         "",
         f"Later conversations ({s['conversations'] - 1}, each after the unrelated turn):",
         "",
@@ -276,14 +275,15 @@ def first(r: dict[str, Any]) -> list[str]:
     s = r["summary"]
     t, ratio = s["targets"], s["slotkeeper_over_llama_server"]
     keeper = t["slotkeeper"]
-    warm = keeper.get("warm_up_ms")
+    cut = keeper.get("cut_ms")
     lines = [
         "## first: the first turn on a new system prompt, through slotkeeper and straight to its llama-server",
         "",
         f"{r['pairs']} pairs of first turns, each on a system prompt of about {r['config']['system_tokens']} tokens "
         "never sent before, one straight to a `--cache-ram 0` llama-server and one through the slotkeeper in front "
-        "of that same process (which warms the system part up and saves it before the turn), alternating which goes "
-        f"first, 2 s apart. TTFT = time to the first streamed content chunk. {_model(r)}",
+        "of that same process (which runs the turn in one pass, and cuts the idle slot back to the system part "
+        f"afterwards), alternating which goes first, 2 s apart. TTFT = time to the first streamed content chunk. "
+        f"{_model(r)}",
         "",
         "| target | TTFT median ms | min | max | prompt tokens (median) |",
         "|---|---:|---:|---:|---:|",
@@ -292,10 +292,9 @@ def first(r: dict[str, Any]) -> list[str]:
         lines.append(f"| {target} | {_fmt(x['ttft_ms']['median'])} | {_fmt(x['ttft_ms']['min'])} "
                      f"| {_fmt(x['ttft_ms']['max'])} | {x['prompt_n_median']:g} |")
     lines += ["", f"slotkeeper / llama-server: {ratio['of_medians']:.3f}x of medians, {ratio['median_per_pair']:.3f}x "
-              "per-pair median. slotkeeper's warm-ups: "
-              + (f"{_fmt(warm['median'], 0)} ms median" if warm else "none logged")
-              + f"; save of the system part (the backend's write) {_fmt(keeper['save_ms']['median'])} ms median; "
-              f"its turns: {', '.join(f'{n} {c}' for c, n in keeper['cache_states'].items())}.", ""]
+              "per-pair median. slotkeeper's cuts after the turns: "
+              + (f"{_fmt(cut['median'], 0)} ms median" if cut else "none logged")
+              + f"; its turns: {', '.join(f'{n} {c}' for c, n in keeper['cache_states'].items())}.", ""]
     return lines
 
 

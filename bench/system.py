@@ -4,10 +4,11 @@ N conversations each send their first turn (Anthropic-shaped, streamed: system b
 `<system-reminder>` blocks in front of the user's own text), with a turn of one unrelated conversation between them,
 so the slot no longer holds the shared prompt when the next conversation starts. Every turn goes to three targets in
 rotating order: llama-server alone with `--cache-ram 0` (a cold prefill each time), llama-server with its default
-host-memory prompt cache, and slotkeeper over a `--cache-ram 0` llama-server. slotkeeper warms the new prompt up
-and saves it as a system snapshot during the first conversation (its extra cost is reported on its own) and restores
-that snapshot for the later ones. Then a second prompt of the same size is pre-warmed with `slotkeeper prewarm`
-(timed), and the first conversation on it is sent to all three targets."""
+host-memory prompt cache, and slotkeeper over a `--cache-ram 0` llama-server. slotkeeper runs the first conversation
+in one pass, like the others; after it the run pauses (a person reading the answer), slotkeeper saves the idle slot
+and cuts it back to the system part, saved as a system state (the cut is reported on its own), and later
+conversations start from the saved state that shares the most with them. Then a second prompt of the same size is
+pre-warmed with `slotkeeper prewarm` (timed), and the first conversation on it is sent to all three targets."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ from tests.support import REPO, Slotkeeper, words
 
 TARGETS = ("llama-server cram0", "llama-server default", "slotkeeper")
 OTHER = "unrelated"
-WARMED_UP = re.compile(r"system prompt \w+ warmed up in slot \d+: (\d+) tokens in (\d+) ms")
+CUT = re.compile(r"cut back to system prompt \w+ after .*'s turn: (\d+) tokens in (\d+) ms")
+IDLE_S = 1.0  # slotkeeper's --save-idle-seconds here: the pause after the first conversation is longer
 
 
 def run(config: BenchConfig, root: Path) -> dict[str, Any]:
@@ -52,7 +54,7 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
     with processes(root, model) as procs, httpx.Client(timeout=600) as client:
         metrics = ("--metrics",)
         behind = procs.backend("system-behind", cache_ram=0, ctx_per_slot=ctx, extra_args=metrics, ram_dir=True)
-        keeper = procs.slotkeeper("system-slotkeeper", behind)
+        keeper = procs.slotkeeper("system-slotkeeper", behind, "--save-idle-seconds", str(IDLE_S))
         backends = {TARGETS[0]: procs.backend("system-cram0", cache_ram=0, ctx_per_slot=ctx, extra_args=metrics).url,
                     TARGETS[1]: procs.backend("system-default", cache_ram=8192, ctx_per_slot=ctx,
                                               extra_args=metrics).url,
@@ -92,13 +94,17 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
             if k:
                 between(k)
             first_turn(shared, k, "shared")
-        warm_ups = [(int(n), int(ms)) for n, ms in WARMED_UP.findall(keeper.log_text())]
+            if k == 0:  # a pause after the first answer: the idle slot is saved, then cut back to the system part
+                deadline = time.monotonic() + 30
+                while not CUT.search(keeper.log_text()) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+        cuts = [(int(n), int(ms)) for n, ms in CUT.findall(keeper.log_text())]
         snapshot_rows = [r for r in keeper.index_rows() if r["kind"] == "system"]
         prewarm = run_prewarm(keeper, prewarmed, root)
         between(config.system_conversations)
         first_turn(prewarmed, 0, "prewarmed")
     return {"scenario": "system", "config": config.as_json(), "machine": machine(), "targets": list(TARGETS),
-            "samples": samples, "summary": summarize(samples, warm_ups, snapshot_rows, prewarm)}
+            "samples": samples, "summary": summarize(samples, cuts, snapshot_rows, prewarm)}
 
 
 def rotated(k: int) -> list[str]:
@@ -132,7 +138,7 @@ def _target_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "cache_n_median": statistics.median(s["cache_n"] for s in rows)}
 
 
-def summarize(samples: list[dict[str, Any]], warm_ups: list[tuple[int, int]], snapshot_rows: list[dict[str, Any]],
+def summarize(samples: list[dict[str, Any]], cuts: list[tuple[int, int]], snapshot_rows: list[dict[str, Any]],
               prewarm: dict[str, Any]) -> dict[str, Any]:
     shared = [s for s in samples if s["phase"] == "shared"]
     first = {s["target"]: s for s in shared if s["conversation"] == 0}
@@ -153,7 +159,7 @@ def summarize(samples: list[dict[str, Any]], warm_ups: list[tuple[int, int]], sn
                       "median_per_conversation": statistics.median(ratio(c[t], c["slotkeeper"])
                                                                    for c in by_conversation.values())}
               for t, label in ((TARGETS[0], "cram0_over_slotkeeper"), (TARGETS[1], "default_over_slotkeeper"))}
-    warm_tokens, warm_ms = warm_ups[0] if warm_ups else (0, 0)
+    cut_tokens, cut_ms = cuts[0] if cuts else (0, 0)
     keeper_first = first["slotkeeper"]
     between = [s for s in samples if s["phase"] == "between"]
     prewarmed = [s for s in samples if s["phase"] == "prewarmed"]
@@ -165,7 +171,7 @@ def summarize(samples: list[dict[str, Any]], warm_ups: list[tuple[int, int]], sn
                         for t, s in first.items()},
             "slotkeeper_cache": keeper_first["cache"],
             "slotkeeper_extra_ms_over_cram0": keeper_first["ttft_ms"] - first[TARGETS[0]]["ttft_ms"],
-            "warm_up_tokens": warm_tokens, "warm_up_ms": warm_ms, "warm_ups": len(warm_ups),
+            "cut_tokens": cut_tokens, "cut_ms": cut_ms, "cuts": len(cuts),
             "save_ms": keeper_first["save_ms"],
             "system_snapshot_bytes": sum(r["n_bytes"] for r in snapshot_rows),
             "system_snapshot_tokens": sum(r["n_tokens"] for r in snapshot_rows),

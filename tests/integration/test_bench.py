@@ -161,16 +161,15 @@ def test_system(results: Path) -> None:
         if sample["phase"] != "between":
             assert sample["backend_prefilled"] >= sample["prompt_n"] and sample["backend_prompt_ms"] > 0
     first = summary["first_conversation"]
-    # slotkeeper's backend evaluated the whole prompt too (warm-up plus the rest), once.
+    # The first conversation ran in one pass, as everywhere; its idle slot was cut back to the system part after.
     assert first["targets"]["slotkeeper"]["backend_prefilled"] >= config["system_tokens"] * 0.8
-    assert first["slotkeeper_cache"] == "cold" and first["warm_ups"] == 1
-    assert first["warm_up_tokens"] >= config["system_tokens"] * 0.8
-    assert first["system_snapshot_bytes"] > 0 and positive(first["warm_up_ms"])
-    # The warm-up left the system part in the slot: the first conversation prefilled only its own text.
-    assert first["targets"]["slotkeeper"]["prompt_n"] < first["targets"]["llama-server cram0"]["prompt_n"] / 2
+    assert first["slotkeeper_cache"] == "cold" and first["cuts"] == 1
+    assert first["cut_tokens"] >= config["system_tokens"] * 0.8
+    assert first["system_snapshot_bytes"] > 0
     later = summary["later_conversations"]
-    assert later["targets"]["slotkeeper"]["cache_states"] == {"restored": n - 1}
-    assert later["targets"]["slotkeeper"]["cache_n_median"] >= first["warm_up_tokens"] - 16
+    assert set(later["targets"]["slotkeeper"]["cache_states"]) <= {"restored", "prefix"}
+    assert sum(later["targets"]["slotkeeper"]["cache_states"].values()) == n - 1
+    assert later["targets"]["slotkeeper"]["cache_n_median"] >= first["cut_tokens"] - 16
     assert later["targets"]["llama-server cram0"]["prompt_n_median"] > later["targets"]["slotkeeper"]["prompt_n_median"]
     for target in TARGETS:
         assert positive(later["targets"][target]["ttft_ms"]["median"])
@@ -330,12 +329,9 @@ def test_first(results: Path) -> None:
     assert len(data["samples"]) == 2 * data["pairs"]
     for sample in data["samples"]:
         assert positive(sample["ttft_ms"]) and sample["prompt_n"] >= 1
-        if sample["target"] == "slotkeeper":
-            # A new system prompt: warmed up and saved before the turn, which then continues from it.
-            assert sample["cache_n"] > sample["prompt_n"], sample
-        else:
-            assert sample["cache_n"] <= 32, sample  # the template's first tokens at most: every prompt is new
-    assert len(data["warm_ups"]) == data["pairs"]
+        # A new system prompt, in one pass on both: the template's first tokens at most are reused.
+        assert sample["cache_n"] <= 32, sample
+    assert len(data["cuts"]) == data["pairs"]  # each pair's new system part, cut once its turn idled
     ratio = data["summary"]["slotkeeper_over_llama_server"]
     assert positive(ratio["of_medians"]) and positive(ratio["median_per_pair"])
 
@@ -348,4 +344,5 @@ def test_decide(results: Path) -> None:
     assert summary["hot"]["decide_ms_p50"] is None  # no decision was needed
     for kind in ("switch", "switch-tokens"):
         assert positive(summary[kind]["decide_ms_p50"]) and summary[kind]["reused_p50"] > 0, summary[kind]
-    assert summary["switch-tokens"]["reused_p50"] > 0.9 * summary["switch-tokens"]["tokens_p50"] - 500
+    # The first message changed at its end: the system part and that message's text are shared, not the rest.
+    assert summary["switch-tokens"]["reused_p50"] > 0.4 * summary["switch-tokens"]["tokens_p50"]
