@@ -25,6 +25,7 @@ Run: `python -m bench.agents [--agent NAME ...] [--out DIR] [--keep DIR]` (or, o
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -38,7 +39,16 @@ from bench.common import BenchConfig, machine, processes, write_result
 from slotkeeper.tinymodel import write_tiny_model
 from tests.agents.analysis import describe
 from tests.agents.drivers import AGENTS
-from tests.agents.runner import AGENT_MODEL, CONTEXT, install_agents, not_from_backend, run_sequence
+from tests.agents.proxy import CAP, Record, cap_body
+from tests.agents.runner import (
+    AGENT_MODEL,
+    CONTEXT,
+    install_agents,
+    is_generation,
+    not_from_backend,
+    prompt_tokens_total,
+    run_sequence,
+)
 
 TARGETS = ("slotkeeper", "llama-server default", "llama-server cram0")
 # llama-server's own default --cache-ram (MiB); the Backend helper always passes the option, so it is given.
@@ -71,12 +81,32 @@ def run_one(agent: str, target: str, root: Path, model: Path, bin_dir: Path, wor
         notes = describe(result, client, backend.url)
         ours = [r.index for r in not_from_backend(result, client, backend.url)] if target == "slotkeeper" else []
     summary = result.summary()
+    if target == "slotkeeper":
+        # The same requests, in the same order, straight to llama-server with its default RAM cache: the agents'
+        # prompts differ from target to target (they react to the random model's answers), this one does not.
+        with processes(root / "replay", model) as procs, httpx.Client(timeout=300) as client:
+            direct = procs.backend("replay", DEFAULT_CACHE_RAM, CONTEXT, extra_args=("--metrics",))
+            summary["same_sequence_default_prefilled"] = replay(client, direct.url, result.records)
     summary["errors_not_from_llama_server"] = ours
     summary["journal"] = {label: [{k: row.get(k) for k in ("session", "cache", "why", "why_detail", "cache_n",
                                                             "prompt_n", "status", "side")} for row in rows]
                           for label, rows in result.journal.items()}
     summary["caching_notes"] = notes
     return summary
+
+
+def replay(client: httpx.Client, backend_url: str, records: list[Record]) -> int:
+    """Send the recorded generation requests that were answered, as the proxy sent them (capped), in order, to
+    `backend_url`; returns the prompt tokens it prefilled for them (its own counter)."""
+    before = prompt_tokens_total(client, backend_url)
+    for record in records:
+        if not is_generation(record) or record.failed:
+            continue
+        body = json.loads(json.dumps(record.body))
+        cap_body(record.path, body, CAP)
+        with client.stream("POST", f"{backend_url}{record.path}", json=body) as answer:
+            answer.read()
+    return prompt_tokens_total(client, backend_url) - before
 
 
 def _errors(summary: dict[str, Any]) -> str:
@@ -86,13 +116,15 @@ def _errors(summary: dict[str, Any]) -> str:
 
 
 def table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
-    head = ("| client | " + " | ".join(f"{t}: prefilled" for t in TARGETS) + " | "
-            + " | ".join(f"{t}: efficiency" for t in TARGETS) + " | " + " | ".join(f"{t}: errors" for t in TARGETS)
-            + " |\n")
-    head += "|---|" + "---:|" * (3 * len(TARGETS)) + "\n"
+    head = ("| client | " + " | ".join(f"{t}: prefilled" for t in TARGETS) + " | slotkeeper's requests, "
+            "llama-server default: prefilled | " + " | ".join(f"{t}: efficiency" for t in TARGETS) + " | "
+            + " | ".join(f"{t}: errors" for t in TARGETS) + " |\n")
+    head += "|---|" + "---:|" * (3 * len(TARGETS) + 1) + "\n"
     lines = []
     for agent, by_target in rows.items():
         prefilled = [f"{by_target[t]['prefilled']:,}" if t in by_target else "" for t in TARGETS]
+        same = by_target.get("slotkeeper", {}).get("same_sequence_default_prefilled")
+        prefilled.append(f"{same:,}" if same is not None else "")
         efficiency = [f"{by_target[t]['efficiency']:.3f}" if t in by_target and by_target[t]["efficiency"] is not None
                       else "" for t in TARGETS]
         errors = [_errors(by_target[t]) if t in by_target else "" for t in TARGETS]
@@ -139,8 +171,11 @@ def section(r: dict[str, Any]) -> list[str]:
         "default RAM cache, and llama-server with `--cache-ram 0`. A 1-layer, 64-wide generated model with the "
         f"Qwen3-style template, {r['llama_server']['ctx']:,} tokens of context, every answer capped at "
         f"{r['output_cap_tokens']} tokens. *Prefilled*: the prompt tokens llama-server evaluated over the whole "
-        "sequence (its own counter, so slotkeeper's own evaluations count). *Efficiency*: the tokens reused over the "
-        "tokens each request shares with any earlier one, exact with the backend's tokenizer.",
+        "sequence (its own counter, so slotkeeper's own evaluations count). The agents react to the random model's "
+        "answers, so their requests differ from target to target; *slotkeeper's requests, llama-server default* "
+        "replays the requests recorded through slotkeeper, in order, straight to a llama-server with its default RAM "
+        "cache: the same sequence on both. *Efficiency*: the tokens reused over the tokens each request shares with "
+        "any earlier one, exact with the backend's tokenizer.",
         "",
         r["table"],
     ]
