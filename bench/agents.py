@@ -84,9 +84,9 @@ def run_one(agent: str, target: str, root: Path, model: Path, bin_dir: Path, wor
     if target == "slotkeeper":
         # The same requests, in the same order, straight to llama-server with its default RAM cache: the agents'
         # prompts differ from target to target (they react to the random model's answers), this one does not.
-        with processes(root / "replay", model) as procs, httpx.Client(timeout=300) as client:
+        with processes(root / "replay", model) as procs:
             direct = procs.backend("replay", DEFAULT_CACHE_RAM, CONTEXT, extra_args=("--metrics",))
-            summary["same_sequence_default_prefilled"] = replay(client, direct.url, result.records)
+            summary["same_sequence_default_prefilled"] = replay(direct.url, result.records)
     summary["errors_not_from_llama_server"] = ours
     summary["journal"] = {label: [{k: row.get(k) for k in ("session", "cache", "why", "why_detail", "cache_n",
                                                             "prompt_n", "status", "side")} for row in rows]
@@ -95,18 +95,20 @@ def run_one(agent: str, target: str, root: Path, model: Path, bin_dir: Path, wor
     return summary
 
 
-def replay(client: httpx.Client, backend_url: str, records: list[Record]) -> int:
+def replay(backend_url: str, records: list[Record]) -> int:
     """Send the recorded generation requests that were answered, as the proxy sent them (capped), in order, to
-    `backend_url`; returns the prompt tokens it prefilled for them (its own counter)."""
-    before = prompt_tokens_total(client, backend_url)
-    for record in records:
-        if not is_generation(record) or record.failed:
-            continue
-        body = json.loads(json.dumps(record.body))
-        cap_body(record.path, body, CAP)
-        with client.stream("POST", f"{backend_url}{record.path}", json=body) as answer:
-            answer.read()
-    return prompt_tokens_total(client, backend_url) - before
+    `backend_url`; returns the prompt tokens it prefilled for them (its own counter). A connection per request:
+    llama-server closes one after a streamed answer."""
+    with httpx.Client(timeout=300, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        before = prompt_tokens_total(client, backend_url)
+        for record in records:
+            if not is_generation(record) or record.failed:
+                continue
+            body = json.loads(json.dumps(record.body))
+            cap_body(record.path, body, CAP)
+            with client.stream("POST", f"{backend_url}{record.path}", json=body) as answer:
+                answer.read()
+        return prompt_tokens_total(client, backend_url) - before
 
 
 def _errors(summary: dict[str, Any]) -> str:
