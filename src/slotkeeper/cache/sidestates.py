@@ -13,8 +13,11 @@ from collections.abc import Sequence
 from slotkeeper.cache.chain import Link
 from slotkeeper.types import IdSource, SessionKey
 
-# Side states kept per model; the least recently used go first (the disk budget's rule for the side kind).
-KEPT = 8
+# Side states kept per model; the least recently used go first (the disk budget's rule for the side kind). A chat
+# turn in OpenWebUI leaves up to three (title, tags, follow-ups), and what its next tasks start from is its latest
+# follow-up's state: 32 keeps that for the last ten or more chats. 8 lost them within one busy minute (bench `day`:
+# the follow-ups after the restart prefilled their chats' history again).
+KEPT = 32
 # The session ids of side states: a prefix slotkeeper reserves for the names it makes itself (no client's id may
 # start with it, identity.py).
 RESERVED_PREFIX = _PREFIX = "~side-"
