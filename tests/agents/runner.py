@@ -334,7 +334,14 @@ def measure(client: httpx.Client, backend_url: str, records: list[Record], throu
         chat = chat_form(record, through_slotkeeper)
         if chat is None:
             continue
-        tokens = tokenize(client, backend_url, chat)
+        try:
+            tokens = tokenize(client, backend_url, chat)
+        except httpx.HTTPStatusError:
+            if record.status == 200:
+                raise
+            # The backend cannot render this failed request's input either (a tool call the random model wrote
+            # with arguments that are not JSON, sent back by the agent): it failed before its prompt was evaluated.
+            continue
         best, best_index = 0, None
         for index, other in seen:
             n = common_prefix(tokens, other)
