@@ -25,7 +25,6 @@ Run: `python -m bench.agents [--agent NAME ...] [--out DIR] [--keep DIR]` (or, o
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -39,10 +38,11 @@ from bench.common import BenchConfig, machine, processes, write_result
 from slotkeeper.tinymodel import write_tiny_model
 from tests.agents.analysis import describe
 from tests.agents.drivers import AGENTS
-from tests.agents.proxy import CAP, Record, cap_body
+from tests.agents.proxy import Record
 from tests.agents.runner import (
     AGENT_MODEL,
     CONTEXT,
+    as_sent,
     install_agents,
     is_generation,
     not_from_backend,
@@ -104,9 +104,7 @@ def replay(backend_url: str, records: list[Record]) -> int:
         for record in records:
             if not is_generation(record) or record.failed:
                 continue
-            body = json.loads(json.dumps(record.body))
-            cap_body(record.path, body, CAP)
-            with client.stream("POST", f"{backend_url}{record.path}", json=body) as answer:
+            with client.stream("POST", f"{backend_url}{record.path}", json=as_sent(record)) as answer:
                 answer.read()
         return prompt_tokens_total(client, backend_url) - before
 

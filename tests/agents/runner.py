@@ -355,14 +355,22 @@ def measure(client: httpx.Client, backend_url: str, records: list[Record], throu
     return out
 
 
+def as_sent(record: Record) -> dict[str, Any] | None:
+    """A copy of the recorded request's JSON body as the recording proxy sent it on (its answer capped), or None for
+    a request without one."""
+    if not isinstance(record.body, dict):
+        return None
+    body: dict[str, Any] = json.loads(json.dumps(record.body))
+    cap_body(record.path, body, CAP)
+    return body
+
+
 def backend_gives_it(client: httpx.Client, backend_url: str, record: Record) -> bool:
     """Whether llama-server itself answers the recorded request with an error: one of its errors about the model's
     output, or an error when the request (capped as the proxy sent it) is replayed straight to it."""
     if any(message in record.error for message in MODEL_OUTPUT_ERRORS):
         return True
-    body = json.loads(json.dumps(record.body)) if isinstance(record.body, dict) else None
-    if body is not None:
-        cap_body(record.path, body, CAP)
+    body = as_sent(record)
     headers = {"Content-Type": "application/json"} if body is not None else {}
     for attempt in range(2):
         try:
