@@ -132,3 +132,14 @@ def test_best_prefers_the_most_tokens_then_the_cheapest() -> None:
     near = cand("near", 2, 1000 - NEAR_TIE_TOKENS, tier=Tier.RAM)
     assert best([far, near]) is near
     assert best([far, cand("short", 1, 500, tier=Tier.RAM)]) is far
+
+
+def test_a_tie_goes_to_a_state_the_request_holds_whole_in_any_order() -> None:
+    # Two states sharing the system message: the system state (the request holds all of it) and another
+    # conversation's (the request holds only its start), same tier, same size: the whole one wins, found first or last.
+    system = cand("sys", 1, 900, True, 900, 900, kind=SnapshotKind.SYSTEM)
+    other = cand("other", 1, 900, False, 900)
+    assert best([other, system]) is system and best([system, other]) is system
+    # Same everything: the file name decides, so the answer never depends on the order they were found in.
+    a, b = cand("a", 1, 900), cand("b", 1, 900)
+    assert best([a, b]) is a and best([b, a]) is a

@@ -116,9 +116,12 @@ def extends(candidate: Candidate, request_messages: int) -> bool:
     return request_messages == 0 or candidate.exact or request_messages > candidate.messages
 
 
-def cost(candidate: Candidate) -> tuple[int, int, int]:
-    """The order among near-ties: the cheapest tier, then the session's own state, then the fewest tokens to load."""
-    return candidate.tier, 0 if candidate.own else 1, candidate.snapshot.n_tokens
+def cost(candidate: Candidate) -> tuple[int, int, int, int, str]:
+    """The order among near-ties: the cheapest tier, then the session's own state, then one the request holds whole
+    (nothing of it to drop after the restore), then the fewest tokens to load; the file name last, so that the same
+    candidates always give the same answer, in whatever order they were found."""
+    return (candidate.tier, 0 if candidate.own else 1, 0 if candidate.whole else 1, candidate.snapshot.n_tokens,
+            candidate.snapshot.filename)
 
 
 def best(candidates: Sequence[Candidate]) -> Candidate | None:
