@@ -109,6 +109,11 @@ class SnapshotError(SlotkeeperError):
     """A snapshot could not be saved, checked or restored. Handled inside the cache layer."""
 
 
+class OlderVersion(SnapshotError):
+    """A copy of a saved state brought in (from the shared tier, another backend, a bundle) is not newer than the
+    one already here: it is refused, never applied (cache/version.py)."""
+
+
 def _message_from_body(body: bytes) -> str | None:
     try:
         parsed = json.loads(body)

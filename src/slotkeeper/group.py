@@ -22,6 +22,7 @@ from slotkeeper.cache.chain import Link
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.systemprompt import SystemPrompt, system_prompt_of
+from slotkeeper.cache.version import newer
 from slotkeeper.errors import SlotkeeperError, UpstreamUnavailable
 from slotkeeper.identity import session_group
 from slotkeeper.placement import Choice, Placement
@@ -73,11 +74,16 @@ class BackendGroup:
         self.moved_in: dict[str, int] = {}  # per member: sessions that moved there with their snapshot
 
     async def learn_owners(self) -> int:
-        """Take each session found in a member's index for that member's (the newest copy wins); returns how many
-        sessions have an owner."""
+        """Give each session found in the members' indexes to the member holding its newest version (version.py);
+        returns how many sessions have an owner."""
+        newest: dict[str, tuple[Member, Snapshot]] = {}
         for member in self.members:
             for snapshot in await member.snapshots.list(None, SnapshotKind.SESSION):
-                self.placement.learn(snapshot.session_id, member.backend.url, snapshot.last_used)
+                held = newest.get(snapshot.session_id)
+                if held is None or newer(snapshot.version, held[1].version):
+                    newest[snapshot.session_id] = (member, snapshot)
+        for session, (member, snapshot) in newest.items():
+            self.placement.learn(session, member.backend.url, snapshot.last_used)
         return len(self.placement)
 
     def drain(self, url: str, draining: bool) -> None:
@@ -164,9 +170,9 @@ class BackendGroup:
         for member, snapshot in zip(self.members, found, strict=True):
             if member is dest or snapshot is None or member.backend.fingerprint != dest.backend.fingerprint:
                 continue
-            if newest is None or snapshot.last_used > newest[1].last_used:
+            if newest is None or newer(snapshot.version, newest[1].version):
                 newest = (member, snapshot)
-        if newest is None or (own is not None and own.last_used >= newest[1].last_used):
+        if newest is None or (own is not None and not newer(newest[1].version, own.version)):
             return
         source, snapshot = newest
         try:
@@ -282,7 +288,7 @@ async def copy_snapshot(source: Member, dest: Member, key: SessionKey,
         await dest.snapshots.discard_upload(temp)
         raise
     return await dest.pool.import_snapshot(key, temp, snapshot.n_tokens, chain, snapshot.n_bytes, kind,
-                                           snapshot.n_prompt)
+                                           snapshot.n_prompt, snapshot.version)
 
 
 def _copy(handle: Any, path: Any) -> None:

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotkeeper.cache.version import UNVERSIONED, Version
+
 
 class IdSource(enum.StrEnum):
     """Where a session id came from (see identity.py for the precedence)."""
@@ -101,6 +103,8 @@ class Snapshot:
     pinned: bool = False  # never evicted by the disk budget
     # Tokens of the prompt of the turn saved (0: not known); the rest of n_tokens were generated.
     n_prompt: int = 0
+    # The saved state's version (cache/version.py): which of two copies of it is newer.
+    version: Version = UNVERSIONED
 
     @property
     def owed_tokens(self) -> int:

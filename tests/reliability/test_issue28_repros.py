@@ -67,7 +67,7 @@ def tier_on(pool: SlotPool, memory: MemoryStore, origin: str, fence: int | None)
     tier = SharedTier(memory, pool.snapshots, FP, origin, pool.import_snapshot)
     pool.snapshots.on_commit = tier.committed
     if fence is not None:
-        tier.fence = lambda _key: fence
+        pool.snapshots.fence = lambda _key: fence
     return tier
 
 
@@ -85,9 +85,6 @@ def manifest_of(memory: MemoryStore, tier: SharedTier, k: SessionKey) -> Manifes
 # -- defect 1: an older upload replaces a sibling backend's newer one ----------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 28 defect 1: SharedTier._upload refuses only a smaller fencing token and never asks "
-                          "whether the manifest it replaces is newer; it then deletes the newer version's object")
 @pytest.mark.parametrize("fence", [1, None], ids=["same-lease-token", "no-directory"])
 async def test_defect1_an_older_queued_upload_does_not_replace_a_sibling_backends_newer_one(
         stores: Callable[[str], SnapshotStore], fence: int | None) -> None:
@@ -168,9 +165,6 @@ async def moved_then_restored_as_prefix(stores: Callable[[str], SnapshotStore]
     return members, group, first, second  # type: ignore[return-value]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 28 defect 2: BackendGroup._bring_newest picks the copy with the latest last_used, "
-                          "which a prefix restore of a stale copy bumps")
 async def test_defect2_a_moving_session_takes_its_newest_turn_not_a_copy_restored_as_a_prefix(
         stores: Callable[[str], SnapshotStore]) -> None:
     _, group, first, second = await moved_then_restored_as_prefix(stores)
@@ -188,9 +182,6 @@ async def test_defect2_a_moving_session_takes_its_newest_turn_not_a_copy_restore
         f"{len(chain)}, instead of turn 2 on {second.url} ({newest.n_tokens} tokens, a chain of {turn2})")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 28 defect 2: BackendGroup.learn_owners gives a session to the member whose copy has "
-                          "the latest last_used, which a prefix restore of a stale copy bumps")
 async def test_defect2_after_a_restart_the_holder_of_the_newest_turn_owns_the_session(
         stores: Callable[[str], SnapshotStore]) -> None:
     members, _, first, second = await moved_then_restored_as_prefix(stores)
@@ -286,9 +277,6 @@ async def test_defect3_a_forged_hops_header_does_not_take_a_session_from_its_lea
 # -- defect 4: SharedTier.bring imports the store's older version over a newer commit still running ---------------
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 28 defect 4: SharedTier.bring tests _ahead before it waits for the session's pending "
-                          "commit, and on_commit sets _ahead only once the commit is done")
 async def test_defect4_a_turn_during_a_background_commit_keeps_the_newer_local_state(
         stores: Callable[[str], SnapshotStore], monkeypatch: pytest.MonkeyPatch) -> None:
     memory = MemoryStore()

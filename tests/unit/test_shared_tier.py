@@ -110,7 +110,9 @@ async def test_a_commit_is_uploaded_and_a_new_version_replaces_the_old_file(pool
     await upload_all(tier)
     [first] = memory.blobs()
     manifest = Manifest.from_json(json.loads(memory.objects[tier.manifest_key(A, SnapshotKind.SESSION)]))
-    assert manifest.version == 1 and manifest.origin == "host-a" and first == tier.blob_key(manifest.meta.checksum)
+    first_local = await pool.snapshots.get(A)
+    assert first_local is not None and manifest.version == first_local.version
+    assert manifest.origin == "host-a" and first == tier.blob_key(manifest.meta.checksum)
     await turn(pool, A, n_tokens=20)
     await pool.flush()
     await upload_all(tier)
@@ -119,7 +121,8 @@ async def test_a_commit_is_uploaded_and_a_new_version_replaces_the_old_file(pool
     again = Manifest.from_json(json.loads(memory.objects[tier.manifest_key(A, SnapshotKind.SESSION)]))
     local = await pool.snapshots.get(A)
     assert local is not None
-    assert again.version == 2 and again.meta.checksum == local.checksum != manifest.meta.checksum
+    assert again.version == local.version and again.version > manifest.version
+    assert again.meta.checksum == local.checksum != manifest.meta.checksum
     assert tier.uploads == 2
 
 
@@ -131,16 +134,17 @@ async def test_a_manifest_written_by_another_host_meanwhile_is_read_again_not_ov
     await pool.flush()
     key = tier.manifest_key(A, SnapshotKind.SESSION)
 
-    def other_host_writes() -> None:  # lands between this host's read and its conditional write
+    def other_host_writes() -> None:  # an older version lands between this host's read and its conditional write
         memory._put(key, json.dumps({**json.loads(memory.objects.get(key, b"{}") or b"{}"), "format":
                                      "slotkeeper-snapshot", "version": 1, "model": "m", "session": "A",
                                      "kind": "session", "fingerprint": FP, "tokens": 5, "bytes": 1,
-                                     "checksum": "other", "chain": [], "manifest_version": 7}).encode())
+                                     "checksum": "other", "chain": [], "state_version": [0, 7]}).encode())
 
     memory.before_put = other_host_writes
     await upload_all(tier)
     manifest = Manifest.from_json(json.loads(memory.objects[key]))
-    assert manifest.version == 8  # read again after the refused write, and written on top of the other's
+    local = await pool.snapshots.get(A)
+    assert local is not None and manifest.version == local.version  # read again, and newer: written on top of it
     assert manifest.origin == "host-a"
     assert memory.calls.count("put_json") == 2
 
@@ -168,12 +172,24 @@ async def test_a_local_copy_newer_than_the_store_is_kept(pool: SlotPool) -> None
     await turn(pool, A)
     await pool.flush()
     assert await tier.bring(A, SnapshotKind.SESSION) is None
-    assert "get_json" not in memory.calls
+    assert "get_file" not in memory.calls
+    # An older version of it in the store (another host's, from before this host's save) is not brought in either.
+    local = await pool.snapshots.get(A)
+    assert local is not None
+    await upload_all(tier)
+    key = tier.manifest_key(A, SnapshotKind.SESSION)
+    older = json.loads(memory.objects[key])
+    older["state_version"] = [local.version.fence, local.version.stamp - 1]
+    older["checksum"] = "an older one"
+    memory._put(key, json.dumps(older).encode())
+    assert await tier.bring(A, SnapshotKind.SESSION) is None
+    assert "get_file" not in memory.calls
 
 
 async def test_a_damaged_download_is_fetched_again_then_removed(slot_dir: Path, store: SnapshotStore,
                                                                 tmp_path: Path) -> None:
-    """Host A uploads; host B's downloads of a damaged object are refused twice, then it is removed."""
+    """Host A uploads; host B's downloads of a damaged object are refused twice, then it is removed and its manifest
+    withdrawn (a conditional write on the manifest read)."""
     memory = MemoryStore()
     pool_a = make_pool(FakeClient(slot_dir), store)
     tier_a = tier_of(pool_a, memory)
@@ -190,7 +206,8 @@ async def test_a_damaged_download_is_fetched_again_then_removed(slot_dir: Path, 
         memory.objects[blob] = bytes(b ^ 0xFF for b in good)
         assert await tier_b.bring(A, SnapshotKind.SESSION) is None
         assert tier_b.refused_downloads == 2 and memory.calls.count("get_file") == 2
-        assert memory.blobs() == [] and tier_a.manifest_key(A, SnapshotKind.SESSION) not in memory.objects
+        manifest_key = tier_a.manifest_key(A, SnapshotKind.SESSION)
+        assert memory.blobs() == [] and Manifest.from_json(json.loads(memory.objects[manifest_key])).withdrawn
         assert await pool_b.snapshots.get(A) is None  # nothing damaged reached B's index
         # The owner's next save uploads it again, and B then brings it in.
         await turn(pool_a, A, n_tokens=12)
@@ -258,25 +275,25 @@ async def test_a_save_made_under_an_older_lease_is_refused(slot_dir: Path, store
     try:
         pool_b = make_pool(FakeClient(b_slots), store_b)
         tier_b = tier_of(pool_b, memory)
-        tier_a.fence = lambda key: 1
-        tier_b.fence = lambda key: 2
+        pool_a.snapshots.fence = lambda key: 1
+        pool_b.snapshots.fence = lambda key: 2
         await turn(pool_b, A, n_tokens=14)
         await pool_b.flush()
         await upload_all(tier_b)
         key = tier_b.manifest_key(A, SnapshotKind.SESSION)
         written = Manifest.from_json(json.loads(memory.objects[key]))
-        assert written.fence == 2
+        assert written.version.fence == 2
         await turn(pool_a, A, n_tokens=30)  # the stale holder's late save
         await pool_a.flush()
         await upload_all(tier_a)
-        assert tier_a.fenced == 1 and tier_a.uploads == 0
+        assert tier_a.refused_older == 1 and tier_a.uploads == 0
         assert Manifest.from_json(json.loads(memory.objects[key])) == written
         assert memory.blobs() == [tier_b.blob_key(written.meta.checksum)]  # A's file went
-        tier_a.fence = lambda key: 3  # A holds the lease again, under a newer token
+        pool_a.snapshots.fence = lambda key: 3  # A holds the lease again, under a newer token
         await turn(pool_a, A, n_tokens=40)
         await pool_a.flush()
         await upload_all(tier_a)
         assert tier_a.uploads == 1
-        assert Manifest.from_json(json.loads(memory.objects[key])).fence == 3
+        assert Manifest.from_json(json.loads(memory.objects[key])).version.fence == 3
     finally:
         store_b.close()

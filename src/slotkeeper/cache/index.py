@@ -18,6 +18,8 @@ from typing import Any
 
 from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.chain import Link
+from slotkeeper.cache.version import Version, newer, next_version
+from slotkeeper.errors import OlderVersion
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 
 _SCHEMA = """
@@ -36,6 +38,8 @@ CREATE TABLE IF NOT EXISTS snapshots (
     pinned      INTEGER NOT NULL DEFAULT 0,
     n_prompt    INTEGER NOT NULL DEFAULT 0,
     n_blocks    INTEGER NOT NULL DEFAULT -1,
+    fence       INTEGER NOT NULL DEFAULT 0,
+    stamp       INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (model, session_id, kind)
 );
 CREATE TABLE IF NOT EXISTS chains (
@@ -64,7 +68,7 @@ CREATE TABLE IF NOT EXISTS file_identities (
 """
 _COLUMNS = (
     "model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned,"
-    " n_prompt"
+    " n_prompt, fence, stamp"
 )
 _S_COLUMNS = ", ".join("s." + c.strip() for c in _COLUMNS.split(","))
 # Candidates are the states of every kind (conversations, system parts, side tasks): the tokens decide, not the kind.
@@ -99,6 +103,9 @@ class SnapshotIndex:
             self._db.execute("ALTER TABLE snapshots ADD COLUMN n_prompt INTEGER NOT NULL DEFAULT 0")
         if "n_blocks" not in columns:  # an index from before token blocks (-1: not indexed yet)
             self._db.execute("ALTER TABLE snapshots ADD COLUMN n_blocks INTEGER NOT NULL DEFAULT -1")
+        if "fence" not in columns:  # an index from before versions (0, 0: older than every versioned state)
+            self._db.execute("ALTER TABLE snapshots ADD COLUMN fence INTEGER NOT NULL DEFAULT 0")
+            self._db.execute("ALTER TABLE snapshots ADD COLUMN stamp INTEGER NOT NULL DEFAULT 0")
         # Side tasks' states were conversations' rows under reserved ids before they became a kind of their own.
         self._db.execute("UPDATE snapshots SET kind = 'side' WHERE kind = 'session' AND session_id GLOB"
                          " '~side-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*'")
@@ -117,22 +124,33 @@ class SnapshotIndex:
 
     def replace(self, key: SessionKey, kind: SnapshotKind, filename: str, fingerprint: str, n_tokens: int,
                 n_bytes: int, checksum: str, chain: Sequence[Link] = (),
-                n_prompt: int = 0, blocks: Sequence[int] | None = None) -> tuple[Snapshot | None, Snapshot]:
+                n_prompt: int = 0, blocks: Sequence[int] | None = None, version: Version | None = None,
+                fence: int | None = None) -> tuple[Snapshot | None, Snapshot]:
         """Index `filename` as the key's snapshot, with its chain and its token blocks (tokens.py; None: its tokens
         could not be read), in one transaction; returns the row it replaced (its file is now the caller's to remove)
-        and the new one. The replaced row's `created` and `hits` carry over."""
+        and the new one. The replaced row's `created` and `hits` carry over.
+
+        A save made here (`version` None) gets the next version after the row's, under `fence` (version.py). A copy
+        brought in keeps its `version`, and replaces the row only when it is newer: else OlderVersion is raised and
+        nothing changes."""
         now = time.time()
         with self._lock, self._transaction():
             previous = self._row(key, kind)
+            if version is None:
+                version = next_version(previous.version if previous is not None else None, fence, now)
+            elif previous is not None and not newer(version, previous.version):
+                raise OlderVersion(f"the copy of {key} at version {version} is not newer than the one here "
+                                   f"({previous.version}): it is not taken")
             self._db.execute(
                 "INSERT INTO snapshots (model, session_id, kind, filename, fingerprint, n_tokens, n_bytes, checksum,"
-                " created, last_used, hits, n_prompt, n_blocks) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)"
+                " created, last_used, hits, n_prompt, n_blocks, fence, stamp)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?)"
                 " ON CONFLICT(model, session_id, kind) DO UPDATE SET filename=excluded.filename,"
                 " fingerprint=excluded.fingerprint, n_tokens=excluded.n_tokens, n_bytes=excluded.n_bytes,"
                 " checksum=excluded.checksum, last_used=excluded.last_used, n_prompt=excluded.n_prompt,"
-                " n_blocks=excluded.n_blocks",
+                " n_blocks=excluded.n_blocks, fence=excluded.fence, stamp=excluded.stamp",
                 (key.model, key.session_id, str(kind), filename, fingerprint, n_tokens, n_bytes, checksum, now, now,
-                 max(n_prompt, 0), 0 if blocks is None else len(blocks)),
+                 max(n_prompt, 0), 0 if blocks is None else len(blocks), version.fence, version.stamp),
             )
             self._db.executemany(
                 "INSERT INTO chains (filename, position, digest, chars) VALUES (?, ?, ?, ?)",
@@ -346,6 +364,6 @@ class SnapshotIndex:
 def _snapshot(row: Sequence[Any]) -> Snapshot:
     """An index row (the columns of _COLUMNS, in order) as a Snapshot."""
     (model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned,
-     n_prompt) = row
+     n_prompt, fence, stamp) = row
     return Snapshot(model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits,
-                    SnapshotKind(kind), bool(pinned), int(n_prompt))
+                    SnapshotKind(kind), bool(pinned), int(n_prompt), Version(int(fence), int(stamp)))

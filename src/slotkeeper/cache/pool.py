@@ -33,6 +33,7 @@ from slotkeeper.cache.snapshots import Found, Snapshots, key_of, snapshot_id
 from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.cache.tokens import Tokens
 from slotkeeper.cache.tokens import common_prefix as common_tokens
+from slotkeeper.cache.version import Version
 from slotkeeper.errors import NotFound, Overloaded, SaveFailed, SlotkeeperError
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import UpstreamClient
@@ -658,14 +659,16 @@ class SlotPool:
         return await self.snapshots.set_pinned(key_of(snapshot), True, snapshot.kind)
 
     async def import_snapshot(self, key: SessionKey, temp: str, n_tokens: int, chain: Sequence[Link], n_bytes: int,
-                              kind: SnapshotKind = SnapshotKind.SESSION, n_prompt: int = 0) -> Snapshot:
-        """Make an uploaded file (`temp`, checked) `key`'s snapshot. The slots stop attributing the session first,
-        so that no older state of it in a slot is saved over the import, and the commit lands after the saves of
-        it already started (snapshots.py)."""
+                              kind: SnapshotKind = SnapshotKind.SESSION, n_prompt: int = 0,
+                              version: Version | None = None) -> Snapshot:
+        """Make an uploaded file (`temp`, checked) `key`'s snapshot: a copy at `version` (refused with OlderVersion
+        unless newer than the state here), or with None a new version, as a save made here. The slots stop
+        attributing the session first, so that no older state of it in a slot is saved over the import, and the
+        commit lands after the saves of it already started (snapshots.py)."""
         if kind is SnapshotKind.SESSION:
             self.forget(key)
         self._evidence.saving()  # the imported file is inspected as a saved one is: it may tell about the build
-        return await self.snapshots.commit_import(key, temp, n_tokens, chain, n_bytes, kind, n_prompt)
+        return await self.snapshots.commit_import(key, temp, n_tokens, chain, n_bytes, kind, n_prompt, version)
 
     async def settle(self, key: SessionKey | None = None, kind: SnapshotKind = SnapshotKind.SESSION,
                      timeout: float | None = None) -> bool:

@@ -19,6 +19,7 @@ request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -29,10 +30,11 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from slotkeeper.cache.bundle import BundleMeta, meta_of
-from slotkeeper.cache.chain import Link, common_prefix
+from slotkeeper.cache.chain import Link
 from slotkeeper.cache.files import file_checksum
 from slotkeeper.cache.snapshots import Snapshots
-from slotkeeper.errors import SlotkeeperError
+from slotkeeper.cache.version import UNVERSIONED, Version, newer
+from slotkeeper.errors import OlderVersion, SlotkeeperError
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 
 log = logging.getLogger("slotkeeper.shared")
@@ -62,24 +64,38 @@ class ObjectStore(Protocol):
 
 @dataclass(frozen=True)
 class Manifest:
+    """The store's newest version of one saved state: what its bundle says (its `version` among it), when and by
+    whom it was written."""
+
     meta: BundleMeta
-    version: int
     saved_at: float
     origin: str
-    # The fencing token of the lease the save was made under (the session directory of several replicas); None
-    # without a directory. A manifest is never replaced by a save made under an older token.
-    fence: int | None = None
+    # Its file was found damaged in the store and removed: nobody downloads it, and only a newer version or the same
+    # one uploaded again (by the host that has it intact) replaces it. A withdrawal is a conditional write, like
+    # any other, so that it never takes away a version written after the damaged one was read.
+    withdrawn: bool = False
+
+    @property
+    def version(self) -> Version:
+        return self.meta.version
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.meta.to_json(), "manifest_version": self.version, "saved_at": self.saved_at,
-                "origin": self.origin, "fence": self.fence}
+        return {**self.meta.to_json(), "saved_at": self.saved_at, "origin": self.origin, "withdrawn": self.withdrawn}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
-        fence = data.get("fence")
-        return cls(BundleMeta.from_json(data), int(data.get("manifest_version") or 0),
-                   float(data.get("saved_at") or 0.0), str(data.get("origin") or ""),
-                   fence if isinstance(fence, int) else None)
+        meta = BundleMeta.from_json(data)
+        fence = data.get("fence")  # a manifest from before versions named its lease's token only
+        if meta.version == UNVERSIONED and isinstance(fence, int) and not isinstance(fence, bool) and fence > 0:
+            meta = dataclasses.replace(meta, version=Version(fence, 0))
+        saved_at = data.get("saved_at")
+        return cls(meta, float(saved_at) if isinstance(saved_at, (int, float)) else 0.0, str(data.get("origin") or ""),
+                   data.get("withdrawn") is True)
+
+    def replaced_by(self, version: Version) -> bool:
+        """Whether a save at `version` may replace this manifest: it is newer, or it is this very version uploaded
+        again after the store's copy was withdrawn."""
+        return newer(version, self.version) or (self.withdrawn and version == self.version)
 
 
 class SharedTier:
@@ -92,16 +108,12 @@ class SharedTier:
         self._fingerprint = fingerprint
         self._origin = origin
         self._import = import_snapshot  # SlotPool.import_snapshot
-        # What is waiting for its upload, with the fencing token its save was committed under.
-        self._queued: dict[tuple[SessionKey, SnapshotKind], int | None] = {}
-        # The fencing token of the lease this replica holds on a session (the session directory), if any.
-        self.fence: Callable[[SessionKey], int | None] | None = None
-        self.fenced = 0  # uploads refused: the store's manifest was saved under a newer lease
+        # What is waiting for its upload (the newest committed version of each, when it runs).
+        self._queued: dict[tuple[SessionKey, SnapshotKind], None] = {}
+        self.refused_older = 0  # uploads refused: the store's manifest holds a newer version (version.py)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        # Snapshots committed here and not yet in the store: the local copy is the newest, whatever a manifest says.
-        self._ahead: set[tuple[SessionKey, SnapshotKind]] = set()
         self.uploads = 0
         self.failed_uploads = 0
         self.downloads = 0
@@ -125,10 +137,8 @@ class SharedTier:
 
     def committed(self, key: SessionKey, kind: SnapshotKind) -> None:
         """A save of `key` was committed locally: upload it (later, in the background)."""
-        self._ahead.add((key, kind))
-        self._queued.pop((key, kind), None)  # the newest goes last in the queue, with its own token
-        self._queued[(key, kind)] = (self.fence(key) if self.fence is not None and kind is SnapshotKind.SESSION
-                                     else None)
+        self._queued.pop((key, kind), None)  # the newest goes last in the queue
+        self._queued[(key, kind)] = None
         self._idle.clear()
         self._wake.set()
 
@@ -139,9 +149,9 @@ class SharedTier:
             self._wake.clear()
             while self._queued:
                 item = next(iter(self._queued))
-                fence = self._queued.pop(item)
+                del self._queued[item]
                 try:
-                    await self._upload(*item, fence)
+                    await self._upload(*item)
                 except Exception as exc:  # an upload must never end the uploader
                     self.failed_uploads += 1
                     log.warning("uploading the snapshot of %s to the shared store failed (%s); it stays local and "
@@ -198,10 +208,9 @@ class SharedTier:
             return False
         return True
 
-    async def _upload(self, key: SessionKey, kind: SnapshotKind, fence: int | None = None) -> None:
+    async def _upload(self, key: SessionKey, kind: SnapshotKind) -> None:
         found = await self._snapshots.open_for_export(key, kind)
         if found is None:
-            self._ahead.discard((key, kind))
             return  # evicted or replaced meanwhile: a newer save is queued, or there is nothing to upload
         snapshot, chain, handle = found
         with handle:
@@ -214,53 +223,50 @@ class SharedTier:
         for _ in range(MANIFEST_ATTEMPTS):
             current = await asyncio.to_thread(self._store.get_json, self.manifest_key(key, kind))
             etag = None
-            version = 0
             replaced = None
             if current is not None:
                 existing, etag = current
                 try:
-                    older = Manifest.from_json(existing)
-                    version, replaced = older.version, older.meta.checksum
-                    if older.meta.checksum == meta.checksum:
-                        replaced = None
-                        break  # already there
+                    older: Manifest | None = Manifest.from_json(existing)
                 except SlotkeeperError:
                     older = None  # a manifest we cannot read is replaced
-                if older is not None and older.fence is not None and (fence or 0) < older.fence:
-                    await self._refuse_stale(key, fence, older, blob if put else None)
-                    return
-            manifest = Manifest(meta, version + 1, time.time(), self._origin, fence)
+                if older is not None:
+                    if older.meta.checksum == meta.checksum and not older.withdrawn:
+                        break  # already there
+                    if not older.replaced_by(meta.version):
+                        await self._refuse_older(key, kind, meta.version, older, blob if put else None)
+                        return
+                    replaced = None if older.withdrawn else older.meta.checksum
+            manifest = Manifest(meta, time.time(), self._origin)
             if await asyncio.to_thread(self._store.put_json, self.manifest_key(key, kind), manifest.to_json(), etag):
                 break
         else:
             raise SlotkeeperError(f"the manifest of {key} kept changing under {MANIFEST_ATTEMPTS} conditional writes")
-        if (key, kind) not in self._queued:  # no newer save was committed meanwhile
-            self._ahead.discard((key, kind))
-        if replaced is not None and kind is SnapshotKind.SESSION:
-            # A session's file is its own (a system snapshot's may be shared): the version it replaced goes. A host
-            # downloading that version this very moment gets none, and prefills.
+        if replaced is not None and replaced != meta.checksum and kind is SnapshotKind.SESSION:
+            # A session's file is its own (a system snapshot's may be shared): the older version it replaced goes. A
+            # host downloading that version this very moment gets none, and prefills.
             await asyncio.to_thread(self._store.delete, self.blob_key(replaced))
         self.uploads += 1
-        log.info("uploaded the %s snapshot of %s to the shared store: %d tokens, %d bytes", kind, key,
-                 snapshot.n_tokens, snapshot.n_bytes)
+        log.info("uploaded the %s snapshot of %s to the shared store: %d tokens, %d bytes, version %s", kind, key,
+                 snapshot.n_tokens, snapshot.n_bytes, meta.version)
 
-    async def _refuse_stale(self, key: SessionKey, fence: int | None, newer: Manifest, blob: str | None) -> None:
-        """A save made under an older lease than the store's manifest: the manifest stays, the file just put goes."""
-        self.fenced += 1
-        self._ahead.discard((key, SnapshotKind.SESSION))
-        if blob is not None and blob != self.blob_key(newer.meta.checksum):
+    async def _refuse_older(self, key: SessionKey, kind: SnapshotKind, version: Version, newer_one: Manifest,
+                            blob: str | None) -> None:
+        """A save older than the store's manifest: the manifest stays, the file just put goes."""
+        self.refused_older += 1
+        if blob is not None and blob != self.blob_key(newer_one.meta.checksum):
             await asyncio.to_thread(self._store.delete, blob)
-        log.warning("the save of %s is not uploaded: it was made under fencing token %s, and the shared store's "
-                    "manifest under the newer token %d (from %s); this replica no longer holds the session's lease",
-                    key, fence if fence is not None else "none", newer.fence, newer.origin or "another replica")
+        log.warning("the %s snapshot of %s is not uploaded: its version %s is older than the shared store's %s "
+                    "(from %s); the session went on elsewhere", kind, key, version, newer_one.version,
+                    newer_one.origin or "another host")
 
     # -- downloads --------------------------------------------------------------------------------------------
 
     async def bring(self, key: SessionKey, kind: SnapshotKind, chain: list[Link] | None = None) -> Snapshot | None:
-        """Make the newest version of `key`'s snapshot local, from the store when the local one is missing,
-        damaged (its check quarantines it) or older (its chain a strict prefix of the manifest's). Returns the
-        snapshot imported, or None when nothing was brought in (the local one stands, or there is none)."""
-        if (key, kind) in self._ahead or time.monotonic() < self._unreachable_until:
+        """Make the newest version of `key`'s snapshot local: from the store when its manifest's version is newer
+        than this host's (after any commit of it still running here), or this host's is damaged (its check
+        quarantines it) or missing. Returns the snapshot imported, or None when nothing was brought in."""
+        if time.monotonic() < self._unreachable_until:
             return None
         try:
             current = await asyncio.wait_for(
@@ -279,19 +285,14 @@ class SharedTier:
             log.warning("the shared manifest of %s is unreadable (%s): it is ignored", key, exc.message)
             return None
         meta = manifest.meta
-        if meta.fingerprint != self._fingerprint:
+        if meta.fingerprint != self._fingerprint or manifest.withdrawn:
             return None
-        local = await self._snapshots.checked(key, kind)
-        if local is not None:
-            if local.checksum == meta.checksum:
-                return None
-            local_chain = await self._snapshots.chain(local)
-            theirs = list(meta.chain)
-            if common_prefix(theirs, local_chain) == len(theirs):
-                return None  # the store's version is this one's prefix: an older one
-        return await self._download(key, kind, manifest)
+        local = await self._snapshots.checked(key, kind)  # waits for the commits of it still running here
+        if local is not None and (local.checksum == meta.checksum or not newer(meta.version, local.version)):
+            return None  # this host's is the store's, or newer than it
+        return await self._download(key, kind, manifest, current[1])
 
-    async def _download(self, key: SessionKey, kind: SnapshotKind, manifest: Manifest) -> Snapshot | None:
+    async def _download(self, key: SessionKey, kind: SnapshotKind, manifest: Manifest, etag: str) -> Snapshot | None:
         meta = manifest.meta
         for attempt in (1, 2):
             temp, path = await self._snapshots.stage_upload(key, kind)
@@ -306,12 +307,14 @@ class SharedTier:
             if checksum == meta.checksum:
                 try:
                     snapshot: Snapshot = await self._import(key, temp, meta.n_tokens, list(meta.chain), meta.n_bytes,
-                                                            kind, meta.n_prompt)
+                                                            kind, meta.n_prompt, meta.version)
+                except OlderVersion:  # a newer one was committed here meanwhile: it stands
+                    return None
                 except BaseException:
                     await self._snapshots.discard_upload(temp)
                     raise
                 self.downloads += 1
-                log.info("brought the %s snapshot of %s from the shared store (version %d, saved by %s): %d tokens",
+                log.info("brought the %s snapshot of %s from the shared store (version %s, saved by %s): %d tokens",
                          kind, key, manifest.version, manifest.origin or "another host", meta.n_tokens)
                 return snapshot
             await self._snapshots.discard_upload(temp)
@@ -319,10 +322,13 @@ class SharedTier:
             log.warning("the shared store's snapshot of %s is damaged (%d bytes, expected %d; checksum %s): refused%s",
                         key, n_bytes, meta.n_bytes, "mismatch" if n_bytes == meta.n_bytes else "not taken",
                         ", fetching it once more" if attempt == 1 else "")
-        # Damaged at rest: remove it, so that the next save of it (on any host) writes it again.
-        await asyncio.to_thread(self._store.delete, self.blob_key(meta.checksum))
-        await asyncio.to_thread(self._store.delete, self.manifest_key(key, kind))
-        log.warning("removed the damaged snapshot of %s from the shared store: its next save uploads it again", key)
+        # Damaged at rest: withdraw the manifest, only if it is still the one read (a conditional write: a version
+        # written since stands), and remove the file, so that the next save of it (on any host) writes it again.
+        withdrawn = dataclasses.replace(manifest, withdrawn=True)
+        if await asyncio.to_thread(self._store.put_json, self.manifest_key(key, kind), withdrawn.to_json(), etag):
+            await asyncio.to_thread(self._store.delete, self.blob_key(meta.checksum))
+            log.warning("withdrew the damaged snapshot of %s from the shared store: its next save uploads it again",
+                        key)
         return None
 
 

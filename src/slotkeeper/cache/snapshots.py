@@ -44,7 +44,8 @@ from slotkeeper.cache.reasons import Reason
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore, file_checksum, shared_with
 from slotkeeper.cache.tokens import Tokens
 from slotkeeper.cache.tokens import common_prefix as common_tokens
-from slotkeeper.errors import SnapshotError, UpstreamError, UpstreamUnavailable
+from slotkeeper.cache.version import Version
+from slotkeeper.errors import OlderVersion, SnapshotError, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult, UpstreamClient
 
@@ -93,6 +94,10 @@ class Snapshots:
         self._inspect: Callable[[Snapshot], None] | None = None
         # Called on the event loop after each committed save (the shared tier uploads it).
         self.on_commit: Callable[[SessionKey, SnapshotKind], None] | None = None
+        # The fencing token of the lease this replica holds on a session (the session directory), if any: the first
+        # part of the version of a conversation's save (version.py).
+        self.fence: Callable[[SessionKey], int | None] | None = None
+        self.refused_older = 0  # copies brought in that were not newer than the state here: refused
         self.saves = 0
         self.failed_saves = 0
         self.evictions = 0
@@ -216,8 +221,10 @@ class Snapshots:
     async def _commit(self, slot_id: int, key: SessionKey, temp: str, result: SlotActionResult,
                       chain: Sequence[Link], kind: SnapshotKind, started: float, n_prompt: int) -> bool:
         keep = self._budget_keep({snapshot_id(key, kind)})
+        fence = self.fence(key) if self.fence is not None and kind is SnapshotKind.SESSION else None
         try:
-            evicted = await asyncio.to_thread(self._commit_now, key, temp, result, chain, kind, keep, n_prompt)
+            evicted = await asyncio.to_thread(self._commit_now, key, temp, result, chain, kind, keep, n_prompt,
+                                              fence)
         except Exception as exc:  # whatever it is, it must not escape a background task unlogged
             self._failed(slot_id, key, exc.message if isinstance(exc, SnapshotError) else repr(exc))
             return False
@@ -233,11 +240,11 @@ class Snapshots:
         return True
 
     def _commit_now(self, key: SessionKey, temp: str, result: SlotActionResult, chain: Sequence[Link],
-                    kind: SnapshotKind, keep: set[SnapshotId], n_prompt: int) -> int:
+                    kind: SnapshotKind, keep: set[SnapshotId], n_prompt: int, fence: int | None) -> int:
         """In a worker thread: commit, then enforce the budget; returns how many snapshots the budget evicted."""
         try:
             snapshot = self._store.commit(key, temp, self._fingerprint, result.n_tokens, chain, result.n_bytes, kind,
-                                          n_prompt)
+                                          n_prompt, fence=fence)
         except BaseException:
             self._store.discard_temp(temp)
             raise
@@ -266,18 +273,21 @@ class Snapshots:
         await asyncio.to_thread(self._store.discard_temp, temp)
 
     async def commit_import(self, key: SessionKey, temp: str, n_tokens: int, chain: Sequence[Link], n_bytes: int,
-                            kind: SnapshotKind, n_prompt: int) -> Snapshot:
+                            kind: SnapshotKind, n_prompt: int, version: Version | None) -> Snapshot:
         """Make an uploaded file (`temp`, checked) `key`'s snapshot, as one of the snapshot's writes: after the saves
         of it started before (none of them lands over it), before any started later. Raises what the commit raises
-        (the temp file is then discarded). The commit goes on if the caller stops waiting for it. The pool's
-        `import_snapshot` lets go of the session in its slots first."""
+        (the temp file is then discarded); OlderVersion (counted) when the copy at `version` is not newer than the
+        state here (None: a new version, as a save made here gets). The commit goes on if the caller stops waiting
+        for it. The pool's `import_snapshot` lets go of the session in its slots first."""
         committed: asyncio.Future[Snapshot] = asyncio.get_running_loop().create_future()
 
         async def write() -> bool:
             try:
                 snapshot = await asyncio.to_thread(self._store.commit, key, temp, self._fingerprint, n_tokens, chain,
-                                                   n_bytes, kind, n_prompt)
+                                                   n_bytes, kind, n_prompt, version)
             except Exception as exc:
+                if isinstance(exc, OlderVersion):
+                    self.refused_older += 1
                 await asyncio.to_thread(self._store.discard_temp, temp)
                 committed.set_exception(exc)
                 return False

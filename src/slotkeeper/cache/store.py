@@ -32,7 +32,8 @@ from slotkeeper.cache.index import SnapshotIndex
 from slotkeeper.cache.ramdir import RamDir
 from slotkeeper.cache.tokens import Tokens, block_hashes, read_tokens
 from slotkeeper.cache.tokens import common_prefix as common_tokens
-from slotkeeper.errors import SnapshotError
+from slotkeeper.cache.version import Version
+from slotkeeper.errors import OlderVersion, SnapshotError
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 
 log = logging.getLogger("slotkeeper.store")
@@ -120,8 +121,12 @@ class SnapshotStore:
 
     def commit(self, key: SessionKey, temp_name: str, fingerprint: str, n_tokens: int,
                chain: Sequence[Link] = (), n_written: int | None = None,
-               kind: SnapshotKind = SnapshotKind.SESSION, n_prompt: int = 0) -> Snapshot:
+               kind: SnapshotKind = SnapshotKind.SESSION, n_prompt: int = 0, version: Version | None = None,
+               fence: int | None = None) -> Snapshot:
         """Make a finished save durable and index it; the previous snapshot of the session is replaced only now.
+
+        A save made here (`version` None) gets the state's next version under `fence`; a copy brought in keeps its
+        `version` and is refused (OlderVersion, its file removed) unless it is newer than the one here.
 
         `n_written` is the size the backend says it wrote; a file of any other size is torn and never indexed.
         `n_prompt` is the token count of the prompt of the turn saved (0: not known); the tokens after it were
@@ -155,8 +160,12 @@ class SnapshotStore:
             else:
                 self.ram.remove(temp_name)  # the symlink the backend saved through
         blocks = None if tokens is None else block_hashes(tokens)
-        previous, snapshot = self._index.replace(key, kind, final_name, fingerprint, n_tokens, n_bytes, checksum,
-                                                 chain, n_prompt, blocks)
+        try:
+            previous, snapshot = self._index.replace(key, kind, final_name, fingerprint, n_tokens, n_bytes, checksum,
+                                                     chain, n_prompt, blocks, version, fence)
+        except OlderVersion:
+            self._unlink_snapshot_files(final_name)
+            raise
         if tokens is not None:
             self._tokens.put(final_name, tokens)
         if previous is not None and previous.filename != final_name:

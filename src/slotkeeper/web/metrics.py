@@ -200,8 +200,10 @@ _COUNTERS: list[tuple[str, str, Callable[[_Reading], float]]] = [
     ("slotkeeper_shared_downloads", "Snapshots brought in from the shared store.", lambda r: _shared(r, "downloads")),
     ("slotkeeper_shared_refused_downloads", "Downloads from the shared store refused as damaged.",
      lambda r: _shared(r, "refused_downloads")),
-    ("slotkeeper_shared_fenced_uploads", "Saves not uploaded because the store's manifest was written under a newer "
-     "lease (--directory: another replica holds the session).", lambda r: _shared(r, "fenced")),
+    ("slotkeeper_shared_refused_older_uploads", "Saves not uploaded because the store's manifest holds a newer version "
+     "of the state (it went on on another backend or replica).", lambda r: _shared(r, "refused_older")),
+    ("slotkeeper_refused_older_copies", "Copies of a saved state brought in (shared store, another backend, a move) "
+     "that were not newer than the one here: refused.", lambda r: r.state.pool.snapshots.refused_older),
 ]
 
 

@@ -46,8 +46,8 @@ class Replicas:
 
 
 def join_replicas(settings: Settings, found: Backends) -> Replicas:
-    """This replica's client of the session directory, its backends announced, its shared tiers' uploads fenced by
-    its leases."""
+    """This replica's client of the session directory, its backends announced, its saves versioned under its
+    leases."""
     assert settings.directory is not None
     try:
         directory = Directory(settings.directory, settings.effective_replica_url(), lambda: local_view(found),
@@ -55,10 +55,8 @@ def join_replicas(settings: Settings, found: Backends) -> Replicas:
     except ImportError:
         raise SlotkeeperError("the session directory needs the redis package: pip install 'slotkeeper[directory]'"
                               ) from None
-    for state in found.all:
-        tier = state.service.shared
-        if tier is not None:
-            tier.fence = lambda key: directory.fence(key.model, key.session_id)
+    for state in found.all:  # a conversation's save is versioned under the lease it was made under (version.py)
+        state.service.pool.snapshots.fence = lambda key: directory.fence(key.model, key.session_id)
     log.info("session directory %s: this replica is %s; each session runs on the replica holding its lease, and "
              "requests that reach another replica are forwarded there", directory.url, directory.replica)
     return Replicas(directory, settings.upstream_read_timeout)
