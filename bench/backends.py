@@ -33,7 +33,15 @@ from bench import day
 from bench.common import BenchConfig, machine, make_model, prime, processes, state_size
 from bench.messages import PrefillCounters, prefill_counters
 from slotkeeper.upstream.launcher import free_port
-from tests.support import Backend, ObjectStoreServer, RedisServer, Slotkeeper, backends_config, wait_healthy
+from tests.support import (
+    REPLICA_ARGS,
+    Backend,
+    ObjectStoreServer,
+    RedisServer,
+    Slotkeeper,
+    backends_config,
+    wait_healthy,
+)
 
 TARGETS = ("slotkeeper, 1 backend", "slotkeeper, 3 backends", "slotkeeper, 2 replicas over 3 backends",
            "round-robin, 3 llama-servers")
@@ -134,7 +142,7 @@ def front(procs: Any, root: Path, label: str, name: str, backends: list[Backend]
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
         shared = ("--directory", redis.url, "--shared-store", f"s3://{store.bucket}/bench", "--shared-endpoint",
-                  store.url)
+                  store.url, *REPLICA_ARGS)
         return [_keeper(procs, root, f"{label}-a", backends[:2], shared),
                 _keeper(procs, root, f"{label}-b", backends[2:], shared)]
     if name.startswith("round-robin"):

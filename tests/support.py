@@ -159,6 +159,11 @@ class Backend:
         _stop(self.process, sig)
 
 
+# What every replica of a test's set is given with --directory: the shared secret, and the allow-list (they all run
+# on loopback).
+REPLICA_ARGS = ("--replica-secret", "test-replica-secret-0123456789", "--replica", "http://127.0.0.1:*")
+
+
 @dataclass
 class Slotkeeper:
     """slotkeeper run as its own CLI (`slotkeeper serve`) in a child process."""

@@ -142,6 +142,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--replica-url", metavar="URL",
                        help="the URL the other replicas reach this one at (default: http://HOST:PORT of --host "
                        "and --port)")
+    serve.add_argument("--replica-secret", metavar="SECRET",
+                       help="with --directory (required): a secret every replica of the set shares (at least 16 "
+                       "characters; better given as SLOTKEEPER_REPLICA_SECRET): requests one replica forwards to "
+                       "another are signed with it, and forwarding headers from anyone else are ignored")
+    serve.add_argument("--replica", dest="replicas", action="append", metavar="URL",
+                       help="with --directory: a replica requests may be forwarded to, with the clients' "
+                       "credentials (its base URL, e.g. http://gpu-2:11434; `*` matches within it, e.g. "
+                       "'http://10.0.0.*:11434'); give it once per replica, or a comma list. Replicas the "
+                       "directory names that are not listed are never contacted")
     serve.add_argument("--slot-op-timeout", type=float, metavar="S",
                        help="give up on a slot save, restore or erase after S seconds (default 120)")
     serve.add_argument("--start-timeout", type=float, metavar="S",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from slotkeeper.peers import MIN_SECRET_CHARS, is_url_pattern
 from slotkeeper.upstream.launchargs import check_command, launch_slot_dir
 from slotkeeper.upstream.wire import Origin
 
@@ -132,6 +133,10 @@ class Settings:
     # machine's name for a wildcard host).
     directory: str | None = None
     replica_url: str | None = None
+    # With a directory: the secret the replicas of the set share (a forwarded request is signed with it, peers.py),
+    # and the allow-list of their base URLs (`*` matches within one), the only replicas requests are forwarded to.
+    replica_secret: str | None = None
+    replicas: tuple[str, ...] = ()
 
     @property
     def index_path(self) -> Path:
@@ -211,6 +216,15 @@ class Settings:
             raise ValueError(f"the directory must look like redis://HOST:PORT/DB, not {self.directory!r}")
         if self.replica_url is not None and not re.fullmatch(r"https?://[^/]+", self.replica_url):
             raise ValueError(f"the replica URL must look like http://HOST:PORT, not {self.replica_url!r}")
+        if self.directory is not None and (self.replica_secret is None
+                                           or len(self.replica_secret) < MIN_SECRET_CHARS):
+            raise ValueError(f"--directory needs --replica-secret (or SLOTKEEPER_REPLICA_SECRET): a secret of at least "
+                             f"{MIN_SECRET_CHARS} characters that every replica of the set is given, e.g. from "
+                             "`openssl rand -hex 32`; only requests signed with it count as forwarded")
+        bad = [r for r in self.replicas if not is_url_pattern(r)]
+        if bad:
+            raise ValueError(f"--replica takes a replica's base URL such as http://gpu-2:11434 (`*` may match within "
+                             f"it), not {bad[0]!r}")
         if self.shared_store is not None and not re.fullmatch(r"s3://[^/]+(/.*)?", self.shared_store):
             raise ValueError(f"the shared store must look like s3://BUCKET/PREFIX, not {self.shared_store!r}")
         if self.load_factor < 1:
@@ -478,6 +492,8 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "load_factor": float,
     "shared_endpoint": lambda v: str(v).rstrip("/"),
     "replica_url": lambda v: str(v).rstrip("/"),
+    "replicas": lambda v: tuple(r.strip().rstrip("/") for item in ([v] if isinstance(v, str) else v)
+                                for r in str(item).split(",") if r.strip()),
     "start_timeout": float,
     "shutdown_timeout": float,
     "launch_command": _command,
@@ -499,7 +515,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "max_snapshot_age": parse_duration,
     "max_system_snapshots": int,
 }
-_SECRETS = frozenset({"api_key", "admin_key"})
+_SECRETS = frozenset({"api_key", "admin_key", "replica_secret"})
 # What a TOML value may be, per setting (default: a string).
 _FILE_TYPES: dict[str, tuple[type, ...]] = {
     **{name: (int,) for name in ("port", "ctx_size", "parallel", "min_restore_tokens", "max_queue", "cache_ram_mib",
@@ -510,6 +526,7 @@ _FILE_TYPES: dict[str, tuple[type, ...]] = {
     "launch_command": (list, str),
     "session_headers": (list, str),
     "allowed_hosts": (list, str),
+    "replicas": (list, str),
     "log_json": (bool,),
     "backends": (list,),
     "system_snapshots": (bool,),

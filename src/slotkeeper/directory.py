@@ -32,6 +32,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import re
 import secrets
 import time
 import urllib.parse
@@ -39,6 +41,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from slotkeeper.peers import is_base_url
 from slotkeeper.placement import ACTIVE_SECONDS, FORGET_SECONDS, Choice, Placement
 
 try:
@@ -52,9 +55,15 @@ T = TypeVar("T")
 HEARTBEAT_SECONDS = 2.0
 REPLICA_TTL_MS = 6000  # three heartbeats missed: the replica and its backends count as gone
 LEASE_MS = 15000
-OP_SECONDS = 0.5  # a directory call waits this long for Redis, then the request goes on without it
+OP_SECONDS = 0.5  # one Redis command waits this long for its answer
+# A directory call (a request's route, a heartbeat) takes at most this long in all: its commands, the placement lock
+# (waited for at most LOCK_WAIT_SECONDS, then placed without it) and one retry on new connections. Past it the
+# request goes on without the directory.
+CALL_SECONDS = 1.0
+LOCK_WAIT_SECONDS = 0.25
 FENCE_SECONDS = 7 * 86400
 _PREFIX = "sk:"
+_TOKEN = re.compile(r"[0-9]{1,18}")  # a fencing token as Redis holds it: ASCII digits only
 
 # Take the lease KEYS[1] for ARGV[1] when no one holds it, with the next token of the counter KEYS[2]. Returns the
 # holder afterwards: "<replica>|<token>" (ours when taken).
@@ -136,13 +145,15 @@ def parse_holder(value: Any) -> tuple[str, int] | None:
     if text is None or "|" not in text:
         return None
     replica, _, token = text.rpartition("|")
-    return (replica, int(token)) if token.isdigit() else None
+    return (replica, int(token)) if _TOKEN.fullmatch(token) else None
 
 
 class Directory:
     """This replica's client of the session directory (one per slotkeeper, over all its models)."""
 
-    def __init__(self, url: str, replica: str, local: LocalView, load_factor: float, redis: Any = None) -> None:
+    def __init__(self, url: str, replica: str, local: LocalView, load_factor: float, redis: Any = None,
+                 allows: Callable[[str], bool] = is_base_url,
+                 running: Callable[[str, str], bool] = lambda model, session: False) -> None:
         if redis is None:
             import redis.asyncio as aioredis  # the optional extra slotkeeper[directory]
 
@@ -150,6 +161,11 @@ class Directory:
         self._redis = redis
         self.url = _without_password(url)  # as logged and shown
         self.replica = replica
+        # Which replica URLs read from Redis may be used (peers.py): others are left out, as if not announced.
+        self._allows = allows
+        self._refused: set[str] = set()  # replicas left out, each logged once
+        # Whether a turn of (model, session) runs on this replica now: its lease is kept for as long as it runs.
+        self._running = running
         self._local = local
         self.load_factor = load_factor
         self._take = redis.register_script(_TAKE)
@@ -190,13 +206,14 @@ class Directory:
         return True
 
     async def _call(self, run: Callable[[], Awaitable[T]]) -> T:
-        """`run` within the time bound; once more on new connections when a pooled one was closed under it (a Redis
-        restart closes them all, and each fails at its next use)."""
-        try:
-            return await asyncio.wait_for(run(), OP_SECONDS * 4)
-        except LostConnection:
-            await self._redis.connection_pool.disconnect()
-            return await asyncio.wait_for(run(), OP_SECONDS * 4)
+        """`run` within CALL_SECONDS in all; once more on new connections when a pooled one was closed under it (a
+        Redis restart closes them all, and each fails at its next use)."""
+        async with asyncio.timeout(CALL_SECONDS):
+            try:
+                return await run()
+            except LostConnection:
+                await self._redis.connection_pool.disconnect()
+                return await run()
 
     async def _beat(self) -> None:
         models = {m: [{"url": b.url, "up": b.up, "draining": b.draining} for b in bs]
@@ -207,7 +224,8 @@ class Directory:
             pipe.sadd(_PREFIX + "replicas", self.replica)
             pipe.smembers(_PREFIX + "replicas")
             _, _, members = await pipe.execute()
-        others = sorted(r for r in (_text(m) for m in members) if r is not None and r != self.replica)
+        others = sorted(r for r in (_text(m) for m in members) if r is not None and r != self.replica
+                        and self._allowed(r))
         announced = await self._redis.mget([self._key("replica", r) for r in others]) if others else []
         seen: dict[str, dict[str, list[BackendView]]] = {}
         for replica, raw in zip(others, announced, strict=True):
@@ -229,24 +247,41 @@ class Directory:
         self._others = seen
         await self._keep_leases()
 
+    def _allowed(self, replica: str) -> bool:
+        if self._allows(replica):
+            return True
+        if replica not in self._refused and len(self._refused) < 1024:
+            self._refused.add(replica)
+            log.warning("the directory names replica %r, which is not on the allow-list (--replica) or not an "
+                        "http(s) base URL: it is left out, and nothing is forwarded to it", replica[:200])
+        return False
+
     async def _keep_leases(self) -> None:
+        """Refresh the leases of sessions active here (a turn ran within ACTIVE_SECONDS, or one runs now, however
+        long), and give the others up. A lease given up is dropped from `_held` whatever happened meanwhile: a
+        route that used it while the release ran leaves its turn without a lease (its save keeps the version it
+        had, version.py), and the session's next route takes one anew."""
         now = time.time()
-        items = list(self._held.items())
+        items = []
+        for (model, session), held in list(self._held.items()):
+            if self._running(model, session):
+                held.used = now  # a long turn counts as active until it ends
+            items.append(((model, session), held, now - held.used < ACTIVE_SECONDS))
         if not items:
             return
         async with self._redis.pipeline(transaction=False) as pipe:
-            for (model, session), held in items:
+            for (model, session), held, keep in items:
                 holder = f"{self.replica}|{held.token}"
-                if now - held.used < ACTIVE_SECONDS:
+                if keep:
                     await self._refresh(keys=[self._key("lease", model, session)], args=[holder, LEASE_MS],
                                         client=pipe)  # queued: the pipeline runs them in one round trip
                 else:
                     await self._release_script(keys=[self._key("lease", model, session)], args=[holder], client=pipe)
             results = await pipe.execute()
-        for ((model, session), held), kept in zip(items, results, strict=True):
+        for ((model, session), held, keep), kept in zip(items, results, strict=True):
             if self._held.get((model, session)) is not held:
                 continue  # replaced meanwhile
-            if now - held.used >= ACTIVE_SECONDS:
+            if not keep:
                 del self._held[(model, session)]
                 log.info("lease given up: session %s/%s, fencing token %d, replica %s (idle for %.0f s)", model,
                          session, held.token, self.replica, now - held.used)
@@ -254,8 +289,8 @@ class Directory:
                 del self._held[(model, session)]
                 self.leases_lost += 1
                 log.warning("lease lost: session %s/%s, fencing token %d, replica %s: it expired before it could "
-                            "be refreshed; its saves from now on are refused by the shared store", model, session,
-                            held.token, self.replica)
+                            "be refreshed; a save under a newer lease elsewhere now wins over this replica's",
+                            model, session, held.token, self.replica)
 
     async def _failed(self, exc: BaseException) -> None:
         # Pooled connections may be broken (a Redis restart closed them): the next call opens new ones.
@@ -402,10 +437,10 @@ class Directory:
         return placement.choose(ring_key, previous, active, seen.loads, up, exclude, sticky=True)
 
     async def _lock(self, model: str) -> str | None:
-        """The model's placement lock (held 1 s at most); None when it could not be had within a second (the
+        """The model's placement lock (held 1 s at most); None when it could not be had within LOCK_WAIT_SECONDS (the
         placement then goes on without it)."""
         token = f"{self.replica}|{secrets.token_hex(8)}"
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + LOCK_WAIT_SECONDS
         while time.monotonic() < deadline:
             if await self._redis.set(self._key("placing", model), token, nx=True, px=1000):
                 return token
@@ -507,9 +542,13 @@ def _owner(raw: Any) -> tuple[str | None, float]:
         return None, 0.0
     try:
         data = json.loads(text)
-        return str(data["backend"]), float(data["used"])
+        backend, used = data["backend"], data["used"]
     except (ValueError, KeyError, TypeError):
         return None, 0.0
+    if not isinstance(backend, str) or isinstance(used, bool) or not isinstance(used, (int, float)) \
+            or not math.isfinite(used):
+        return None, 0.0
+    return backend, float(used)
 
 
 def _without_password(url: str) -> str:

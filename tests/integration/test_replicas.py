@@ -33,6 +33,7 @@ import pytest
 from slotkeeper.cache.files import file_checksum
 from slotkeeper.directory import LEASE_MS
 from tests.support import (
+    REPLICA_ARGS,
     Backend,
     ObjectStoreServer,
     RedisServer,
@@ -104,7 +105,7 @@ def start_replica(tmp_path: Path, name: str, backends: list[Backend], redis: Red
     keeper = Slotkeeper(tmp_path / f"{name}-cache", tmp_path / f"{name}.log",
                         extra_args=("--config", str(config), "--save-idle-seconds", "0.3", "--directory", redis.url,
                                     "--shared-store", f"s3://{store.bucket}/{PREFIX}", "--shared-endpoint",
-                                    store.url))
+                                    store.url, *REPLICA_ARGS))
     return Replica(keeper.start(timeout=120), backends, config)
 
 

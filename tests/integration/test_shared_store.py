@@ -209,7 +209,7 @@ def test_damaged_copies_are_refused_and_fetched_again(hosts: TwoHosts) -> None:
     assert outcome != "restored" or t["cache_n"] < before - 8, (outcome, t)  # at most its system part is reused
     log = hosts.b.keeper.log_text()
     assert log.count("shared store's snapshot of tiny/second is damaged") == 2
-    assert "removed the damaged snapshot of tiny/second" in log
+    assert "withdrew the damaged snapshot of tiny/second" in log
     assert blob not in hosts.store.keys(f"{PREFIX}/blobs/")
     second.answer()
     assert wait_until(lambda: uploaded(hosts, "second", second.last_prompt), timeout=30)  # B's own save of it

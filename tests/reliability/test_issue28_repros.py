@@ -2,14 +2,16 @@
 fake backends (tests/unit/test_pool.FakeClient), the in-memory object store (tests/unit/test_shared_tier.MemoryStore)
 and, for the session directory, a real redis-server on loopback (tests/support.RedisServer). No llama-server runs.
 
-Each test asserts what a correct system must do. The ones the current code fails are marked xfail(strict=True), so
-that a fix turns them into an XPASS (a failure of this file): remove the mark with the fix."""
+Each test asserts what a correct system must do; each failed on f5dbaf1 (defect 5's was fixed with issue 27)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,16 +27,20 @@ from slotkeeper.cache.shared import Manifest, SharedTier
 from slotkeeper.cache.slots import TurnEnd
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.directory import CALL_SECONDS
 from slotkeeper.errors import BadRequest
 from slotkeeper.group import BackendGroup
 from slotkeeper.identity import SESSION_BODY_FIELDS, checked_session_id, resolve_session
+from slotkeeper.peers import HOPS, Peers
+from slotkeeper.placement import ACTIVE_SECONDS
 from slotkeeper.types import BackendInfo, CacheOutcome, IdSource, SessionKey, SnapshotKind
-from slotkeeper.web.replicas import HOPS, Replicas, hops_of, turns_for
+from slotkeeper.web.replicas import Replicas, hops_of, turns_for
 from tests.support import RedisServer
 from tests.unit.test_directory import B1, B2, B3, MODEL, R1, R2, Replica, serve
 from tests.unit.test_pool import FP, FakeClient, chain_of, key, make_pool
 from tests.unit.test_shared_tier import MemoryStore, upload_all
 
+SECRET = "a-secret-the-replicas-share"
 S = key("S")  # the conversation the defects lose
 OTHER = key("other")  # an unrelated conversation that takes the slot
 NEIGHBOUR = key("neighbour")  # a conversation on the same system prompt: it restores S's state as a prefix
@@ -207,13 +213,10 @@ def client_request(headers: list[tuple[bytes, bytes]], app: Any = None) -> Reque
     return Request(scope, receive)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="issue 28 defect 3: hops_of accepts what str.isdigit() accepts ('\\xb2', SUPERSCRIPT TWO, "
-                          "as one latin-1 byte), and int() then raises")
 def test_defect3_a_hops_header_that_is_not_a_number_counts_as_no_hop() -> None:
     request = client_request([(HOPS.encode(), b"\xb2")])
     assert request.headers[HOPS] == "\u00b2"
-    assert hops_of(request) == 0
+    assert hops_of(request, Peers(SECRET, R2, [R1])) == 0
 
 
 @pytest.fixture
@@ -234,9 +237,6 @@ async def two_replicas(redis_server: RedisServer) -> AsyncIterator[tuple[Replica
         await replica.directory.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 28 defect 3: any client's X-Slotkeeper-Hops: 2 makes a replica run the session "
-                          "local_only, without the lease; it records itself as owner and the holder gives its lease up")
 async def test_defect3_a_forged_hops_header_does_not_take_a_session_from_its_lease_holder(
         two_replicas: tuple[Replica, Replica]) -> None:
     one, two = two_replicas
@@ -254,7 +254,7 @@ async def test_defect3_a_forged_hops_header_does_not_take_a_session_from_its_lea
         forwarded.append(str(request.url))
         return httpx.Response(200, json={"ok": True})
 
-    replicas = Replicas(two.directory, 5.0)
+    replicas = Replicas(two.directory, 5.0, Peers(SECRET, R2, [R1]))
     await replicas.http.aclose()
     replicas.http = httpx.AsyncClient(transport=httpx.MockTransport(lease_holder))
     app = SimpleNamespace(state=SimpleNamespace(replicas=replicas))
@@ -341,3 +341,229 @@ def test_defect5_an_explicit_id_may_not_take_the_side_states_prefix(where: str) 
             resolve_session("m", {"x-session-id": SIDE_LOOKING, "x-claude-code-agent-id": "a1"}, {}, [])
         else:
             checked_session_id(f"  {SIDE_LOOKING}  ", "the import")
+
+
+# -- defect 6: replica URLs read from Redis ---------------------------------------------------------------------------
+
+
+async def test_defect6_a_replica_url_written_into_redis_is_never_contacted_unless_allowed(
+        redis_server: RedisServer) -> None:
+    """Whoever can write to Redis announces a replica of their own and takes a session's lease for it. A replica
+    whose allow-list does not name it leaves it out: the session is not forwarded there (with its client's
+    credentials), and runs here."""
+    import redis as sync_redis
+
+    evil = "http://collector.example:80"
+    client = sync_redis.Redis.from_url(redis_server.url)
+    peers = Peers(SECRET, R2, [R1])
+    two = Replica(R2, redis_server.url, [B3])
+    unchecked, two.directory = two.directory, type(two.directory)(redis_server.url, R2, two.directory._local, 1.25,
+                                                                   allows=peers.allows)
+    await unchecked.close()
+    try:
+        views = {"models": {MODEL: [{"url": "http://gpu:8080", "up": True, "draining": False}]}, "at": 0}
+        for replica in (evil, "http://collector.example:80/steal?x=", "file:///etc/passwd"):
+            client.set(f"sk:replica:{replica}", json.dumps(views), px=60_000)
+            client.sadd("sk:replicas", replica)
+        assert await two.directory.beat()
+        assert two.directory.status()["replicas"] == []  # none of them is taken as a replica
+        client.set(f"sk:lease:{MODEL}:taken", f"{evil}|99", px=60_000)  # a lease "held" by the stranger
+        route = await two.run("taken")
+        assert route is not None and route.local and route.replica == R2
+        for i in range(20):  # and no new session is ever placed there
+            placed = await two.run(f"new-{i}")
+            assert placed is not None and placed.local
+    finally:
+        await two.directory.close()
+        client.close()
+
+
+async def test_defect6_a_forged_set_of_forwarding_headers_routes_as_none(two_replicas: tuple[Replica, Replica]) -> None:
+    """Every X-Slotkeeper-* header a client may forge, sent to replica 2 for a session replica 1 holds: the request
+    is forwarded to the holder as one without them is, and the holder keeps its lease."""
+    one, two = two_replicas
+    session = ""
+    for i in range(40):
+        runner, _ = await serve(two_replicas, one, f"f{i}")
+        if runner is one:
+            session = f"f{i}"
+            break
+    assert session
+    forwarded: list[httpx.Request] = []
+
+    def lease_holder(request: httpx.Request) -> httpx.Response:
+        forwarded.append(request)
+        return httpx.Response(200, json={"ok": True})
+
+    replicas = Replicas(two.directory, 5.0, Peers(SECRET, R2, [R1]))
+    await replicas.http.aclose()
+    replicas.http = httpx.AsyncClient(transport=httpx.MockTransport(lease_holder))
+    app = SimpleNamespace(state=SimpleNamespace(replicas=replicas))
+    state = SimpleNamespace(turns=object(), group=None)
+    forged = [(b"x-slotkeeper-forwarded", R1.encode()), (HOPS.encode(), b"2"),
+              (b"x-slotkeeper-sent-at", b"1800000000"), (b"x-slotkeeper-signature", b"00" * 32)]
+    try:
+        for headers in ([], forged):
+            answer = await turns_for(client_request([(b"content-type", b"application/json"), *headers], app),
+                                     state, SessionKey(MODEL, session, IdSource.HEADER))  # type: ignore[arg-type]
+            assert answer is not state.turns
+        assert len(forwarded) == 2 and all(str(r.url).startswith(R1) for r in forwarded)
+        assert forwarded[0].headers["x-slotkeeper-hops"] == forwarded[1].headers["x-slotkeeper-hops"] == "1"
+        after = await one.run(session)
+        assert after is not None and after.local
+    finally:
+        await replicas.aclose()
+
+
+# -- defects 7, 8, 11: leases and the directory's time bound --------------------------------------------------------
+
+
+async def test_defect7_a_turn_longer_than_the_idle_window_keeps_its_lease(redis_server: RedisServer) -> None:
+    running = {"long": True}
+    one = Replica(R1, redis_server.url, [B1])
+    unchecked, one.directory = one.directory, type(one.directory)(
+        redis_server.url, R1, one.directory._local, 1.25, running=lambda _m, s: running.get(s, False))
+    await unchecked.close()
+    try:
+        assert await one.directory.beat()
+        for session in ("long", "idle"):
+            route = await one.run(session)
+            assert route is not None and route.local and route.token is not None
+            one.directory._held[(MODEL, session)].used -= ACTIVE_SECONDS + 1  # the turn began long ago
+        assert await one.directory.beat()
+        assert one.directory.fence(MODEL, "long") is not None  # still running: kept, and refreshed in Redis
+        assert one.directory.fence(MODEL, "idle") is None  # idle: given up
+        running["long"] = False
+        assert await one.directory.beat()
+        assert one.directory.fence(MODEL, "long") is not None  # its idle time counts from the turn's end
+    finally:
+        await one.directory.close()
+
+
+async def test_defect8_a_lease_given_up_is_not_kept_in_memory_when_a_route_used_it_meanwhile(
+        redis_server: RedisServer) -> None:
+    import redis as sync_redis
+
+    one = Replica(R1, redis_server.url, [B1])
+    directory = one.directory
+    try:
+        assert await directory.beat()
+        route = await one.run("s")
+        assert route is not None and route.token is not None
+        held = directory._held[(MODEL, "s")]
+        held.used -= ACTIVE_SECONDS + 1  # idle: the next beat gives it up
+        real = directory._redis.pipeline
+
+        def pipeline(*args: Any, **kwargs: Any) -> Any:
+            pipe = real(*args, **kwargs)
+            execute = pipe.execute
+
+            async def racing_execute(*a: Any, **k: Any) -> Any:
+                held.used = time.time()  # a route used the lease while the release was on its way
+                return await execute(*a, **k)
+
+            pipe.execute = racing_execute
+            return pipe
+
+        directory._redis.pipeline = pipeline
+        await directory._keep_leases()  # the heartbeat's part that refreshes or gives up leases
+        directory._redis.pipeline = real
+        client = sync_redis.Redis.from_url(redis_server.url)
+        try:
+            in_redis = client.get(f"sk:lease:{MODEL}:s")
+        finally:
+            client.close()
+        assert in_redis is None  # released in Redis...
+        assert directory.fence(MODEL, "s") is None  # ...and so not claimed here with a token nobody holds
+        again = await one.run("s")
+        assert again is not None and again.token is not None and again.token > route.token  # taken anew
+    finally:
+        await directory.close()
+
+
+async def test_defect11_a_directory_that_does_not_answer_holds_a_request_one_call_bound_at_most(
+        redis_server: RedisServer) -> None:
+    one = Replica(R1, redis_server.url, [B1])
+    try:
+        assert await one.directory.beat()
+        assert redis_server.process is not None
+        os.kill(redis_server.process.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            route = await one.run("stalled")
+            waited = time.monotonic() - started
+        finally:
+            os.kill(redis_server.process.pid, signal.SIGCONT)
+        assert route is None and one.directory.down
+        assert waited < CALL_SECONDS + 0.5, f"a route waited {waited:.2f} s for a directory that does not answer"
+        # Down: the next requests do not wait for it at all, until a heartbeat finds it back.
+        started = time.monotonic()
+        assert await one.run("stalled") is None and time.monotonic() - started < 0.1
+        assert await one.directory.beat() and not one.directory.down
+    finally:
+        await one.directory.close()
+
+
+# -- defect 9: saves while the lease is not known ----------------------------------------------------------------------
+
+
+async def test_defect9_while_the_directory_is_down_the_holders_saves_still_upload(
+        stores: Callable[[str], SnapshotStore]) -> None:
+    """A session saved under lease token 7, then Redis goes away (the replica knows no lease: fence None). Its next
+    saves keep the token of the version they follow, with a newer stamp, and are uploaded over the store's
+    (f5dbaf1 uploaded them with token 0 and refused every one: `fence or 0 < 7`)."""
+    memory = MemoryStore()
+    pool = pool_on(stores("host"))
+    tier = tier_on(pool, memory, "replica-1", 7)
+    await run_turn(pool, S, chain_of("s1"))
+    await pool.flush()
+    await upload_all(tier)
+    assert manifest_of(memory, tier, S).version.fence == 7
+    pool.snapshots.fence = lambda _key: None  # the directory does not answer
+    for turn in ("s2", "s3"):
+        await run_turn(pool, S, chain_of("s1", turn))
+        await pool.flush()
+        await upload_all(tier)
+        local = await pool.snapshots.get(S)
+        assert local is not None and manifest_of(memory, tier, S).meta.checksum == local.checksum
+        assert local.version.fence == 7
+    assert tier.uploads == 3 and tier.refused_older == 0
+
+
+# -- defect 10: removing a damaged object ------------------------------------------------------------------------------
+
+
+async def test_defect10_a_damaged_download_does_not_take_away_a_manifest_rewritten_meanwhile(
+        stores: Callable[[str], SnapshotStore]) -> None:
+    memory = MemoryStore()
+    pool_a, pool_b = pool_on(stores("a"), n_tokens=40), pool_on(stores("b"))
+    tier_a, tier_b = tier_on(pool_a, memory, "host-a", None), tier_on(pool_b, memory, "host-b", None)
+    await run_turn(pool_a, S, chain_of("s1"))
+    await pool_a.flush()
+    await upload_all(tier_a)
+    [blob] = memory.blobs()
+    memory.objects[blob] = bytes(b ^ 0xFF for b in memory.objects[blob])  # damaged at rest
+    # A saves and uploads turn 2 while B is downloading the damaged turn 1 (before B takes it away).
+    pool_a._client.save_tokens = 80  # type: ignore[attr-defined]
+    await run_turn(pool_a, S, chain_of("s1", "s2"))
+    await pool_a.flush()
+    turn2 = await pool_a.snapshots.get(S)
+    assert turn2 is not None
+    real_get_file = memory.get_file
+    calls = 0
+
+    def get_file(key: str, path: Path) -> int:
+        nonlocal calls
+        n = real_get_file(key, path)
+        calls += 1
+        if calls == 2:  # B's second (and last) download of the damaged file: A's upload lands right after it
+            asyncio.run_coroutine_threadsafe(upload_all(tier_a), loop).result(10)
+        return n
+
+    loop = asyncio.get_running_loop()
+    memory.get_file = get_file  # type: ignore[method-assign]
+    assert await tier_b.bring(S, SnapshotKind.SESSION) is None  # turn 1 is damaged: refused
+    after = manifest_of(memory, tier_a, S)
+    assert not after.withdrawn and after.meta.checksum == turn2.checksum, (
+        "the damaged download took away the manifest that host A rewrote meanwhile")
+    assert tier_a.blob_key(turn2.checksum) in memory.objects

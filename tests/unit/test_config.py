@@ -12,6 +12,7 @@ import pytest
 from slotkeeper.config import BackendSpec, Settings
 
 ATTACH = {"upstream": "http://127.0.0.1:8080", "slot_dir": "/srv/slots"}
+SECRET = {"SLOTKEEPER_REPLICA_SECRET": "s" * 16}  # what --directory needs
 
 
 @pytest.fixture(autouse=True)
@@ -89,9 +90,17 @@ PRECEDENCE_ROWS: list[tuple[str, Any, dict[str, str], Any]] = [
     ("shared_budget", "2T", {"SLOTKEEPER_SHARED_BUDGET": "1G"}, 2 * 1024**4),
     ("shared_budget", None, {"SLOTKEEPER_SHARED_BUDGET": "1G"}, 1024**3),
     ("shared_budget", None, {}, 0),
-    ("directory", "redis://r:6379/0", {"SLOTKEEPER_DIRECTORY": "redis://x"}, "redis://r:6379/0"),
-    ("directory", None, {"SLOTKEEPER_DIRECTORY": "redis://x:1/2"}, "redis://x:1/2"),
+    ("directory", "redis://r:6379/0", {"SLOTKEEPER_DIRECTORY": "redis://x", **SECRET}, "redis://r:6379/0"),
+    ("directory", None, {"SLOTKEEPER_DIRECTORY": "redis://x:1/2", **SECRET}, "redis://x:1/2"),
     ("directory", None, {}, None),
+    ("replica_secret", "c" * 16, {"SLOTKEEPER_REPLICA_SECRET": "e" * 16}, "c" * 16),
+    ("replica_secret", None, {"SLOTKEEPER_REPLICA_SECRET": "e" * 16}, "e" * 16),
+    ("replica_secret", None, {}, None),
+    ("replicas", ["http://a:1/", "http://b:2,http://c:3"], {"SLOTKEEPER_REPLICAS": "http://e:1"},
+     ("http://a:1", "http://b:2", "http://c:3")),
+    ("replicas", None, {"SLOTKEEPER_REPLICAS": "http://e:1, http://10.0.0.*:11434"},
+     ("http://e:1", "http://10.0.0.*:11434")),
+    ("replicas", None, {}, ()),
     ("replica_url", "http://a:11434/", {"SLOTKEEPER_REPLICA_URL": "http://b:1"}, "http://a:11434"),
     ("replica_url", None, {"SLOTKEEPER_REPLICA_URL": "http://b:1"}, "http://b:1"),
     ("replica_url", None, {}, None),

@@ -91,12 +91,15 @@ def test_every_setting_can_come_from_the_file(tmp_path: Path) -> None:
                                "cache_ram_mib": 0, "log_json": True, "model_alias": "m", "ram_budget": "1G",
                                "ram_dir": "/dev/shm/r", "shared_store": "s3://team/slots",
                                "shared_endpoint": "http://127.0.0.1:9000", "directory": "redis://10.0.0.5:6379/0",
-                               "replica_url": "http://host-a:11434"}, {})
+                               "replica_url": "http://host-a:11434", "replica_secret": "s" * 16,
+                               "replicas": ["http://host-b:11434", "http://gpu-*:11434"]}, {})
     path = write(tmp_path, settings_toml(settings))
-    assert Settings.build({"config": str(path)}, {}) == settings
+    assert "s" * 16 not in path.read_text()  # a secret is never printed: it comes back from the environment
+    assert Settings.build({"config": str(path)}, {"SLOTKEEPER_REPLICA_SECRET": "s" * 16}) == settings
     names = set(tomllib.loads(path.read_text()))
     # backends is empty here: it is printed as [[backends]] tables (see the next test)
-    assert names == {f.name for f in dataclasses.fields(Settings)} - {"model", "api_key", "admin_key", "backends"}
+    assert names == {f.name for f in dataclasses.fields(Settings)} - {"model", "api_key", "admin_key", "backends",
+                                                                      "replica_secret"}
 
 
 def test_several_backends_read_back_from_the_printed_file(tmp_path: Path) -> None:
@@ -222,6 +225,15 @@ def test_the_directory_and_replica_url_are_checked_and_the_replica_url_has_a_def
     with pytest.raises(ValueError, match="redis://HOST:PORT/DB"):
         Settings.build({"directory": "10.0.0.5:6379"}, {})
     with pytest.raises(ValueError, match="http://HOST:PORT"):
-        Settings.build({"directory": "redis://r:6379/0", "replica_url": "host-a:11434"}, {})
+        Settings.build({"directory": "redis://r:6379/0", "replica_url": "host-a:11434", "replica_secret": "s" * 16},
+                       {})
+    # The replicas' secret is required with a directory, and long enough; the allow-list takes base URLs only.
+    with pytest.raises(ValueError, match="--directory needs --replica-secret"):
+        Settings.build({"directory": "redis://r:6379/0"}, {})
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        Settings.build({"directory": "redis://r:6379/0", "replica_secret": "short"}, {})
+    for bad in ("host-b:11434", "http://host-b:11434/v1", "http://user:pw@host-b:1", "file:///etc", "http://a b:1"):
+        with pytest.raises(ValueError, match="--replica takes a replica's base URL"):
+            Settings.build({"replicas": [bad]}, {})
     assert Settings.build({"port": 11500}, {}).effective_replica_url() == "http://127.0.0.1:11500"
     assert Settings.build({"replica_url": "http://host-a:1"}, {}).effective_replica_url() == "http://host-a:1"

@@ -792,6 +792,11 @@ class SlotPool:
         """Whether new conversations start from their system prompt's snapshot (--system-snapshots)."""
         return self._system_snapshots
 
+    def running(self, model: str, session_id: str) -> bool:
+        """Whether a turn of the session runs in a slot now (the session directory keeps its lease meanwhile)."""
+        return any(slot.busy and slot.occupant is not None and slot.occupant.model == model
+                   and slot.occupant.session_id == session_id for slot in self.slots)
+
     def holds(self, key: SessionKey) -> bool:
         """Whether a slot holds `key`'s state now (its next turn is hot there)."""
         return any(slot.occupant == key for slot in self.slots)

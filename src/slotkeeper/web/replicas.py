@@ -1,12 +1,12 @@
 """Several slotkeeper replicas behind one address: a turn runs where the session directory says (directory.py), and
 a replica that is not that one forwards the request there unchanged and streams the answer back.
 
-A forwarded request carries `X-Slotkeeper-Forwarded` (the sender) and `X-Slotkeeper-Hops` (how many times it was
-forwarded). It may be forwarded once more (the replica it reached holds the session's lease and moves the session
-to another replica's backend, or another replica took the lease meanwhile), never a third time: a request that has
-made MAX_HOPS runs on the backends of the replica it reached. A forward that cannot connect (the replica died
-before its heartbeat expired) runs here instead, so no request fails because a replica went away between two
-heartbeats."""
+A forwarded request is signed by its sender (peers.py): its hop count counts only when the signature checks, so a
+client cannot pass its request off as forwarded. It may be forwarded once more (the replica it reached holds the
+session's lease and moves the session to another replica's backend, or another replica took the lease meanwhile),
+never a third time: a request that has made MAX_HOPS runs on the backends of the replica it reached. A forward that
+cannot connect (the replica died before its heartbeat expired) runs here instead, so no request fails because a
+replica went away between two heartbeats. Requests are forwarded only to replicas on the allow-list."""
 
 from __future__ import annotations
 
@@ -16,29 +16,31 @@ from collections.abc import AsyncIterator
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from slotkeeper.config import Settings
 from slotkeeper.directory import BackendView, Directory
 from slotkeeper.errors import SlotkeeperError
 from slotkeeper.group import ring_key
+from slotkeeper.peers import HEADERS, Peers
 from slotkeeper.types import SessionKey
 from slotkeeper.web.state import AppState, Backends, Turns
 
 log = logging.getLogger("slotkeeper.replicas")
 
-FORWARDED = "x-slotkeeper-forwarded"
-HOPS = "x-slotkeeper-hops"
 MAX_HOPS = 2
-# Headers that belong to one connection, never forwarded either way.
+# Headers that belong to one connection, never forwarded either way; and the forwarding headers, which only this
+# replica's signature may set.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                  "transfer-encoding", "upgrade", "host", "content-length", FORWARDED, HOPS})
+                  "transfer-encoding", "upgrade", "host", "content-length"}) | HEADERS
 
 
 class Replicas:
     """This replica's part in a set of replicas: the directory and a client to forward requests with."""
 
-    def __init__(self, directory: Directory, read_timeout: float) -> None:
+    def __init__(self, directory: Directory, read_timeout: float, peers: Peers) -> None:
         self.directory = directory
+        self.peers = peers
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout, connect=2.0), trust_env=False)
 
     async def aclose(self) -> None:
@@ -49,9 +51,13 @@ def join_replicas(settings: Settings, found: Backends) -> Replicas:
     """This replica's client of the session directory, its backends announced, its saves versioned under its
     leases."""
     assert settings.directory is not None
+    assert settings.replica_secret is not None, "Settings.validate requires it with a directory"
+    peers = Peers(settings.replica_secret, settings.effective_replica_url(), settings.replicas)
     try:
         directory = Directory(settings.directory, settings.effective_replica_url(), lambda: local_view(found),
-                              settings.load_factor)
+                              settings.load_factor, allows=peers.allows,
+                              running=lambda model, session: any(state.service.pool.running(model, session)
+                                                                 for state in found.all))
     except ImportError:
         raise SlotkeeperError("the session directory needs the redis package: pip install 'slotkeeper[directory]'"
                               ) from None
@@ -59,7 +65,10 @@ def join_replicas(settings: Settings, found: Backends) -> Replicas:
         state.service.pool.snapshots.fence = lambda key: directory.fence(key.model, key.session_id)
     log.info("session directory %s: this replica is %s; each session runs on the replica holding its lease, and "
              "requests that reach another replica are forwarded there", directory.url, directory.replica)
-    return Replicas(directory, settings.upstream_read_timeout)
+    if not settings.replicas:
+        log.warning("--directory without --replica: no other replica is on the allow-list, so no request is "
+                    "forwarded; every replica serves what reaches it")
+    return Replicas(directory, settings.upstream_read_timeout, peers)
 
 
 def local_view(found: Backends) -> dict[str, list[BackendView]]:
@@ -79,10 +88,10 @@ async def turns_for(request: Request, state: AppState, key: SessionKey, side: bo
     if replicas is None:
         return state.turns
     directory = replicas.directory
-    route = await directory.route(key.model, key.session_id, ring_key(key), side=side,
-                                  local_only=hops_of(request) >= MAX_HOPS)
+    hops = hops_of(request, replicas.peers)
+    route = await directory.route(key.model, key.session_id, ring_key(key), side=side, local_only=hops >= MAX_HOPS)
     if route is not None and not route.local:
-        answer = await _forward(request, replicas, route.replica)
+        answer = await _forward(request, replicas, route.replica, hops)
         if answer is not None:
             log.info("session %s: forwarded to replica %s (%s)", key.session_id, route.replica, route.why)
             return answer
@@ -98,22 +107,53 @@ async def turns_for(request: Request, state: AppState, key: SessionKey, side: bo
     return state.group.pinned(route.backend, reroute)
 
 
-def hops_of(request: Request) -> int:
-    """How many times the request was forwarded before it reached this replica (a forwarded request without the
-    count, from another version: once)."""
-    value = request.headers.get(HOPS)
-    if value is not None and value.isdigit():
-        return int(value)
-    return 1 if FORWARDED in request.headers else 0
+def hops_of(request: Request, peers: Peers) -> int:
+    """How many times the request was forwarded before it reached this replica: the signed count of a request
+    another replica of the set forwarded, else 0 (a client's request, whatever headers it sent)."""
+    forwarding = peers.forwarding(request.method, _target(request), request.headers)
+    return 0 if forwarding is None else forwarding.hops
 
 
-async def _forward(request: Request, replicas: Replicas, replica: str) -> Response | None:
-    """The request sent to `replica` as it came, its answer streamed back; None when the replica refuses it."""
+def _target(request: Request) -> str:
+    return request.url.path + (f"?{request.url.query}" if request.url.query else "")
+
+
+class _Relayed(StreamingResponse):
+    """Another replica's streamed answer, relayed: its connection is closed however the relay ends, also when the
+    client left before the first byte (then the body is never iterated)."""
+
+    def __init__(self, answer: httpx.Response, replica: str) -> None:
+        super().__init__(self._body(answer, replica), status_code=answer.status_code)
+        self._answer = answer
+
+    @staticmethod
+    async def _body(answer: httpx.Response, replica: str) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in answer.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:  # the connection to the client is broken off too: the answer is not whole
+            log.warning("replica %s broke off a forwarded answer (%s)", replica, str(exc) or type(exc).__name__)
+            raise
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._answer.aclose()
+
+
+async def _forward(request: Request, replicas: Replicas, replica: str, hops: int) -> Response | None:
+    """The request sent to `replica` as it came (signed as forwarded by this one), its answer streamed back; None
+    when the replica is not on the allow-list or refuses it."""
+    if not replicas.peers.allows(replica):
+        log.warning("the directory names replica %s, which is not on this replica's allow-list (--replica): the "
+                    "request runs here, and nothing is sent there", replica[:200])
+        return None
+    target = _target(request)
     headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _HOP]
-    headers += [(FORWARDED.encode(), replicas.directory.replica.encode()),
-                (HOPS.encode(), str(hops_of(request) + 1).encode())]
-    url = replica + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-    sent = replicas.http.build_request(request.method, url, headers=headers, content=await request.body())
+    headers += replicas.peers.signed(request.method, target, hops + 1)
+    sent = replicas.http.build_request(request.method, replica + target, headers=headers,
+                                       content=await request.body())
     try:
         answer = await replicas.http.send(sent, stream=True)
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -123,17 +163,6 @@ async def _forward(request: Request, replicas: Replicas, replica: str) -> Respon
         return None
     replicas.directory.forwarded += 1
     back = [(k, v) for k, v in answer.headers.raw if k.decode("latin-1").lower() not in _HOP - {"content-length"}]
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in answer.aiter_raw():
-                yield chunk
-        except httpx.HTTPError as exc:  # the connection to the client is broken off too: the answer is not whole
-            log.warning("replica %s broke off a forwarded answer (%s)", replica, str(exc) or type(exc).__name__)
-            raise
-        finally:
-            await answer.aclose()
-
-    response = StreamingResponse(body(), status_code=answer.status_code)
+    response = _Relayed(answer, replica)
     response.raw_headers = [*back, (b"x-slotkeeper-replica", replica.encode())]
     return response
