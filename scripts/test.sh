@@ -38,4 +38,4 @@ VENV="${SLOTKEEPER_VENV:-.venv}"
 "$VENV/bin/python" -m pip install --quiet -e '.[dev]'
 "$VENV/bin/ruff" check src tests bench
 "$VENV/bin/mypy" src
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=40 "$@"
