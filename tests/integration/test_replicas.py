@@ -332,6 +332,37 @@ def test_a_replica_killed_mid_save_and_redis_restarted_lose_no_snapshot(cluster:
     assert {c.served_by[-1] for c in on_a} == {b.url for b in cluster.b.backends}
 
 
+@pytest.mark.parametrize("backend_kind", ["binary"])  # the directory's part: the same over either kind of backend
+def test_a_minute_without_redis_fails_no_request_and_uploads_go_on(cluster: Cluster) -> None:
+    """Redis is killed for 60 s while clients go on sending each turn to a random replica: no request fails (each
+    replica serves what reaches it on its own backends, a directory call waiting 1 s at most), every save is uploaded
+    (it keeps its lease's token), and after Redis is back the store holds every session's last turn."""
+    clients = [client_of(r) for r in cluster.replicas]
+    chats = [Chat(f"chat-{i}") for i in range(6)]
+    assert run_turns(chats, clients, turns=2, seed=10) == []
+    assert wait_until(lambda: uploaded(cluster, chats), timeout=60)
+    uploads_before = sum(r.keeper.log_text().count("uploaded the session snapshot") for r in cluster.replicas)
+    cluster.redis.stop(signal.SIGKILL)
+    down_until = time.monotonic() + 60
+    errors: list[BaseException] = []
+    rounds = 0
+    while time.monotonic() < down_until:
+        errors += run_turns(chats, clients, turns=1, seed=100 + rounds)
+        rounds += 1
+    uploads_during = sum(r.keeper.log_text().count("uploaded the session snapshot")
+                         for r in cluster.replicas) - uploads_before
+    cluster.redis.start()
+    assert errors == [] and rounds >= 3
+    assert uploads_during > 0  # saves made without a lease are uploaded too: they keep the token they follow
+    assert all("does not answer" in r.keeper.log_text() for r in cluster.replicas)
+    assert wait_until(lambda: all("answers again" in r.keeper.log_text() for r in cluster.replicas), timeout=30)
+    assert run_turns(chats, clients, turns=1, seed=11) == []
+    assert wait_until(lambda: uploaded(cluster, chats), timeout=60)
+    for replica in cluster.replicas:
+        metrics = httpx.get(replica.keeper.url + "/metrics", timeout=30).text
+        assert "slotkeeper_directory_up 1.0" in metrics
+
+
 def _unix(logged: str) -> float:
     """The time of a log line's timestamp (local time, with milliseconds)."""
     stamp, millis = logged.split(",")

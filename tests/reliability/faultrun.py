@@ -251,13 +251,25 @@ def nemesis(c: Cluster, plan: list[Planned], until: float, faults: list[Fault], 
 # -- the clients ---------------------------------------------------------------------------------------------------
 
 
+# A conversation ends after this many turns and a new one takes its place (under the next name), as a person
+# starts a new chat: the prompt stays well within the backends' context (8192 tokens per slot).
+TURNS_PER_CONVERSATION = 50
+
+
 @dataclass
 class Session:
-    name: str
+    base: str
     messages: list[dict[str, str]] = field(default_factory=list)
     acked: int = 0
+    conversation: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.base}.{self.conversation}"
 
     def next_body(self) -> dict[str, Any]:
+        if self.acked >= TURNS_PER_CONVERSATION:
+            self.messages, self.acked, self.conversation = [], 0, self.conversation + 1
         if not self.messages:
             self.messages.append({"role": "system", "content": SYSTEM})
         user = {"role": "user", "content": words(30, self.acked * 31 + sum(map(ord, self.name)))}
@@ -349,7 +361,8 @@ LEASE_LINE = re.compile(r"^(\S+ \S+) INFO slotkeeper\.directory: lease (taken|gi
 
 def leases_in(logs: list[Path]) -> tuple[list[LeaseTaken], list[LeaseTaken]]:
     """The leases the replicas' logs say they took, and gave up."""
-    taken, given_up = [], []
+    taken: list[LeaseTaken] = []
+    given_up: list[LeaseTaken] = []
     for path in logs:
         for line in path.read_text(errors="replace").splitlines():
             match = LEASE_LINE.match(line)
