@@ -144,3 +144,25 @@ async def test_a_relayed_answer_is_closed_when_the_client_left_before_its_first_
     with contextlib.suppress(ClientDisconnect):
         await asyncio.wait_for(relayed({"type": "http", "asgi": {"spec_version": spec}}, receive, send), 10)
     assert closed.is_set()
+
+
+@pytest.mark.parametrize("dies", [httpx.ConnectError("refused"), httpx.RemoteProtocolError("closed, no answer"),
+                                  httpx.ReadError("reset")])
+async def test_a_replica_that_dies_with_a_forwarded_request_leaves_it_to_run_here(dies: Exception) -> None:
+    shunned: list[str] = []
+
+    class Shunning(Directory):
+        def shun(self, replica: str) -> None:
+            shunned.append(replica)
+
+    def dead_replica(request: httpx.Request) -> httpx.Response:
+        raise dies
+
+    replicas = Replicas(Shunning(), 5.0, Peers(SECRET, TWO, [ONE]))  # type: ignore[arg-type]
+    await replicas.http.aclose()
+    replicas.http = httpx.AsyncClient(transport=httpx.MockTransport(dead_replica))
+    try:
+        assert await _forward(request_with([]), replicas, ONE, 0) is None
+        assert shunned == [ONE]
+    finally:
+        await replicas.aclose()

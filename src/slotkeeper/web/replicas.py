@@ -5,8 +5,9 @@ A forwarded request is signed by its sender (peers.py): its hop count counts onl
 client cannot pass its request off as forwarded. It may be forwarded once more (the replica it reached holds the
 session's lease and moves the session to another replica's backend, or another replica took the lease meanwhile),
 never a third time: a request that has made MAX_HOPS runs on the backends of the replica it reached. A forward that
-cannot connect (the replica died before its heartbeat expired) runs here instead, so no request fails because a
-replica went away between two heartbeats. Requests are forwarded only to replicas on the allow-list."""
+cannot connect, or whose connection closes before any answer (the replica died before its heartbeat expired, or
+with the request), runs here instead, so no request fails because a replica went away between two heartbeats.
+Requests are forwarded only to replicas on the allow-list."""
 
 from __future__ import annotations
 
@@ -156,7 +157,9 @@ async def _forward(request: Request, replicas: Replicas, replica: str, hops: int
                                        content=await request.body())
     try:
         answer = await replicas.http.send(sent, stream=True)
-    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+        # Refused, or the connection closed before any answer (the replica died with the request): nothing of it
+        # reached the client, so it runs here.
         replicas.directory.shun(replica)
         log.warning("replica %s refused a forwarded request (%s): it runs here, and nothing is forwarded there "
                     "until its heartbeat says it is back", replica, str(exc) or type(exc).__name__)
