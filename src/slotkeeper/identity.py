@@ -81,7 +81,26 @@ def resolve_session(
         agent = next((v.strip() for name in AGENT_HEADERS if (v := headers.get(name)) and v.strip()), None)
         if agent is not None:
             value = f"{value}.agent-{agent}"
+        if _DERIVED_SHAPE.fullmatch(value):
+            # A name slotkeeper derives from messages: a client may send it back (the X-Slotkeeper-Session of an
+            # earlier answer) for the conversation it names, never to take another conversation's.
+            derived = _derived(model, system_texts, opening)
+            if value == derived.session_id:
+                return derived
+            raise BadRequest(f"session id from {where} has the shape of the names slotkeeper derives from a "
+                             "conversation's messages, and this request's messages are of another conversation; "
+                             "send no id, the X-Slotkeeper-Session of this conversation's answers, or an id of your "
+                             "own")
         return SessionKey(model, _checked(value, where), source)
+    return _derived(model, system_texts, opening)
+
+
+# The names `_derived` makes: `sys-<16 hex>`, `sys-<16 hex>.c<12 hex>`, `chat-<16 hex>`.
+_DERIVED_SHAPE = re.compile(r"sys-[0-9a-f]{16}(?:\.c[0-9a-f]{12})?|chat-[0-9a-f]{16}")
+
+
+def _derived(model: str, system_texts: Sequence[str], opening: object) -> SessionKey:
+    """The session of a request without an explicit id: the conversation its messages continue."""
     if any(text for text in system_texts):
         return SessionKey(model, conversation_id(system_texts, opening), IdSource.SYSTEM_PROMPT)
     if opening is not None:

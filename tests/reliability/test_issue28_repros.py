@@ -567,3 +567,23 @@ async def test_defect10_a_damaged_download_does_not_take_away_a_manifest_rewritt
     assert not after.withdrawn and after.meta.checksum == turn2.checksum, (
         "the damaged download took away the manifest that host A rewrote meanwhile")
     assert tier_a.blob_key(turn2.checksum) in memory.objects
+
+
+def test_an_explicit_id_of_a_derived_shape_names_only_its_own_conversation() -> None:
+    """The names slotkeeper derives for conversations sent without an id (`chat-<16 hex>`, `sys-<16 hex>.c<12 hex>`)
+    are reserved: a client may send one back for the conversation it names (it is then the same session as with no
+    id), never to take another conversation's."""
+    system = ["You are terse."]
+    opening = {"role": "user", "content": "first question"}
+    with_system = resolve_session("m", {}, {}, system, opening=opening)
+    without = resolve_session("m", {}, {}, [], opening=opening)
+    assert with_system.session_id.startswith("sys-") and without.session_id.startswith("chat-")
+    for derived, texts in ((with_system, system), (without, [])):
+        echoed = resolve_session("m", {"x-session-id": derived.session_id}, {}, texts, opening=opening)
+        assert echoed == derived
+        other = {"role": "user", "content": "another conversation's opening"}
+        with pytest.raises(BadRequest, match="has the shape of the names slotkeeper derives"):
+            resolve_session("m", {"x-session-id": derived.session_id}, {}, texts, opening=other)
+    # Ids of other shapes are the client's own, whatever they start with.
+    for own in ("chat-1", "chat-0123456789ABCDEF", "sys-prompt-a", "chat-0123456789abcdef0"):
+        assert resolve_session("m", {"x-session-id": own}, {}, [], opening=opening).session_id == own
