@@ -1,4 +1,4 @@
-"""The randomized fault test (faultrun.py), short: 45 s of faults on each kind of backend, and the checker
+"""The randomized fault test (faultrun.py), short: 40 s of faults on each kind of backend, and the checker
 (faultcheck.py) finds no violation. The 30-minute runs by hand, their seeds and numbers are in docs/reliability.md.
 The checker itself is tested on histories made by hand: each rule finds what it is for, and lets be what the
 documented faults may lose."""
@@ -29,9 +29,9 @@ SEED = 2812  # printed by every run; a failing seed replays its schedule: python
 @pytest.mark.backend
 @pytest.mark.timeout(420)
 def test_a_short_run_of_faults_breaks_no_promise(tmp_path: Path, backend_kind: str, tiny_model: Path) -> None:
-    result = run(tmp_path, tiny_model, backend_kind, SEED, seconds=45)
+    result = run(tmp_path, tiny_model, backend_kind, SEED, seconds=40)
     assert result.violations == []
-    assert result.n_faults >= 6 and result.acknowledged >= 60, result
+    assert result.n_faults >= 4 and result.acknowledged >= 40, result
 
 
 def test_a_seed_gives_the_same_schedule_and_every_kind_of_fault() -> None:
