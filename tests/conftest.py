@@ -5,14 +5,15 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
-from tests.support import Backend, Slotkeeper
+from tests.support import Backend, RedisServer, Slotkeeper
 
 BACKEND_KINDS = ["binary", "embedded"]
 
@@ -127,3 +128,26 @@ def two_backends(tmp_path: Path, tiny_model: Path, foreign_model: Path) -> Itera
         keeper.stop()
         for server in servers:
             server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """Debian's redis-server on loopback, for the session directory's tests."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def replicas(redis_server: RedisServer) -> AsyncIterator[tuple[Any, Any]]:
+    """Two session-directory clients on it (tests/unit/test_directory.Replica): replica 1 with two backends,
+    replica 2 with one, each having read the other's heartbeat."""
+    from tests.unit.test_directory import B1, B2, B3, R1, R2, Replica
+
+    one, two = Replica(R1, redis_server.url, [B1, B2]), Replica(R2, redis_server.url, [B3])
+    assert await one.directory.beat() and await two.directory.beat() and await one.directory.beat()
+    yield one, two
+    for replica in (one, two):
+        await replica.directory.close()

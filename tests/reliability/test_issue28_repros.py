@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,7 +36,7 @@ from slotkeeper.placement import ACTIVE_SECONDS
 from slotkeeper.types import BackendInfo, CacheOutcome, IdSource, SessionKey, SnapshotKind
 from slotkeeper.web.replicas import Replicas, hops_of, turns_for
 from tests.support import RedisServer
-from tests.unit.test_directory import B1, B2, B3, MODEL, R1, R2, Replica, serve
+from tests.unit.test_directory import B1, B3, MODEL, R1, R2, Replica, serve
 from tests.unit.test_pool import FP, FakeClient, chain_of, key, make_pool
 from tests.unit.test_shared_tier import MemoryStore, upload_all
 
@@ -219,31 +219,13 @@ def test_defect3_a_hops_header_that_is_not_a_number_counts_as_no_hop() -> None:
     assert hops_of(request, Peers(SECRET, R2, [R1])) == 0
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-async def two_replicas(redis_server: RedisServer) -> AsyncIterator[tuple[Replica, Replica]]:
-    one, two = Replica(R1, redis_server.url, [B1, B2]), Replica(R2, redis_server.url, [B3])
-    assert await one.directory.beat() and await two.directory.beat() and await one.directory.beat()
-    yield one, two
-    for replica in (one, two):
-        await replica.directory.close()
-
-
 async def test_defect3_a_forged_hops_header_does_not_take_a_session_from_its_lease_holder(
-        two_replicas: tuple[Replica, Replica]) -> None:
-    one, two = two_replicas
+        replicas: tuple[Replica, Replica]) -> None:
+    one, two = replicas
     session = ""
     token = None
     for i in range(40):  # a session whose lease replica 1 holds
-        runner, route = await serve(two_replicas, one, f"h{i}")
+        runner, route = await serve(replicas, one, f"h{i}")
         if runner is one:
             session, token = f"h{i}", route.token
             break
@@ -254,10 +236,10 @@ async def test_defect3_a_forged_hops_header_does_not_take_a_session_from_its_lea
         forwarded.append(str(request.url))
         return httpx.Response(200, json={"ok": True})
 
-    replicas = Replicas(two.directory, 5.0, Peers(SECRET, R2, [R1]))
-    await replicas.http.aclose()
-    replicas.http = httpx.AsyncClient(transport=httpx.MockTransport(lease_holder))
-    app = SimpleNamespace(state=SimpleNamespace(replicas=replicas))
+    forwarding = Replicas(two.directory, 5.0, Peers(SECRET, R2, [R1]))
+    await forwarding.http.aclose()
+    forwarding.http = httpx.AsyncClient(transport=httpx.MockTransport(lease_holder))
+    app = SimpleNamespace(state=SimpleNamespace(replicas=forwarding))
     here = object()  # replica 2's own turns
     state = SimpleNamespace(turns=here, group=None)
     try:
@@ -271,7 +253,7 @@ async def test_defect3_a_forged_hops_header_does_not_take_a_session_from_its_lea
         assert answer is not here and forwarded and forwarded[0].startswith(R1), (
             "replica 2 ran the session itself instead of forwarding it to the lease holder")
     finally:
-        await replicas.aclose()
+        await forwarding.aclose()
 
 
 # -- defect 4: SharedTier.bring imports the store's older version over a newer commit still running ---------------
@@ -356,10 +338,7 @@ async def test_defect6_a_replica_url_written_into_redis_is_never_contacted_unles
     evil = "http://collector.example:80"
     client = sync_redis.Redis.from_url(redis_server.url)
     peers = Peers(SECRET, R2, [R1])
-    two = Replica(R2, redis_server.url, [B3])
-    unchecked, two.directory = two.directory, type(two.directory)(redis_server.url, R2, two.directory._local, 1.25,
-                                                                   allows=peers.allows)
-    await unchecked.close()
+    two = Replica(R2, redis_server.url, [B3], allows=peers.allows)
     try:
         views = {"models": {MODEL: [{"url": "http://gpu:8080", "up": True, "draining": False}]}, "at": 0}
         for replica in (evil, "http://collector.example:80/steal?x=", "file:///etc/passwd"):
@@ -378,13 +357,13 @@ async def test_defect6_a_replica_url_written_into_redis_is_never_contacted_unles
         client.close()
 
 
-async def test_defect6_a_forged_set_of_forwarding_headers_routes_as_none(two_replicas: tuple[Replica, Replica]) -> None:
+async def test_defect6_a_forged_set_of_forwarding_headers_routes_as_none(replicas: tuple[Replica, Replica]) -> None:
     """Every X-Slotkeeper-* header a client may forge, sent to replica 2 for a session replica 1 holds: the request
     is forwarded to the holder as one without them is, and the holder keeps its lease."""
-    one, two = two_replicas
+    one, two = replicas
     session = ""
     for i in range(40):
-        runner, _ = await serve(two_replicas, one, f"f{i}")
+        runner, _ = await serve(replicas, one, f"f{i}")
         if runner is one:
             session = f"f{i}"
             break
@@ -395,10 +374,10 @@ async def test_defect6_a_forged_set_of_forwarding_headers_routes_as_none(two_rep
         forwarded.append(request)
         return httpx.Response(200, json={"ok": True})
 
-    replicas = Replicas(two.directory, 5.0, Peers(SECRET, R2, [R1]))
-    await replicas.http.aclose()
-    replicas.http = httpx.AsyncClient(transport=httpx.MockTransport(lease_holder))
-    app = SimpleNamespace(state=SimpleNamespace(replicas=replicas))
+    forwarding = Replicas(two.directory, 5.0, Peers(SECRET, R2, [R1]))
+    await forwarding.http.aclose()
+    forwarding.http = httpx.AsyncClient(transport=httpx.MockTransport(lease_holder))
+    app = SimpleNamespace(state=SimpleNamespace(replicas=forwarding))
     state = SimpleNamespace(turns=object(), group=None)
     forged = [(b"x-slotkeeper-forwarded", R1.encode()), (HOPS.encode(), b"2"),
               (b"x-slotkeeper-sent-at", b"1800000000"), (b"x-slotkeeper-signature", b"00" * 32)]
@@ -412,7 +391,7 @@ async def test_defect6_a_forged_set_of_forwarding_headers_routes_as_none(two_rep
         after = await one.run(session)
         assert after is not None and after.local
     finally:
-        await replicas.aclose()
+        await forwarding.aclose()
 
 
 # -- defects 7, 8, 11: leases and the directory's time bound --------------------------------------------------------
@@ -420,10 +399,7 @@ async def test_defect6_a_forged_set_of_forwarding_headers_routes_as_none(two_rep
 
 async def test_defect7_a_turn_longer_than_the_idle_window_keeps_its_lease(redis_server: RedisServer) -> None:
     running = {"long": True}
-    one = Replica(R1, redis_server.url, [B1])
-    unchecked, one.directory = one.directory, type(one.directory)(
-        redis_server.url, R1, one.directory._local, 1.25, running=lambda _m, s: running.get(s, False))
-    await unchecked.close()
+    one = Replica(R1, redis_server.url, [B1], running=lambda _m, s: running.get(s, False))
     try:
         assert await one.directory.beat()
         for session in ("long", "idle"):

@@ -10,8 +10,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,34 +23,16 @@ R1, R2 = "http://replica-1:11434", "http://replica-2:11434"
 B1, B2, B3 = "http://gpu-1:8080", "http://gpu-2:8080", "http://gpu-3:8080"
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 class Replica:
     """A Directory with backends of its own whose health a test sets."""
 
-    def __init__(self, url: str, redis_url: str, backends: list[str]) -> None:
+    def __init__(self, url: str, redis_url: str, backends: list[str], **options: Any) -> None:
         self.backends = {b: True for b in backends}
         self.directory = Directory(redis_url, url, lambda: {MODEL: [BackendView(b, up) for b, up in
-                                                                  self.backends.items()]}, 1.25)
+                                                                  self.backends.items()]}, 1.25, **options)
 
     async def run(self, session: str, ring_key: str | None = None, local_only: bool = False) -> Route | None:
         return await self.directory.route(MODEL, session, ring_key or session, local_only=local_only)
-
-
-@pytest.fixture
-async def replicas(redis_server: RedisServer) -> AsyncIterator[tuple[Replica, Replica]]:
-    one, two = Replica(R1, redis_server.url, [B1, B2]), Replica(R2, redis_server.url, [B3])
-    assert await one.directory.beat() and await two.directory.beat() and await one.directory.beat()
-    yield one, two
-    for replica in (one, two):
-        await replica.directory.close()
 
 
 async def serve(replicas: tuple[Replica, ...], entry: Replica, session: str) -> tuple[Replica, Route]:
