@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from slotkeeper.cache.bundle import BundleMeta, meta_of
-from slotkeeper.cache.chain import Link
 from slotkeeper.cache.files import file_checksum
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.version import UNVERSIONED, Version, newer
@@ -262,7 +261,7 @@ class SharedTier:
 
     # -- downloads --------------------------------------------------------------------------------------------
 
-    async def bring(self, key: SessionKey, kind: SnapshotKind, chain: list[Link] | None = None) -> Snapshot | None:
+    async def bring(self, key: SessionKey, kind: SnapshotKind) -> Snapshot | None:
         """Make the newest version of `key`'s snapshot local: from the store when its manifest's version is newer
         than this host's (after any commit of it still running here), or this host's is damaged (its check
         quarantines it) or missing. Returns the snapshot imported, or None when nothing was brought in."""
