@@ -93,6 +93,10 @@ class Settings:
     ram_dir: Path | None = None
     # None: a quarter of the machine's memory, at most 8 GiB (llama-server's own --cache-ram default); 0: no RAM dir.
     ram_budget: int | None = None
+    # Tokens per KV block of the block store (cache/blockstore.py): each saved state is kept as blocks of this many
+    # tokens' KV, each stored once however many states share it, plus a tail. 0 (for now the default, until the
+    # shared tier stores blocks too): every state kept as one whole file.
+    block_tokens: int = 0
     # Requests allowed to wait for a slot; one more is answered 503 in the client's dialect (0: unbounded).
     max_queue: int = 64
     # Seconds to wait for a save, restore or erase (the backend defers them while the slot is busy).
@@ -212,6 +216,8 @@ class Settings:
         return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
     def validate(self) -> None:
+        if self.block_tokens != 0 and not 16 <= self.block_tokens <= 4096:
+            raise ValueError(f"--block-tokens must be 0 (off) or 16-4096 tokens, not {self.block_tokens}")
         if self.directory is not None and not re.fullmatch(r"(redis|rediss|unix)://.+", self.directory):
             raise ValueError(f"the directory must look like redis://HOST:PORT/DB, not {self.directory!r}")
         if self.replica_url is not None and not re.fullmatch(r"https?://[^/]+", self.replica_url):
@@ -482,6 +488,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "ctx_size": int,
     "parallel": int,
     "min_restore_tokens": int,
+    "block_tokens": int,
     "max_queue": int,
     "cache_ram_mib": int,
     "save_idle_seconds": float,
@@ -518,7 +525,8 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
 _SECRETS = frozenset({"api_key", "admin_key", "replica_secret"})
 # What a TOML value may be, per setting (default: a string).
 _FILE_TYPES: dict[str, tuple[type, ...]] = {
-    **{name: (int,) for name in ("port", "ctx_size", "parallel", "min_restore_tokens", "max_queue", "cache_ram_mib",
+    **{name: (int,) for name in ("port", "ctx_size", "parallel", "min_restore_tokens", "block_tokens", "max_queue",
+                                 "cache_ram_mib",
                                  "max_body_bytes")},
     **{name: (int, float) for name in ("save_idle_seconds", "slot_op_timeout", "upstream_read_timeout",
                                        "backend_wait_seconds", "start_timeout", "shutdown_timeout",

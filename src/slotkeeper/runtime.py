@@ -49,7 +49,8 @@ class RunningBackend:
         make_private_dir(settings.cache_dir)
         slot_dir = settings.effective_slot_dir()
         ram = open_ram_dir(settings, slot_dir)
-        snapshots = await asyncio.to_thread(Snapshots.open, slot_dir, settings.index_path, ram)
+        snapshots = await asyncio.to_thread(Snapshots.open, slot_dir, settings.index_path, ram,
+                                            settings.block_tokens)
         try:
             started = await start_backend(settings, slot_dir, None if ram is None else ram.path)
         except BaseException:

@@ -105,6 +105,8 @@ class Snapshot:
     n_prompt: int = 0
     # The saved state's version (cache/version.py): which of two copies of it is newer.
     version: Version = UNVERSIONED
+    # Bytes of the state's tail when it is kept as KV blocks and a tail (cache/blockstore.py); 0: kept whole.
+    tail_bytes: int = 0
 
     @property
     def owed_tokens(self) -> int:

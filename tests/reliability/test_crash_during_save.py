@@ -17,11 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from slotkeeper.cache.blockstore import BlockStore
 from slotkeeper.cache.store import file_checksum
-from tests.support import Backend, Slotkeeper, chat, words
+from tests.support import Backend, Slotkeeper, chat, wait_until, words
 
 pytestmark = pytest.mark.backend
 KILLS = 50
+BLOCK_TOKENS = 16
 SESSIONS = ["a", "b", "c"]
 _TEMP = re.compile(r"^[0-9a-f]{40}\.tmp-[0-9a-f]{8}\.bin$")
 
@@ -46,6 +48,16 @@ def _assert_index_consistent(cache_dir: Path, slot_dir: Path, ram: Path | None =
     whatever its name in the RAM dir resolves to; returns session -> checksum for the sessions."""
     good = {}
     for row in _index(cache_dir):
+        if row["tail_bytes"]:  # kept as KV blocks and a tail: its blocks assemble into the indexed file
+            assembled = slot_dir.parent / "assembled.bin"
+            n_bytes, checksum = BlockStore(slot_dir, BLOCK_TOKENS).assemble(row["filename"], assembled)
+            assert n_bytes == row["n_bytes"] == assembled.stat().st_size, f"torn state: {row['filename']}"
+            assert file_checksum(assembled) == checksum == row["checksum"], f"bad blocks: {row['filename']}"
+            assembled.unlink()
+            assert row["n_tokens"] > 0
+            if row["kind"] == "session":
+                good[row["session_id"]] = row["checksum"]
+            continue
         path = slot_dir / row["filename"]
         assert path.is_file() and not path.is_symlink(), f"indexed file missing: {row['filename']}"
         assert path.stat().st_size == row["n_bytes"], f"torn file in the index: {row['filename']}"
@@ -58,11 +70,12 @@ def _assert_index_consistent(cache_dir: Path, slot_dir: Path, ram: Path | None =
     return good
 
 
-@pytest.fixture(params=["slot-dir", "ram-dir"])
+@pytest.fixture(params=["slot-dir", "ram-dir", "blocks"])
 def save_dirs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Path, Path | None]]:
     """(the backend's --slot-save-path, the RAM dir or None): the backend saves into the slot dir, or into a RAM dir
-    on tmpfs whose saves slotkeeper copies to the slot dir (cache/ramdir.py)."""
-    if request.param == "slot-dir":
+    on tmpfs whose saves slotkeeper copies to the slot dir (cache/ramdir.py); with "blocks", into the slot dir, kept
+    as KV blocks and tails (cache/blockstore.py)."""
+    if request.param in ("slot-dir", "blocks"):
         yield tmp_path / "slots", None
         return
     ram = Path(tempfile.mkdtemp(prefix="slotkeeper-test-ram-", dir="/dev/shm"))
@@ -73,11 +86,13 @@ def save_dirs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[
 
 
 def test_kill_9_at_random_points_of_saving(tmp_path: Path, tiny_model: Path,
-                                           save_dirs: tuple[Path, Path | None]) -> None:
+                                           save_dirs: tuple[Path, Path | None], request: pytest.FixtureRequest) -> None:
     backend_dir, ram = save_dirs
+    blocks = request.node.callspec.params["save_dirs"] == "blocks"
     backend = Backend("binary", tiny_model, backend_dir, tmp_path / "backend.log", cache_ram=0).start()
     slot_dir = tmp_path / "slots"  # where the snapshots are kept, either way
-    kills = KILLS if ram is None else KILLS // 2
+    kills = KILLS if ram is None and not blocks else KILLS // 2
+    block_args = ("--block-tokens", str(BLOCK_TOKENS)) if blocks else ()
     cache = tmp_path / "cache"
     rng = random.Random(2026)
     history = {s: [{"role": "system", "content": f"session {s} " + words(400, i)}] for i, s in enumerate(SESSIONS)}
@@ -86,11 +101,14 @@ def test_kill_9_at_random_points_of_saving(tmp_path: Path, tiny_model: Path,
     try:
         for _kill in range(kills):
             keeper = Slotkeeper(cache, tmp_path / "slotkeeper.log", backend,
-                                extra_args=("--save-idle-seconds", "0", "--min-restore-tokens", "0"),
+                                extra_args=("--save-idle-seconds", "0", "--min-restore-tokens", "0", *block_args),
                                 disk_slot_dir=None if ram is None else slot_dir).start()
             # Right after a start, the previous run's leftovers are gone (reconcile) and the index is consistent.
             assert not _temporaries(slot_dir, ram)
             _assert_index_consistent(cache, slot_dir, ram)
+            if blocks:  # no block store temporary survives a start (the sweep after it, in the background)
+                assert wait_until(lambda: not [p for p in slot_dir.rglob(".*") if p.is_file()], timeout=20,
+                                  interval=0.1)
 
             def drive(client_url: str = keeper.url) -> None:
                 with httpx.Client(base_url=client_url, timeout=30) as client:
@@ -111,7 +129,7 @@ def test_kill_9_at_random_points_of_saving(tmp_path: Path, tiny_model: Path,
             _assert_index_consistent(cache, slot_dir, ram)  # even right after the kill, before any repair
             assert backend.alive()
 
-        keeper = Slotkeeper(cache, tmp_path / "slotkeeper.log", backend,
+        keeper = Slotkeeper(cache, tmp_path / "slotkeeper.log", backend, extra_args=block_args,
                             disk_slot_dir=None if ram is None else slot_dir).start()
         good = _assert_index_consistent(cache, slot_dir, ram)
         # A session whose save was logged as complete has a snapshot (a kill after the commit but before the log
@@ -128,6 +146,8 @@ def test_kill_9_at_random_points_of_saving(tmp_path: Path, tiny_model: Path,
         assert backend.alive()
         keeper.stop()
         saves = len(re.findall(r"saved slot \d+ as ", keeper.log_text()))
+        if blocks:
+            assert list(slot_dir.glob("*.tail")) and not list(slot_dir.glob("*.bin"))
         print(f"{kills} kills, {saves} completed saves, {temporaries_seen} leftover temporaries reconciled")
     finally:
         if keeper is not None:

@@ -164,15 +164,16 @@ def read_gguf_metadata(path: Path) -> dict[str, Any]:
     return out
 
 
-def has_checkpoint_appendix(path: Path) -> bool:
+def has_checkpoint_appendix(path: Path, end: int | None = None) -> bool:
     """Whether a slot file ends with a context-checkpoint appendix: the magic and version, a count, then per
-    checkpoint a u64 token count, two i32 positions and three u64-length blobs, ending exactly at the file's end."""
+    checkpoint a u64 token count, two i32 positions and three u64-length blobs, ending exactly at the file's end
+    (or at `end`, where a block store's tail ends the slot file's bytes)."""
     with path.open("rb") as fh:
-        size = fh.seek(0, 2)
+        size = fh.seek(0, 2) if end is None else end
         if size < 16:
             return False
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            at = data.rfind(_CHECKPOINT_MAGIC)
+            at = data.rfind(_CHECKPOINT_MAGIC, 0, size)
             while at > 0:
                 if _appendix_ends_at(data, at + len(_CHECKPOINT_MAGIC), size):
                     return True

@@ -4,7 +4,7 @@ build number says nothing for builds from source), and handing what is learned t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from slotkeeper.cache.capability import has_checkpoint_appendix
@@ -19,9 +19,9 @@ class CheckpointEvidence:
     """A file with the checkpoint appendix says the build keeps them. A file without one says it does not only when
     the slot surely had checkpoints when it was saved: its prompt-end step had just rolled back to one."""
 
-    def __init__(self, policy: RestorePolicy, slot_dir: Path) -> None:
+    def __init__(self, policy: RestorePolicy, where: Callable[[Snapshot], tuple[Path, int | None]]) -> None:
         self._policy = policy
-        self._slot_dir = slot_dir
+        self._where = where  # the file holding a state's appendix, and where its slot file's bytes end in it
         self._rolled_back: set[SessionKey] = set()
         self._inspections_left = _INSPECTIONS
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -53,7 +53,7 @@ class CheckpointEvidence:
                 return  # a file without them proves nothing: scanning big files for nothing is not worth it
             self._inspections_left -= 1
         try:
-            seen = has_checkpoint_appendix(self._slot_dir / snapshot.filename)
+            seen = has_checkpoint_appendix(*self._where(snapshot))
         except OSError:
             return
         loop = self._loop
@@ -69,7 +69,7 @@ class CheckpointEvidence:
             if n >= limit:
                 return
             try:
-                if has_checkpoint_appendix(self._slot_dir / snapshot.filename):
+                if has_checkpoint_appendix(*self._where(snapshot)):
                     self._policy.learned(self._policy.capability.with_checkpoints(True))
                     return
             except OSError:

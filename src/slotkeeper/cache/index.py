@@ -40,6 +40,7 @@ CREATE TABLE IF NOT EXISTS snapshots (
     n_blocks    INTEGER NOT NULL DEFAULT -1,
     fence       INTEGER NOT NULL DEFAULT 0,
     stamp       INTEGER NOT NULL DEFAULT 0,
+    tail_bytes  INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (model, session_id, kind)
 );
 CREATE TABLE IF NOT EXISTS chains (
@@ -58,6 +59,12 @@ CREATE TABLE IF NOT EXISTS blocks (
     PRIMARY KEY (filename, position)
 );
 CREATE INDEX IF NOT EXISTS blocks_by_digest ON blocks (digest);
+CREATE TABLE IF NOT EXISTS kv_refs (
+    filename    TEXT NOT NULL,
+    key         TEXT NOT NULL,
+    PRIMARY KEY (filename, key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS kv_refs_by_key ON kv_refs (key);
 CREATE TABLE IF NOT EXISTS file_identities (
     path        TEXT NOT NULL,
     size        INTEGER NOT NULL,
@@ -68,7 +75,7 @@ CREATE TABLE IF NOT EXISTS file_identities (
 """
 _COLUMNS = (
     "model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned,"
-    " n_prompt, fence, stamp"
+    " n_prompt, fence, stamp, tail_bytes"
 )
 _S_COLUMNS = ", ".join("s." + c.strip() for c in _COLUMNS.split(","))
 # Candidates are the states of every kind (conversations, system parts, side tasks): the tokens decide, not the kind.
@@ -106,6 +113,8 @@ class SnapshotIndex:
         if "fence" not in columns:  # an index from before versions (0, 0: older than every versioned state)
             self._db.execute("ALTER TABLE snapshots ADD COLUMN fence INTEGER NOT NULL DEFAULT 0")
             self._db.execute("ALTER TABLE snapshots ADD COLUMN stamp INTEGER NOT NULL DEFAULT 0")
+        if "tail_bytes" not in columns:  # an index from before the block store (0: every state kept whole)
+            self._db.execute("ALTER TABLE snapshots ADD COLUMN tail_bytes INTEGER NOT NULL DEFAULT 0")
         # Side tasks' states were conversations' rows under reserved ids before they became a kind of their own.
         self._db.execute("UPDATE snapshots SET kind = 'side' WHERE kind = 'session' AND session_id GLOB"
                          " '~side-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*'")
@@ -125,7 +134,8 @@ class SnapshotIndex:
     def replace(self, key: SessionKey, kind: SnapshotKind, filename: str, fingerprint: str, n_tokens: int,
                 n_bytes: int, checksum: str, chain: Sequence[Link] = (),
                 n_prompt: int = 0, blocks: Sequence[int] | None = None, version: Version | None = None,
-                fence: int | None = None) -> tuple[Snapshot | None, Snapshot]:
+                fence: int | None = None, tail_bytes: int = 0,
+                kv_keys: Sequence[str] = ()) -> tuple[Snapshot | None, Snapshot]:
         """Index `filename` as the key's snapshot, with its chain and its token blocks (tokens.py; None: its tokens
         could not be read), in one transaction; returns the row it replaced (its file is now the caller's to remove)
         and the new one. The replaced row's `created` and `hits` carry over.
@@ -143,15 +153,18 @@ class SnapshotIndex:
                                    f"({previous.version}): it is not taken")
             self._db.execute(
                 "INSERT INTO snapshots (model, session_id, kind, filename, fingerprint, n_tokens, n_bytes, checksum,"
-                " created, last_used, hits, n_prompt, n_blocks, fence, stamp)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?)"
+                " created, last_used, hits, n_prompt, n_blocks, fence, stamp, tail_bytes)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?)"
                 " ON CONFLICT(model, session_id, kind) DO UPDATE SET filename=excluded.filename,"
                 " fingerprint=excluded.fingerprint, n_tokens=excluded.n_tokens, n_bytes=excluded.n_bytes,"
                 " checksum=excluded.checksum, last_used=excluded.last_used, n_prompt=excluded.n_prompt,"
-                " n_blocks=excluded.n_blocks, fence=excluded.fence, stamp=excluded.stamp",
+                " n_blocks=excluded.n_blocks, fence=excluded.fence, stamp=excluded.stamp,"
+                " tail_bytes=excluded.tail_bytes",
                 (key.model, key.session_id, str(kind), filename, fingerprint, n_tokens, n_bytes, checksum, now, now,
-                 max(n_prompt, 0), 0 if blocks is None else len(blocks), version.fence, version.stamp),
+                 max(n_prompt, 0), 0 if blocks is None else len(blocks), version.fence, version.stamp, tail_bytes),
             )
+            self._db.executemany("INSERT OR IGNORE INTO kv_refs (filename, key) VALUES (?, ?)",
+                                 [(filename, k) for k in kv_keys])
             self._db.executemany(
                 "INSERT INTO chains (filename, position, digest, chars) VALUES (?, ?, ?, ?)",
                 [(filename, i, link.digest, link.chars) for i, link in enumerate(chain)],
@@ -185,6 +198,36 @@ class SnapshotIndex:
         with self._lock:
             self._db.execute("DELETE FROM chains WHERE filename NOT IN (SELECT filename FROM snapshots)")
             self._db.execute("DELETE FROM blocks WHERE filename NOT IN (SELECT filename FROM snapshots)")
+
+    # -- KV blocks (blockstore.py): which states name which blocks -----------------------------------------------
+
+    def unref(self, filename: str) -> list[str]:
+        """Forget which blocks a removed state named; returns their keys (the store collects those no state names)."""
+        with self._lock, self._transaction():
+            keys = [k for (k,) in self._db.execute("SELECT key FROM kv_refs WHERE filename=?", (filename,))]
+            self._db.execute("DELETE FROM kv_refs WHERE filename=?", (filename,))
+        return keys
+
+    def referenced(self, keys: Sequence[str]) -> set[str]:
+        """The keys among `keys` that some state names."""
+        found: set[str] = set()
+        with self._lock:
+            for k in keys:
+                if self._db.execute("SELECT 1 FROM kv_refs WHERE key=? LIMIT 1", (k,)).fetchone() is not None:
+                    found.add(k)
+        return found
+
+    def orphan_refs(self) -> list[str]:
+        """Drop the block references of states whose row is gone (a crash between the two); returns their keys."""
+        with self._lock, self._transaction():
+            keys = [k for (k,) in self._db.execute(
+                "SELECT DISTINCT key FROM kv_refs WHERE filename NOT IN (SELECT filename FROM snapshots)")]
+            self._db.execute("DELETE FROM kv_refs WHERE filename NOT IN (SELECT filename FROM snapshots)")
+        return keys
+
+    def all_referenced(self) -> set[str]:
+        with self._lock:
+            return {k for (k,) in self._db.execute("SELECT DISTINCT key FROM kv_refs")}
 
     def set_blocks(self, filename: str, blocks: Sequence[int] | None) -> None:
         """The token blocks of a state indexed before blocks existed (None: its tokens could not be read)."""
@@ -364,6 +407,6 @@ class SnapshotIndex:
 def _snapshot(row: Sequence[Any]) -> Snapshot:
     """An index row (the columns of _COLUMNS, in order) as a Snapshot."""
     (model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned,
-     n_prompt, fence, stamp) = row
+     n_prompt, fence, stamp, tail_bytes) = row
     return Snapshot(model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits,
-                    SnapshotKind(kind), bool(pinned), int(n_prompt), Version(int(fence), int(stamp)))
+                    SnapshotKind(kind), bool(pinned), int(n_prompt), Version(int(fence), int(stamp)), int(tail_bytes))

@@ -121,7 +121,7 @@ class SlotPool:
         self.token_lookups = 0
         self.token_lookup_ms = 0.0
         self.policy = RestorePolicy(capability or Capability("", ArchKind.UNKNOWN, None))
-        self._evidence = CheckpointEvidence(self.policy, snapshots.slot_dir)
+        self._evidence = CheckpointEvidence(self.policy, snapshots.appendix_extent)
         self.events = CacheEvents()
         # The one holder of the snapshots: the pool saves and looks up through it, and so does the web layer.
         self.snapshots = snapshots

@@ -68,6 +68,15 @@ class Restorer:
         Only a file the backend refuses as invalid twice, the second time into the slot the first attempt emptied
         (so lack of room in the KV cache is ruled out), is quarantined: the file passed our own checks, and any other
         failure (a busy or loading backend, a 500) says nothing about it."""
+        if not await self._snapshots.materialize(snapshot):
+            self.failed_restores += 1
+            return None
+        try:
+            return await self._restore_action(slot_id, snapshot)
+        finally:
+            await self._snapshots.restored(snapshot)
+
+    async def _restore_action(self, slot_id: int, snapshot: Snapshot) -> SlotActionResult | None:
         for attempt in (1, 2):
             try:
                 return await self._client.slot_action(slot_id, "restore", snapshot.filename)

@@ -34,6 +34,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from slotkeeper.cache.blockstore import DamagedState
 from slotkeeper.cache.budget import DiskBudget, SnapshotId
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
@@ -108,10 +109,10 @@ class Snapshots:
         self._gone_lock = threading.Lock()  # budget enforcement runs in worker threads, several at once
 
     @classmethod
-    def open(cls, slot_dir: Path, index_path: Path, ram: RamDir | None = None) -> Snapshots:
+    def open(cls, slot_dir: Path, index_path: Path, ram: RamDir | None = None, block_tokens: int = 0) -> Snapshots:
         """Blocking (run it in a worker thread): make the directories, open the index, and drop what a crash left
-        behind (reconcile)."""
-        store = SnapshotStore(slot_dir, index_path, ram)
+        behind (reconcile). `block_tokens` > 0: saves are kept as KV blocks of that many tokens and a tail."""
+        store = SnapshotStore(slot_dir, index_path, ram, block_tokens)
         try:
             store.reconcile()
         except BaseException:
@@ -399,7 +400,23 @@ class Snapshots:
         done = 0
         while added := await asyncio.to_thread(self._store.fill_blocks):
             done += added
+        swept = await asyncio.to_thread(self._store.sweep_blocks)
+        if swept:
+            log.info("removed %d KV blocks no saved state names (left by a crash)", swept)
         return done
+
+    def appendix_extent(self, snapshot: Snapshot) -> tuple[Path, int | None]:
+        """Blocking: the file where a state's slot file ends (its tail when kept as blocks), and that end."""
+        return self._store.appendix_extent(snapshot)
+
+    async def materialize(self, snapshot: Snapshot) -> bool:
+        """Before a restore: the state's whole file ready for the backend (assembled from its blocks when it is
+        kept as blocks); False when it cannot be (quarantined; the turn runs cold). Pair with `restored`."""
+        return await asyncio.to_thread(self._store.materialize, snapshot)
+
+    async def restored(self, snapshot: Snapshot) -> None:
+        """After a restore `materialize` prepared (whatever came of it)."""
+        await asyncio.to_thread(self._store.restored, snapshot)
 
     async def tokens_of(self, snapshot: Snapshot) -> Tokens | None:
         """The tokens a saved state holds (None: its file is not one this code reads)."""
@@ -568,9 +585,12 @@ class Snapshots:
             if snapshot is None:
                 return None
             try:
-                handle = await asyncio.to_thread(open, self._store.slot_dir / snapshot.filename, "rb")
+                handle = await asyncio.to_thread(self._store.open_whole, snapshot)
             except FileNotFoundError:
                 continue
+            except DamagedState as exc:
+                await asyncio.to_thread(self._store.quarantine, snapshot, f"it cannot be assembled: {exc}")
+                return None
             chain = await asyncio.to_thread(self._store.chain_of, snapshot)
             return snapshot, chain, handle
         return None

@@ -18,11 +18,13 @@ import sqlite3
 import stat
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
+from slotkeeper.cache.blockstore import TAIL_SUFFIX, BlockStore, DamagedState, Split
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.files import copy_durably, fsync_dir, make_private_dir, unlink_quietly
@@ -41,6 +43,9 @@ log = logging.getLogger("slotkeeper.store")
 # Our own names: 40 hex digits, a dash and a nonce; temporaries carry `.tmp-<nonce>` before `.bin`.
 _FINAL_NAME = re.compile(r"^[0-9a-f]{40}-[0-9a-f]{8}\.bin$")
 _TEMP_NAME = re.compile(r"^[0-9a-f]{40}\.tmp-[0-9a-f]{8}\.bin$")
+# The block store's temporaries in the slot dir: a tail being written, a file being assembled, an export's copy.
+_BLOCK_TEMP_NAME = re.compile(r"^\.((tmp|assembling)-[0-9a-f]{8}-[0-9a-f]{40}-[0-9a-f]{8}\.bin(\.tail)?"
+                              r"|export-[0-9a-f]{8}\.bin)$")
 # A sidecar a patched llama-server may write next to a slot file (context checkpoints): it lives and dies with it.
 SIDECAR_SUFFIXES = (".ckpt",)
 QUARANTINE_DIR = "quarantine"
@@ -80,9 +85,12 @@ class SnapshotStore:
     """Owns the files the index rows name, and the index: nothing else writes its rows. Thread-safe: the index locks
     its connection, and no file operation needs to hold that lock; callers run it off the event loop."""
 
-    def __init__(self, slot_dir: Path, index_path: Path, ram: RamDir | None = None) -> None:
+    def __init__(self, slot_dir: Path, index_path: Path, ram: RamDir | None = None, block_tokens: int = 0) -> None:
         self.slot_dir = slot_dir
         self.ram = ram
+        self.blocks = BlockStore(slot_dir, block_tokens)
+        self._assembled: Counter[str] = Counter()  # whole files assembled in the slot dir for restores under way
+        self._assembled_lock = threading.Lock()
         make_private_dir(slot_dir)
         make_private_dir(index_path.parent)
         self._index = SnapshotIndex(index_path)
@@ -139,7 +147,17 @@ class SnapshotStore:
         in_ram = self.ram is not None and self.ram.in_ram(temp_name)
         # Read before the copy, from where the backend wrote it (the RAM dir's copy is memory; the slot dir's file
         # is in the page cache still): a state whose tokens cannot be read is kept whole, found by its chain only.
-        tokens = read_tokens((self.ram.path if in_ram and self.ram is not None else self.slot_dir) / temp_name)
+        source = (self.ram.path if in_ram and self.ram is not None else self.slot_dir) / temp_name
+        tokens = read_tokens(source)
+        try:
+            split = self._split(source, final_name, tokens, fingerprint, n_written)
+        except OSError as exc:
+            self.discard_temp(temp_name)
+            self.blocks.remove_tail(final_name)
+            raise SnapshotError(f"could not store the blocks of the snapshot of {key}: {exc}") from exc
+        if split is not None:
+            return self._commit_split(key, kind, temp_name, final_name, fingerprint, n_tokens, split, in_ram,
+                                      chain, n_prompt, tokens, version, fence)
         try:
             if in_ram:
                 n_bytes, checksum = self._copy_from_ram(temp_name, final_name, n_written)
@@ -172,6 +190,52 @@ class SnapshotStore:
             self._unlink_snapshot_files(previous.filename)
         if in_ram:
             self.trim_ram()
+        return snapshot
+
+    def _split(self, source: Path, final_name: str, tokens: Tokens | None, fingerprint: str,
+               n_written: int | None) -> Split | None:
+        """Store a save as KV blocks and a tail (blockstore.py); None when it is kept whole."""
+        if self.blocks.block_tokens <= 0:
+            return None
+        _check_size(source.stat().st_size, n_written)
+        return self.blocks.split(source, final_name, tokens, fingerprint)
+
+    def _commit_split(self, key: SessionKey, kind: SnapshotKind, temp_name: str, final_name: str, fingerprint: str,
+                      n_tokens: int, split: Split, in_ram: bool, chain: Sequence[Link], n_prompt: int,
+                      tokens: Tokens | None, version: Version | None, fence: int | None) -> Snapshot:
+        """Index a save stored as blocks and a tail; the file the backend wrote stays only as the RAM dir's copy."""
+        n_bytes = split.cut.layout.file_size
+        try:
+            if self.ram is not None:
+                self.ram.saw(n_bytes)
+                if in_ram and split.exact:
+                    try:
+                        self.ram.keep_copy(temp_name, final_name, split.checksum)
+                    except OSError as exc:
+                        log.warning("keeping a RAM copy of %s failed (%s): it is assembled from blocks", final_name,
+                                    exc)
+                        self.ram.remove(temp_name)
+                else:
+                    self.ram.remove(temp_name)
+            unlink_quietly(self.slot_dir / temp_name)
+            blocks = None if tokens is None else block_hashes(tokens)
+            try:
+                previous, snapshot = self._index.replace(
+                    key, kind, final_name, fingerprint, n_tokens, n_bytes, split.checksum, chain, n_prompt, blocks,
+                    version, fence, tail_bytes=split.tail_bytes, kv_keys=split.keys)
+            except OlderVersion:
+                self._unlink_snapshot_files(final_name)
+                raise
+        finally:
+            self.blocks.release(split.keys)
+        if tokens is not None:
+            self._tokens.put(final_name, tokens)
+        if previous is not None and previous.filename != final_name:
+            self._unlink_snapshot_files(previous.filename)
+        if in_ram:
+            self.trim_ram()
+        log.debug("stored %s as %d blocks (%d bytes new) and a tail of %d bytes", final_name, len(split.keys),
+                  split.new_block_bytes, split.tail_bytes)
         return snapshot
 
     def _finish_on_disk(self, temp_name: str, final_name: str, n_written: int | None) -> tuple[int, str]:
@@ -290,6 +354,8 @@ class SnapshotStore:
         path = self.slot_dir / snapshot.filename
         if self.ram is not None and self.ram.in_ram(snapshot.filename):
             path = self.ram.path / snapshot.filename
+        elif snapshot.tail_bytes:
+            path = self.blocks.tail_path(snapshot.filename)  # a tail starts as its file did: header, then tokens
         tokens = read_tokens(path)
         if tokens is not None:
             self._tokens.put(snapshot.filename, tokens)
@@ -328,6 +394,12 @@ class SnapshotStore:
             return None
         if self.ram is not None and self.ram.intact_copy(snapshot.filename, snapshot.n_bytes, snapshot.checksum):
             return snapshot
+        if snapshot.tail_bytes:
+            reason = self._tail_problem(snapshot)
+            if reason is None:
+                return snapshot  # its file is assembled from blocks when it is restored (materialize)
+            self.quarantine(snapshot, reason)
+            return None
         reason = self._problem(snapshot, self.slot_dir / snapshot.filename)
         if reason is not None:
             self.quarantine(snapshot, reason)
@@ -356,6 +428,88 @@ class SnapshotStore:
         self.hashes.remember(snapshot.filename, identity, snapshot.checksum)
         return None
 
+    def _tail_problem(self, snapshot: Snapshot) -> str | None:
+        """Why a state kept as blocks cannot be assembled, as far as its tail tells (its blocks are checked as they
+        are read); None when it can. The tail is read again only when its stat identity moved."""
+        name = snapshot.filename + TAIL_SUFFIX
+        path = self.slot_dir / name
+        try:
+            st, identity = read_identity(path)
+        except FileNotFoundError:
+            return "its tail is missing"
+        if not stat.S_ISREG(st.st_mode):
+            return "its tail is not a regular file"
+        if self.hashes.checksum(name, identity) == snapshot.checksum:
+            return None
+        try:
+            manifest = self.blocks.manifest(snapshot.filename)
+            self.blocks.read_tail(manifest, snapshot.filename)
+        except (DamagedState, OSError) as exc:
+            return str(exc)
+        if manifest.checksum != snapshot.checksum or manifest.cut.layout.file_size != snapshot.n_bytes:
+            return "its tail belongs to another save"
+        self.hashes.remember(name, identity, snapshot.checksum)
+        return None
+
+    def materialize(self, snapshot: Snapshot) -> bool:
+        """Make the state's whole file ready for the backend to restore by its name in backend_dir: a state kept as
+        blocks is assembled there (every block checked as it is read), unless the RAM dir holds an intact copy.
+        False when it cannot be (the state is quarantined and the turn runs cold). Pair with `restored`."""
+        if not snapshot.tail_bytes:
+            return True
+        if self.ram is not None and self.ram.intact_copy(snapshot.filename, snapshot.n_bytes, snapshot.checksum):
+            return True
+        with self._assembled_lock:
+            self._assembled[snapshot.filename] += 1
+            if self.ram is None and self._assembled[snapshot.filename] > 1 and \
+                    (self.slot_dir / snapshot.filename).is_file():
+                return True  # another restore assembled it a moment ago and has not finished with it
+        target = self.backend_dir / snapshot.filename
+        try:
+            _, checksum = self.blocks.assemble(snapshot.filename, target)
+        except (DamagedState, OSError) as exc:
+            self.restored(snapshot)
+            if isinstance(exc, DamagedState) and exc.block is not None:
+                self.blocks.forget_damaged(exc.block)
+            self.quarantine(snapshot, f"it cannot be assembled from its blocks: {exc}")
+            return False
+        if self.ram is not None:
+            _, identity = read_identity(target)
+            self.ram.hashes.remember(snapshot.filename, identity, checksum)
+            self.trim_ram()
+        return True
+
+    def restored(self, snapshot: Snapshot) -> None:
+        """A restore `materialize` prepared is over: the whole file assembled in the slot dir goes (a RAM dir keeps
+        its copy, within its budget)."""
+        if not snapshot.tail_bytes or self.ram is not None:
+            return
+        with self._assembled_lock:
+            self._assembled[snapshot.filename] -= 1
+            if self._assembled[snapshot.filename] > 0:
+                return
+            del self._assembled[snapshot.filename]
+            unlink_quietly(self.slot_dir / snapshot.filename)
+
+    def open_whole(self, snapshot: Snapshot) -> BinaryIO:
+        """The state's whole file, open for reading (a state kept as blocks is assembled into a temporary file that
+        is gone when it is closed). FileNotFoundError when it is gone; DamagedState when it cannot be assembled."""
+        if not snapshot.tail_bytes:
+            return (self.slot_dir / snapshot.filename).open("rb")
+        temp = self.slot_dir / f".export-{secrets.token_hex(4)}.bin"
+        self.blocks.assemble(snapshot.filename, temp)
+        try:
+            return temp.open("rb")
+        finally:
+            unlink_quietly(temp)
+
+    def appendix_extent(self, snapshot: Snapshot) -> tuple[Path, int | None]:
+        """Where the state's slot file ends with its checkpoint appendix, if any: the file and its end (a tail's
+        bytes end where the original file ended; its manifest follows)."""
+        if not snapshot.tail_bytes:
+            return self.slot_dir / snapshot.filename, None
+        return self.blocks.tail_path(snapshot.filename), snapshot.tail_bytes
+
     def quarantine(self, snapshot: Snapshot, reason: str) -> None:
         """Drop the index row and move the file aside so it is never handed to the backend again."""
         self._index.drop(snapshot.filename)
@@ -363,6 +517,10 @@ class SnapshotStore:
         if self.ram is not None:
             self.ram.remove(snapshot.filename)
         source = self.slot_dir / snapshot.filename
+        if snapshot.tail_bytes:
+            unlink_quietly(source)  # an assembled copy
+            self._collect(snapshot.filename)
+            source = self.blocks.tail_path(snapshot.filename)
         if source.exists() or source.is_symlink():
             target_dir = self.slot_dir / QUARANTINE_DIR
             make_private_dir(target_dir)
@@ -456,14 +614,31 @@ class SnapshotStore:
 
     def _unlink_snapshot_files(self, filename: str) -> None:
         self.hashes.forget(filename)
+        self.hashes.forget(filename + TAIL_SUFFIX)
         self._tokens.drop(filename)
         if self.ram is not None:
             self.ram.remove(filename)
         unlink_quietly(self.slot_dir / filename)
+        self.blocks.remove_tail(filename)
+        self._collect(filename)
         for suffix in SIDECAR_SUFFIXES:
             sidecar = self.slot_dir / (filename + suffix)
             if sidecar.exists():
                 unlink_quietly(sidecar)
+
+    def _collect(self, filename: str) -> None:
+        """The blocks only a removed state named go with it."""
+        keys = self._index.unref(filename)
+        if keys:
+            self.blocks.collect(keys, self._index.referenced)
+
+    def sweep_blocks(self) -> int:
+        """At start, in a worker thread: remove blocks no state names (a save that crashed before its commit, a
+        removal that crashed before its blocks went) and block temporaries; returns how many blocks went."""
+        orphans = self._index.orphan_refs()
+        stored = self.blocks.stored_keys()
+        unnamed = (stored - self._index.all_referenced()) | set(orphans)
+        return self.blocks.collect(unnamed, self._index.referenced)
 
     def reconcile(self) -> ReconcileReport:
         """At start: remove our leftover temporaries and unindexed files, and rows whose file is gone.
@@ -472,10 +647,13 @@ class SnapshotStore:
         """
         indexed = self._index.filenames()
         temps = orphans = 0
+        tails = {name for name in indexed if (self.slot_dir / (name + TAIL_SUFFIX)).is_file()}
         for entry in os.scandir(self.slot_dir):
-            if _TEMP_NAME.match(entry.name):
+            if _TEMP_NAME.match(entry.name) or _BLOCK_TEMP_NAME.match(entry.name):
                 unlink_quietly(Path(entry.path))
                 temps += 1
+            elif entry.name in tails and entry.is_file(follow_symlinks=False):
+                unlink_quietly(Path(entry.path))  # a whole file assembled for a restore that never finished
             elif _unindexed_own_file(entry.name, indexed):
                 unlink_quietly(Path(entry.path))
                 orphans += 1
@@ -484,7 +662,7 @@ class SnapshotStore:
         self._index.drop_orphan_chains()
         dropped = 0
         for name in indexed:
-            if not (self.slot_dir / name).is_file():
+            if name not in tails and not (self.slot_dir / name).is_file():
                 self._index.drop(name)
                 dropped += 1
         self.trim_ram()
@@ -503,7 +681,8 @@ class SnapshotStore:
         removed = 0
         for entry in os.scandir(self.ram.path):
             name = entry.name
-            if _TEMP_NAME.match(name) or name.startswith(".link-") or (_is_final_name(name) and name not in indexed):
+            if _TEMP_NAME.match(name) or _BLOCK_TEMP_NAME.match(name) or name.startswith(".link-") or (
+                    _is_final_name(name) and name not in indexed):
                 self.ram.remove(name)
                 removed += 1
         return removed
@@ -574,6 +753,6 @@ def _check_size(n_bytes: int, n_written: int | None) -> None:
 def _unindexed_own_file(name: str, indexed: set[str]) -> bool:
     """A snapshot file of our naming, or its sidecar, that no index row names."""
     base = name
-    for suffix in SIDECAR_SUFFIXES:
+    for suffix in (*SIDECAR_SUFFIXES, TAIL_SUFFIX):
         base = base.removesuffix(suffix)
     return bool(_FINAL_NAME.match(base)) and base not in indexed

@@ -213,6 +213,9 @@ def _snapshot_json(snapshot: Snapshot, hot_slot: int | None) -> dict[str, Any]:
         "model": snapshot.model,
         "file": snapshot.filename,
         "bytes": snapshot.n_bytes,
+        # "blocks": kept as KV blocks shared with other states and a tail of `tail_bytes` (cache/blockstore.py).
+        "stored_as": "blocks" if snapshot.tail_bytes else "file",
+        "tail_bytes": snapshot.tail_bytes,
         "tokens": snapshot.n_tokens,
         "fingerprint": snapshot.fingerprint,
         "created": _iso(snapshot.created),

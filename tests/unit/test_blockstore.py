@@ -1,0 +1,267 @@
+"""The block store on synthetic slot files: cutting and assembling byte for byte, blocks shared between states and
+stored once, reference counts, and every damage it must catch (a missing or damaged block, a torn tail, a crash
+between writing blocks and committing). The parser itself is tested in test_slotformat.py; here the layout is
+given."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slotkeeper.cache import blockstore as blockstore_module
+from slotkeeper.cache.blocks import Cut, block_keys, block_payload, place_block, place_tail, plan_cut, tail_pieces
+from slotkeeper.cache.blockstore import TAIL_SUFFIX, BlockStore, DamagedState
+from slotkeeper.cache.slotformat import SlotLayout, TokenRegion
+from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.cache.tokens import as_tokens
+from slotkeeper.types import SessionKey, SnapshotKind
+
+FINGERPRINT = "f" * 16
+
+
+def _file(n_cells: int, regions: list[tuple[int, int]], gap: int = 24, seed: int = 0,
+          tokens: list[int] | None = None, shared_cells: int = 0, base: np.ndarray | None = None,
+          ) -> tuple[bytes, SlotLayout, np.ndarray]:
+    """A slot-file-like buffer: a header with the token list (as llama-server writes it), then per region a gap and
+    n_outer runs of n_cells cells; returns the bytes, the layout and the tokens."""
+    rng = np.random.default_rng(seed)
+    toks = np.asarray(tokens if tokens is not None else rng.integers(0, 1000, n_cells), dtype=np.int32)
+    header = struct.pack("<III", 0x67677371, 4, toks.size) + toks.astype("<i4").tobytes()
+    out = bytearray(header)
+    layout_regions = []
+    for i, (n_outer, cell_bytes) in enumerate(regions):
+        out += rng.integers(0, 256, gap, dtype=np.uint8).tobytes()
+        data = rng.integers(0, 256, (n_outer, n_cells * cell_bytes), dtype=np.uint8)
+        if base is not None and shared_cells:
+            # The same prefix as another file: the same bytes for its first cells.
+            other = base[i]
+            data[:, :shared_cells * cell_bytes] = other[:, :shared_cells * cell_bytes]
+        layout_regions.append(TokenRegion(len(out), n_outer, cell_bytes))
+        out += data.tobytes()
+    out += b"SCKP-appendix-like-trailer"
+    return bytes(out), SlotLayout(n_cells, tuple(layout_regions), len(out)), toks
+
+
+def _regions_of(data: bytes, layout: SlotLayout) -> list[np.ndarray]:
+    buf = np.frombuffer(data, dtype=np.uint8)
+    return [buf[r.offset:r.offset + r.n_outer * layout.n_cells * r.cell_bytes]
+            .reshape(r.n_outer, layout.n_cells * r.cell_bytes) for r in layout.regions]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n_cells=st.integers(1, 300), block=st.sampled_from([4, 16, 64]),
+       regions=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 9)), min_size=1, max_size=4))
+def test_cutting_and_placing_back_gives_the_same_bytes(n_cells: int, block: int,
+                                                       regions: list[tuple[int, int]]) -> None:
+    data, layout, _ = _file(n_cells, regions)
+    cut = plan_cut(layout, n_cells, block)
+    if n_cells < block:
+        assert cut is None
+        return
+    assert cut is not None
+    buffer = np.frombuffer(data, dtype=np.uint8)
+    tail = b"".join(bytes(p) for p in tail_pieces(buffer, cut))
+    assert len(tail) == cut.tail_size == len(data) - cut.n_blocks * cut.block_bytes
+    out = np.zeros(len(data), dtype=np.uint8)
+    place_tail(out, cut, tail)
+    for b in range(cut.n_blocks):
+        place_block(out, cut, b, block_payload(buffer, cut, b))
+    assert out.tobytes() == data
+
+
+def test_keys_chain_every_token_and_the_fingerprint() -> None:
+    _, layout, _ = _file(8, [(1, 2)])
+    a = block_keys(as_tokens(range(256)), 2, 128, FINGERPRINT, layout)
+    b = block_keys(as_tokens([*range(255), 9999]), 2, 128, FINGERPRINT, layout)
+    c = block_keys(as_tokens([7, *range(1, 256)]), 2, 128, FINGERPRINT, layout)
+    assert a[0] == b[0] and a[1] != b[1]  # the same first block; the second differs in its last token
+    assert a[0] != c[0] and a[1] != c[1]  # a change in block 0 changes every later key
+    assert block_keys(as_tokens(range(256)), 2, 128, "other", layout) != a
+
+
+@pytest.fixture()
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> BlockStore:
+    return BlockStore(tmp_path / "slots", 16)
+
+
+def _use_layout(monkeypatch: pytest.MonkeyPatch, layouts: dict[str, SlotLayout]) -> None:
+    monkeypatch.setattr(blockstore_module, "parse_layout", lambda path: layouts.get(path.name))
+
+
+def test_a_split_state_assembles_byte_for_byte(store: BlockStore, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    data, layout, toks = _file(100, [(1, 8), (3, 2), (1, 8)])
+    store.slot_dir.mkdir(parents=True)
+    (store.slot_dir / "a.bin.src").write_bytes(data)
+    _use_layout(monkeypatch, {"a.bin.src": layout})
+    split = store.split(store.slot_dir / "a.bin.src", "a.bin", toks, FINGERPRINT)
+    assert split is not None and split.exact
+    store.release(split.keys)
+    assert len(split.keys) == 100 // 16 and split.new_block_bytes == 6 * 16 * (8 + 6 + 8)
+    assert split.tail_bytes == len(data) - split.new_block_bytes
+    n, checksum = store.assemble("a.bin", tmp_path / "out.bin")
+    assert (tmp_path / "out.bin").read_bytes() == data and n == len(data) and checksum == split.checksum
+
+
+def test_a_shared_prefix_is_stored_once(store: BlockStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first, layout_a, toks_a = _file(160, [(1, 8), (2, 4)], seed=1)
+    base = _regions_of(first, layout_a)
+    second, layout_b, _ = _file(160, [(1, 8), (2, 4)], seed=2, tokens=[*toks_a[:100].tolist(), *range(60)],
+                                shared_cells=100, base=base)
+    store.slot_dir.mkdir(parents=True)
+    (store.slot_dir / "a.src").write_bytes(first)
+    (store.slot_dir / "b.src").write_bytes(second)
+    _use_layout(monkeypatch, {"a.src": layout_a, "b.src": layout_b})
+    a = store.split(store.slot_dir / "a.src", "a.bin", as_tokens(toks_a), FINGERPRINT)
+    b = store.split(store.slot_dir / "b.src", "b.bin", as_tokens([*toks_a[:100].tolist(), *range(60)]), FINGERPRINT)
+    assert a is not None and b is not None
+    assert a.keys[:6] == b.keys[:6] and a.keys[6:] != b.keys[6:]  # 100 shared tokens: 6 whole blocks of 16
+    assert b.new_block_bytes == (10 - 6) * 16 * (8 + 8) and b.exact
+    store.assemble("b.bin", tmp_path / "b.out")
+    assert (tmp_path / "b.out").read_bytes() == second
+
+
+def test_damage_is_caught_before_any_byte_is_used(store: BlockStore, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    data, layout, toks = _file(64, [(2, 4)])
+    store.slot_dir.mkdir(parents=True)
+    (store.slot_dir / "a.src").write_bytes(data)
+    _use_layout(monkeypatch, {"a.src": layout})
+    split = store.split(store.slot_dir / "a.src", "a.bin", toks, FINGERPRINT)
+    assert split is not None
+    block = store.block_path(split.keys[1])
+    good = block.read_bytes()
+    # A flipped byte in a block.
+    block.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(DamagedState) as caught:
+        store.assemble("a.bin", tmp_path / "out.bin")
+    assert caught.value.block == split.keys[1] and not (tmp_path / "out.bin").exists()
+    # A truncated block; a missing block.
+    block.write_bytes(good[:-5])
+    with pytest.raises(DamagedState):
+        store.assemble("a.bin", tmp_path / "out.bin")
+    block.unlink()
+    with pytest.raises(DamagedState, match="missing"):
+        store.assemble("a.bin", tmp_path / "out.bin")
+    block.write_bytes(good)
+    # A damaged tail: its bytes, then its manifest.
+    tail = store.tail_path("a.bin")
+    whole = tail.read_bytes()
+    tail.write_bytes(b"\x00" + whole[1:])
+    with pytest.raises(DamagedState, match="tail"):
+        store.assemble("a.bin", tmp_path / "out.bin")
+    tail.write_bytes(whole[:-40] + bytes(40))
+    with pytest.raises(DamagedState):
+        store.manifest("a.bin")
+    tail.write_bytes(whole)
+    store.assemble("a.bin", tmp_path / "out.bin")
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
+def test_blocks_in_flight_or_named_are_never_collected(store: BlockStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    data, layout, toks = _file(32, [(1, 4)])
+    store.slot_dir.mkdir(parents=True)
+    (store.slot_dir / "a.src").write_bytes(data)
+    _use_layout(monkeypatch, {"a.src": layout})
+    split = store.split(store.slot_dir / "a.src", "a.bin", toks, FINGERPRINT)
+    assert split is not None
+    # Not released yet: in flight, so not collected though nothing names them.
+    assert store.collect(split.keys, lambda keys: set()) == 0
+    store.release(split.keys)
+    assert store.collect(split.keys, lambda keys: {split.keys[0]}) == 1
+    assert store.block_path(split.keys[0]).exists() and not store.block_path(split.keys[1]).exists()
+
+
+# -- through the snapshot store ---------------------------------------------------------------------------------
+
+
+def _snapshot_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layouts: dict[str, SlotLayout]
+                    ) -> SnapshotStore:
+    monkeypatch.setattr(blockstore_module, "parse_layout", lambda path: layouts.get(path.name.split(".tmp-")[0]))
+    return SnapshotStore(tmp_path / "slots", tmp_path / "index.db", block_tokens=16)
+
+
+def _save(store: SnapshotStore, key: SessionKey, data: bytes) -> str:
+    temp = store.temp_name(key, FINGERPRINT)
+    (store.slot_dir / temp).write_bytes(data)
+    return temp
+
+
+def test_states_share_blocks_and_a_block_goes_with_the_last_state_naming_it(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    first, layout, toks = _file(64, [(1, 8)], seed=3)
+    second, layout2, _ = _file(64, [(1, 8)], seed=4, tokens=toks.tolist(), shared_cells=64,
+                               base=_regions_of(first, layout))
+    a, b = SessionKey("m", "a"), SessionKey("m", "b")
+    stem_a, stem_b = a.file_stem(FINGERPRINT, _kind()), b.file_stem(FINGERPRINT, _kind())
+    store = _snapshot_store(tmp_path, monkeypatch, {stem_a: layout, stem_b: layout2})
+    snap_a = store.commit(a, _save(store, a, first), FINGERPRINT, 64)
+    snap_b = store.commit(b, _save(store, b, second), FINGERPRINT, 64)
+    assert snap_a.tail_bytes and snap_b.tail_bytes
+    assert not list(store.slot_dir.glob("*.bin"))  # no whole file is kept
+    assert store.blocks.usage()[0] == 4  # 64 tokens in blocks of 16, once for both
+    assert store.tokens_of(snap_b) is not None
+    with store.open_whole(snap_b) as fh:
+        assert fh.read() == second
+    store.delete(a)
+    assert store.blocks.usage()[0] == 4
+    store.delete(b)
+    assert store.blocks.usage() == (0, 0)
+    assert not list(store.slot_dir.glob("*" + TAIL_SUFFIX))
+
+
+def test_a_restore_gets_an_assembled_file_and_a_damaged_block_sends_the_state_to_quarantine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data, layout, _ = _file(48, [(2, 4)], seed=5)
+    key = SessionKey("m", "a")
+    store = _snapshot_store(tmp_path, monkeypatch, {key.file_stem(FINGERPRINT, _kind()): layout})
+    snapshot = store.commit(key, _save(store, key, data), FINGERPRINT, 48)
+    checked = store.checked_snapshot(key, FINGERPRINT)
+    assert checked is not None and store.materialize(checked)
+    assert (store.slot_dir / snapshot.filename).read_bytes() == data
+    store.restored(checked)
+    assert not (store.slot_dir / snapshot.filename).exists()  # the assembled file goes after the restore
+    next(store.blocks.root.rglob("*.blk")).write_bytes(b"junk")
+    assert not store.materialize(checked)
+    assert store.get(key) is None and not (store.slot_dir / snapshot.filename).exists()
+
+
+def test_a_crash_between_the_blocks_and_the_commit_leaves_nothing_named_and_the_sweep_removes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data, layout, _ = _file(48, [(2, 4)], seed=6)
+    key = SessionKey("m", "a")
+    store = _snapshot_store(tmp_path, monkeypatch, {key.file_stem(FINGERPRINT, _kind()): layout})
+    kept = store.commit(key, _save(store, key, data), FINGERPRINT, 48)
+    # Another save stored its blocks and tail, and the process died before the index row.
+    other = SessionKey("m", "b")
+    data2, layout2, toks2 = _file(48, [(2, 4)], seed=7)
+    (store.slot_dir / "x.src").write_bytes(data2)
+    monkeypatch.setattr(blockstore_module, "parse_layout", lambda path: layout2)
+    split = store.blocks.split(store.slot_dir / "x.src", other.file_stem(FINGERPRINT, _kind()) + "-00000000.bin",
+                               toks2, FINGERPRINT)
+    assert split is not None
+    store.close()
+    again = SnapshotStore(tmp_path / "slots", tmp_path / "index.db", block_tokens=16)
+    again.reconcile()
+    assert again.sweep_blocks() == 3
+    assert again.blocks.usage()[0] == 3
+    assert not again.blocks.tail_path(other.file_stem(FINGERPRINT, _kind()) + "-00000000.bin").exists()
+    checked = again.checked_snapshot(key, FINGERPRINT)
+    assert checked is not None and checked.filename == kept.filename and again.materialize(checked)
+    assert (again.slot_dir / kept.filename).read_bytes() == data
+
+
+def _kind() -> SnapshotKind:
+    return SnapshotKind.SESSION
+
+
+def test_a_cut_needs_a_full_block_of_cells_and_tokens() -> None:
+    _, layout, _ = _file(40, [(1, 4)])
+    assert plan_cut(layout, 40, 64) is None
+    assert plan_cut(layout, 10, 8) == Cut(layout, 8, 1)
+    assert plan_cut(None, 100, 8) is None
