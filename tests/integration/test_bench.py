@@ -346,3 +346,68 @@ def test_decide(results: Path) -> None:
         assert positive(summary[kind]["decide_ms_p50"]) and summary[kind]["reused_p50"] > 0, summary[kind]
     # The first message changed at its end: the system part and that message's text are shared, not the rest.
     assert summary["switch-tokens"]["reused_p50"] > 0.4 * summary["switch-tokens"]["tokens_p50"]
+
+
+@pytest.fixture(scope="module")
+def blocks_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`--scenario blocks --small` (opt-in: `all` leaves it out), about a minute."""
+    out = tmp_path_factory.mktemp("bench-blocks")
+    run = subprocess.run([sys.executable, "-m", "bench", "--scenario", "blocks", "--small", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return out
+
+
+def test_blocks(blocks_results: Path) -> None:
+    """The block store against whole files: counts and byte ratios, not timings."""
+    data = load(blocks_results, "blocks")
+    shape, summary = data["shape"], data["summary"]
+    assert shape["block_sizes"] == [128]
+    modes = ["today", "blocks 128"]
+    assert data["modes"] == modes
+    assert "## blocks" in (blocks_results / "README.md").read_text()
+
+    shared = summary["shared_prompt"]["modes"]
+    assert list(shared) == modes
+    today, blocks = shared["today"], shared["blocks 128"]
+    assert today["stored_as"] == {"file": today["states"]} and blocks["stored_as"] == {"blocks": blocks["states"]}
+    assert today["states"] >= shape["conversations"] and blocks["states"] >= shape["conversations"]
+    assert today["disk"]["whole_files"] == today["disk"]["total"] > 0 and today["disk"]["blocks"] == 0
+    assert blocks["disk"]["whole_files"] == 0 and blocks["disk"]["blocks"] > 0 and blocks["disk"]["tails"] > 0
+    # The shared system prompt is stored once: less on disk than whole files, near the distinct tokens' KV.
+    assert blocks["disk"]["total"] < today["disk"]["total"]
+    assert today["kv_bytes_per_token"] == blocks["kv_bytes_per_token"] > 0
+    for mode in shared.values():
+        assert 0 < mode["distinct_tokens"] < mode["state_tokens"]
+        assert positive(mode["disk_over_distinct_kv"])
+    assert blocks["disk_over_distinct_kv"] < today["disk_over_distinct_kv"]
+
+    long = summary["long_conversation"]
+    assert long["turns"] == shape["long_turns"]
+    per_mode = {mode: [s for s in data["samples"] if s["part"] == "long" and s["mode"] == mode] for mode in modes}
+    for mode, rows in per_mode.items():
+        assert [r["turn"] for r in rows] == list(range(1, shape["long_turns"] + 1))
+        assert all(r["stored_as"] == ("file" if mode == "today" else "blocks") for r in rows)
+        assert all(r["written"]["total"] > 0 and r["uploaded"]["bytes"] > 0 for r in rows), rows
+        assert all(0 < r["new_tokens"] <= r["tokens"] for r in rows)
+        entry = long["modes"][mode]
+        assert len(entry["per_turn"]) == shape["long_turns"]
+        for key in ("written_over_new_kv_plus_tail", "uploaded_over_new_kv_plus_tail", "written_over_today"):
+            assert positive(entry[key])
+    # Today every turn writes its whole state; blocks, what is new.
+    assert long["modes"]["blocks 128"]["later_totals"]["written_bytes"] < long["modes"]["today"]["later_totals"][
+        "written_bytes"]
+    assert long["modes"]["today"]["later_totals"]["written_bytes"] >= long["modes"]["today"]["later_totals"][
+        "state_bytes"]
+
+    for workload, n in (("switch", data["config"]["sessions"] * data["config"]["rounds"]),
+                        ("restart", data["config"]["sessions"])):
+        part = summary["ttft"][workload]
+        assert len(part["targets"]) == 5
+        for name, target in part["targets"].items():
+            assert target["ttft_ms"]["n"] == n and positive(target["ttft_ms"]["median"])
+            if name != "llama-server cram0":
+                assert target["cache_states"] == {"restored": n}, (workload, name, target)
+        for ratios in part["ratios"].values():
+            assert positive(ratios["of_medians"])
+    assert set(summary["by_block_tokens"]) == set(modes)

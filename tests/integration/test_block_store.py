@@ -6,7 +6,9 @@ prefill's. Counts only: files, bytes, cache_n, log-probabilities."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -15,7 +17,7 @@ from slotkeeper.cache.blockstore import BLOCKS_DIR, TAIL_SUFFIX
 from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
 from tests.conftest import Stack
 from tests.integration.test_model_restores import Session, assert_same_distribution, top_logprobs
-from tests.support import Backend, chat, wait_until, words
+from tests.support import Backend, ObjectStoreServer, Slotkeeper, chat, timings, wait_until, words
 
 pytestmark = pytest.mark.backend
 
@@ -106,3 +108,124 @@ def test_twenty_conversations_on_one_system_prompt_store_it_once(stack: Stack, c
     # Six conversations of about 450 tokens each, sharing about 420: whole files would hold ~2,700 tokens of KV;
     # the store holds the shared part once (under 2 x one conversation's blocks).
     assert len(blocks) * BLOCK_TOKENS < tokens / 2, (len(blocks), tokens, per_block)
+
+
+# -- the shared tier: blocks move between hosts ---------------------------------------------------------------------
+
+PREFIX = "team-blocks"
+
+
+def _kv_objects(store: ObjectStoreServer) -> dict[str, int]:
+    s3 = store.client()
+    found = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=store.bucket, Prefix=f"{PREFIX}/kv/"):
+        for item in page.get("Contents", []):
+            found[str(item["Key"])] = int(item["Size"])
+    return found
+
+
+def _manifest(store: ObjectStoreServer, session: str) -> dict[str, Any] | None:
+    s3 = store.client()
+    for key in store.keys(f"{PREFIX}/manifests/"):
+        data = json.loads(s3.get_object(Bucket=store.bucket, Key=key)["Body"].read())
+        if data["session"] == session and "/session/" in key:
+            return data  # type: ignore[no-any-return]
+    return None
+
+
+def test_blocks_move_between_hosts_and_a_block_missing_from_the_store_costs_a_prefill(
+        tmp_path: Path, backend_kind: str, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    store = ObjectStoreServer(tmp_path / "s3.log").start()
+    started: list[tuple[Backend, Slotkeeper]] = []
+    try:
+        for name in ("a", "b"):
+            backend = Backend(backend_kind, tiny_model, tmp_path / f"{name}-slots",
+                              tmp_path / f"{name}-backend.log").start()
+            keeper = Slotkeeper(tmp_path / f"{name}-cache", tmp_path / f"{name}.log", upstream=backend, extra_args=(
+                "--shared-store", f"s3://{store.bucket}/{PREFIX}", "--shared-endpoint", store.url,
+                "--save-idle-seconds", "0.3", "--block-tokens", str(BLOCK_TOKENS)))
+            started.append((backend, keeper.start(timeout=120)))
+        (_, keeper_a), (backend_b, keeper_b) = started
+        on_a = httpx.Client(base_url=keeper_a.url, timeout=120)
+        on_b = httpx.Client(base_url=keeper_b.url, timeout=120)
+
+        def uploaded(session: Session) -> dict[str, Any] | None:
+            manifest = _manifest(store, session.name)
+            return manifest if manifest is not None and manifest["prompt_tokens"] == session.last_prompt else None
+
+        session = Session(on_a, "travelling", "You are a travelling assistant. " + words(300, 7), 21)
+        session.turn()
+        assert wait_until(lambda: uploaded(session) is not None, timeout=30)
+        first = _kv_objects(store)
+        first_manifest = uploaded(session)
+        assert first and first_manifest is not None and first_manifest["kv"]
+        assert set(first_manifest["kv"]) <= {k.rsplit("/", 1)[1] for k in first}
+        session.answer()
+        session.turn()
+        assert wait_until(lambda: uploaded(session) is not None, timeout=30)
+        second = _kv_objects(store)
+        # The second save uploads only the blocks of its new tokens: every block of the first is still there, named
+        # again, and the new ones cover little more than the tokens added.
+        added = set(second) - set(first)
+        assert set(first) <= set(second)
+        new_tokens = session.last_prompt - first_manifest["prompt_tokens"]
+        assert 0 < len(added) <= new_tokens // BLOCK_TOKENS + 3, (len(added), new_tokens)
+
+        # Host B brings the session's blocks it lacks, assembles the file and restores it.
+        session.client = on_b
+        response = chat(on_b, session.messages, "travelling", max_tokens=1)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-slotkeeper-cache"] == "restored", response.headers
+        assert timings(response)["cache_n"] >= session.last_prompt - 8
+        assert list((backend_b.slot_dir / BLOCKS_DIR).rglob("*.blk"))
+
+        # A block missing from the store: host B cannot assemble that state, prefills, and takes nothing damaged.
+        other = Session(on_a, "other", "You are another assistant. " + words(200, 8), 31)
+        other.turn()
+        assert wait_until(lambda: uploaded(other) is not None, timeout=30)
+        manifest = uploaded(other)
+        assert manifest is not None
+        # A block of the prompt past the system part (which the system prompt's own state holds), so that the
+        # session's next state names it again.
+        lost = manifest["kv"][manifest["prompt_tokens"] // BLOCK_TOKENS - 2]
+        store.client().delete_object(Bucket=store.bucket, Key=f"{PREFIX}/kv/{lost}")
+        other.client = on_b
+        response = chat(on_b, other.messages, "other", max_tokens=1)
+        assert response.status_code == 200, response.text
+        # It starts from what B has (the system prompt's state, which needs no lost block), not from the session.
+        assert "downloading the snapshot of tiny/other from the shared store failed" in keeper_b.log_text()
+        assert timings(response)["cache_n"] < other.last_prompt - 8
+        assert backend_b.alive()
+        # The owner's next save puts the missing block again (every block is looked up before the manifest).
+        other.client = on_a
+        other.answer()
+        other.turn()
+        assert wait_until(lambda: uploaded(other) is not None, timeout=30)
+        assert f"{PREFIX}/kv/{lost}" in _kv_objects(store)
+
+        # A block damaged in the store: refused, and removed from the store.
+        third = Session(on_a, "third", "You are a third assistant. " + words(200, 11), 41)
+        third.turn()
+        assert wait_until(lambda: uploaded(third) is not None, timeout=30)
+        manifest = uploaded(third)
+        assert manifest is not None
+        damaged = f"{PREFIX}/kv/" + manifest["kv"][manifest["prompt_tokens"] // BLOCK_TOKENS - 2]
+        s3 = store.client()
+        good = s3.get_object(Bucket=store.bucket, Key=damaged)["Body"].read()
+        s3.put_object(Bucket=store.bucket, Key=damaged, Body=good[:-1] + bytes([good[-1] ^ 1]))
+        third.client = on_b
+        response = chat(on_b, third.messages, "third", max_tokens=1)
+        assert response.status_code == 200, response.text
+        assert timings(response)["cache_n"] < third.last_prompt - 8
+        assert "a piece of the shared store's snapshot of tiny/third is damaged" in keeper_b.log_text()
+        assert damaged not in _kv_objects(store)  # removed at once: its owner's next save puts it again
+        assert backend_b.alive()
+        on_a.close()
+        on_b.close()
+    finally:
+        for backend, keeper in started:
+            keeper.stop()
+            backend.stop()
+        store.stop()

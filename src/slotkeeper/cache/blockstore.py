@@ -205,7 +205,11 @@ class BlockStore:
 
     def manifest(self, filename: str) -> Manifest:
         """The checked manifest of a state's tail (DamagedState when it is missing or not intact)."""
-        path = self.tail_path(filename)
+        return self.manifest_at(self.tail_path(filename))
+
+    @staticmethod
+    def manifest_at(path: Path) -> Manifest:
+        """The checked manifest of the tail file at `path` (one here, or one downloaded)."""
         try:
             with path.open("rb") as fh:
                 size = fh.seek(0, os.SEEK_END)
@@ -236,24 +240,40 @@ class BlockStore:
 
     def read_block(self, key: str, digest_hex: str) -> bytes:
         """A block's payload, checked against its header and the checksum the state recorded."""
-        try:
-            with self.block_path(key).open("rb") as fh:
-                data = fh.read()
-        except OSError as exc:
-            raise DamagedState(f"block {key} is missing", key) from exc
-        if len(data) < _BLOCK_HEADER.size:
-            raise DamagedState(f"block {key} is truncated", key)
-        magic, length, digest = _BLOCK_HEADER.unpack_from(data)
-        payload = data[_BLOCK_HEADER.size:]
-        if magic != _BLOCK_MAGIC or length != len(payload):
-            raise DamagedState(f"block {key} is truncated or not a block", key)
-        if digest.hex() != digest_hex or xxhash.xxh3_128_digest(payload) != digest:
-            raise DamagedState(f"block {key} does not match its checksum", key)
-        return payload
+        return _checked_block(self.block_path(key), key, digest_hex)
+
+    def has_block(self, key: str, digest_hex: str) -> bool:
+        """Whether the store holds the block with this checksum (by its header; its bytes are checked on use)."""
+        stored = self._stored_sum(key)
+        return stored is not None and stored.hex() == digest_hex
+
+    def adopt_block(self, key: str, digest_hex: str, source: Path) -> bool:
+        """Take a downloaded block file into the store once it is checked (DamagedState if it is not); False when
+        the store holds another block of that key (float noise of another state): `source` is left for the caller."""
+        _checked_block(source, key, digest_hex)
+        if self._stored_sum(key) is not None:
+            return False
+        path = self.block_path(key)
+        make_private_dir(path.parent)
+        with source.open("rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(source, path)
+        fsync_dir(path.parent)
+        return True
+
+    def temp_path(self, label: str) -> Path:
+        """A temporary name under the store, for a download (swept at start if a crash leaves it)."""
+        directory = self.root / "incoming"
+        make_private_dir(directory)
+        return directory / f".tmp-{secrets.token_hex(4)}-{label}"
 
     def read_tail(self, manifest: Manifest, filename: str) -> bytes:
         """The tail's bytes (without the manifest), checked against the manifest's checksum."""
-        with self.tail_path(filename).open("rb") as fh:
+        return self.read_tail_at(manifest, self.tail_path(filename))
+
+    @staticmethod
+    def read_tail_at(manifest: Manifest, path: Path) -> bytes:
+        with path.open("rb") as fh:
             tail = fh.read(manifest.cut.tail_size)
         if len(tail) != manifest.cut.tail_size or xxhash.xxh3_128_hexdigest(tail) != manifest.tail_checksum:
             raise DamagedState("its tail does not match its checksum")
@@ -263,9 +283,14 @@ class BlockStore:
         """Write the state's whole slot file to `target` (a temporary name, then a rename), every block and the tail
         checked on the way; returns (bytes, the checksum the manifest gives the file). DamagedState when a piece is
         missing or damaged (nothing is left at `target` then)."""
-        manifest = self.manifest(filename)
+        return self.assemble_from(self.tail_path(filename), target)
+
+    def assemble_from(self, tail_path: Path, target: Path, blocks: dict[str, Path] | None = None) -> tuple[int, str]:
+        """`assemble` from the tail at `tail_path`, reading the blocks named in `blocks` from those files instead of
+        the store (a download whose block differs from the one stored here by float noise)."""
+        manifest = self.manifest_at(tail_path)
         try:
-            tail = self.read_tail(manifest, filename)
+            tail = self.read_tail_at(manifest, tail_path)
         except OSError as exc:
             raise DamagedState(f"its tail cannot be read: {exc}") from exc
         size = manifest.cut.layout.file_size
@@ -274,7 +299,9 @@ class BlockStore:
             out = np.memmap(temp, dtype=np.uint8, mode="w+", shape=(size,))
             place_tail(out, manifest.cut, tail)
             for b, (key, digest) in enumerate(zip(manifest.keys, manifest.sums, strict=True)):
-                place_block(out, manifest.cut, b, self.read_block(key, digest))
+                source = (blocks or {}).get(key)
+                payload = self.read_block(key, digest) if source is None else _checked_block(source, key, digest)
+                place_block(out, manifest.cut, b, payload)
             out.flush()
             del out
             os.replace(temp, target)
@@ -340,6 +367,25 @@ class BlockStore:
         except FileNotFoundError:
             pass
         return count, total
+
+
+def _checked_block(path: Path, key: str, digest_hex: str) -> bytes:
+    """The payload of the block file at `path`, checked: its header's magic and length, and its checksum against
+    both its header and `digest_hex` (what the state that names it recorded)."""
+    try:
+        with path.open("rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise DamagedState(f"block {key} is missing", key) from exc
+    if len(data) < _BLOCK_HEADER.size:
+        raise DamagedState(f"block {key} is truncated", key)
+    magic, length, digest = _BLOCK_HEADER.unpack_from(data)
+    payload = data[_BLOCK_HEADER.size:]
+    if magic != _BLOCK_MAGIC or length != len(payload):
+        raise DamagedState(f"block {key} is truncated or not a block", key)
+    if digest.hex() != digest_hex or xxhash.xxh3_128_digest(payload) != digest:
+        raise DamagedState(f"block {key} does not match its checksum", key)
+    return payload
 
 
 def _write_atomically(path: Path, pieces: Iterable[bytes | memoryview]) -> None:

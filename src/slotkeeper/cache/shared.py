@@ -2,9 +2,13 @@
 slot dir (the hot tier: llama-server restores only from a local file).
 
 Layout under the store's prefix:
-- `blobs/<xxh3-128>`: a snapshot file, named by the checksum slotkeeper already takes. Written once; a system
-  snapshot shared by many sessions, or a session saved unchanged, is stored once. A session's new version removes
-  the file of the version it replaced, so the store holds one file per session.
+- `blobs/<xxh3-128>`: a snapshot file kept whole, named by the checksum slotkeeper already takes. Written once; a
+  system snapshot shared by many sessions, or a session saved unchanged, is stored once. A session's new version
+  removes the file of the version it replaced, so the store holds one file per session.
+- With the block store (`--block-tokens`, blockstore.py): `kv/<key>`, a KV block exactly as the slot dir keeps it
+  (named by the chained hash of its tokens and the fingerprint, so every host's save of one prefix names the same
+  object), and `tails/<xxh3-128>`, a state's tail. An upload puts only the blocks the store lacks; a download
+  fetches only those this host lacks. A block goes when no manifest names it (the budget's sweep).
 - `manifests/<fingerprint>/<kind>/<model>/<session>.json`: the newest version of one snapshot (the bundle's
   `snapshot.json` plus `version`, `saved_at`, `origin`). Replaced only by a conditional write on the ETag read, so
   two hosts that save one session at once cannot tear it: the loser reads again and writes only if it is newer.
@@ -22,18 +26,22 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
+import re
 import time
 import urllib.parse
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from slotkeeper.cache.blockstore import DamagedState
 from slotkeeper.cache.bundle import BundleMeta, meta_of
-from slotkeeper.cache.files import file_checksum
+from slotkeeper.cache.files import file_checksum, unlink_quietly
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.version import UNVERSIONED, Version, newer
-from slotkeeper.errors import OlderVersion, SlotkeeperError
+from slotkeeper.errors import BadRequest, OlderVersion, SlotkeeperError
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 
 log = logging.getLogger("slotkeeper.shared")
@@ -47,6 +55,7 @@ UNREACHABLE_PAUSE_SECONDS = 30.0
 # With a budget, the store is swept after an upload at most this often.
 SWEEP_SECONDS = 300.0
 STRAY_SECONDS = 600.0
+_BLOCK_KEY = re.compile(r"[0-9a-f]{32}")
 
 
 class ObjectStore(Protocol):
@@ -73,13 +82,16 @@ class Manifest:
     # one uploaded again (by the host that has it intact) replaces it. A withdrawal is a conditional write, like
     # any other, so that it never takes away a version written after the damaged one was read.
     withdrawn: bool = False
+    # The keys of its KV blocks when it is stored as blocks and a tail (`kv/`, `tails/`); empty: one whole file.
+    kv: tuple[str, ...] = ()
 
     @property
     def version(self) -> Version:
         return self.meta.version
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.meta.to_json(), "saved_at": self.saved_at, "origin": self.origin, "withdrawn": self.withdrawn}
+        return {**self.meta.to_json(), "saved_at": self.saved_at, "origin": self.origin, "withdrawn": self.withdrawn,
+                "kv": list(self.kv)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
@@ -88,8 +100,16 @@ class Manifest:
         if meta.version == UNVERSIONED and isinstance(fence, int) and not isinstance(fence, bool) and fence > 0:
             meta = dataclasses.replace(meta, version=Version(fence, 0))
         saved_at = data.get("saved_at")
+        kv = data.get("kv") or []
+        if not isinstance(kv, list) or not all(isinstance(k, str) and _BLOCK_KEY.fullmatch(k) for k in kv):
+            raise BadRequest("the manifest's block keys are not 32 hex digits each")
         return cls(meta, float(saved_at) if isinstance(saved_at, (int, float)) else 0.0, str(data.get("origin") or ""),
-                   data.get("withdrawn") is True)
+                   data.get("withdrawn") is True, tuple(kv))
+
+    @property
+    def object_key(self) -> str:
+        """The object holding the state's file (kept whole) or its tail (kept as blocks)."""
+        return SharedTier.tail_key(self.meta.checksum) if self.kv else SharedTier.blob_key(self.meta.checksum)
 
     def replaced_by(self, version: Version) -> bool:
         """Whether a save at `version` may replace this manifest: it is newer, or it is this very version uploaded
@@ -119,6 +139,8 @@ class SharedTier:
         self.refused_downloads = 0
         self._unreachable_until = 0.0
         self.budget = budget  # bytes of snapshot files the store may hold (0: no limit)
+        self.uploaded_bytes = 0  # bytes of files, tails and blocks put into the store
+        self.downloaded_bytes = 0  # bytes of blocks fetched (files and tails are counted by their snapshots)
         self._swept = 0.0
 
     # -- keys -------------------------------------------------------------------------------------------------
@@ -131,6 +153,14 @@ class SharedTier:
     @staticmethod
     def blob_key(checksum: str) -> str:
         return f"blobs/{checksum}"
+
+    @staticmethod
+    def tail_key(checksum: str) -> str:
+        return f"tails/{checksum}"
+
+    @staticmethod
+    def kv_key(key: str) -> str:
+        return f"kv/{key}"
 
     # -- uploads ----------------------------------------------------------------------------------------------
 
@@ -165,34 +195,41 @@ class SharedTier:
             self._idle.set()
 
     def enforce_budget(self) -> int:
-        """Blocking: remove the least recently written snapshots (their manifest, then their file) until the files
-        in the store fit the budget; files no manifest names any more (a host stopped between the two writes) go
-        first. Returns how many snapshots were removed. Every host may sweep: removing twice is harmless."""
-        listed = self._store.listing("blobs/")
-        blobs = {key: size for key, size, _ in listed}
+        """Blocking: remove the least recently written snapshots (their manifest, then their file or tail, and the
+        blocks no other manifest names) until the objects in the store fit the budget; objects no manifest names
+        any more (a host stopped between two writes, blocks of replaced versions) go first. Returns how many
+        snapshots were removed. Every host may sweep: removing twice is harmless."""
+        listed = [*self._store.listing("blobs/"), *self._store.listing("tails/"), *self._store.listing("kv/")]
+        objects = {key: size for key, size, _ in listed}
         written = {key: when for key, _, when in listed}
         manifests = sorted(self._store.listing("manifests/"), key=lambda m: m[2])
-        named: dict[str, str] = {}  # blob -> the manifest that names it (the newest)
+        names: dict[str, list[str]] = {}  # manifest -> the objects it names
         for key, _, _ in manifests:
             found = self._store.get_json(key)
-            if found is not None and isinstance(found[0].get("checksum"), str):
-                named[self.blob_key(found[0]["checksum"])] = key
+            if found is None:
+                continue
+            try:
+                manifest = Manifest.from_json(found[0])
+            except SlotkeeperError:
+                continue
+            names[key] = [manifest.object_key, *(self.kv_key(k) for k in manifest.kv)]
+        refs: Counter[str] = Counter(o for named in names.values() for o in set(named))
         removed = 0
-        # A file written in the last minutes may be another host's upload whose manifest is not written yet.
+        # An object written in the last minutes may be another host's upload whose manifest is not written yet.
         now = time.time()
-        for stray in [b for b in blobs if b not in named and now - written[b] > STRAY_SECONDS]:
+        for stray in [o for o in objects if not refs[o] and now - written[o] > STRAY_SECONDS]:
             self._store.delete(stray)
-            del blobs[stray]
-        total = sum(blobs.values())
-        by_manifest = {m: b for b, m in named.items()}
+            del objects[stray]
+        total = sum(objects.values())
         for key, _, _ in manifests:
             if total <= self.budget:
                 break
-            named_blob = by_manifest.get(key)
             self._store.delete(key)
-            if named_blob is not None and named_blob in blobs:
-                self._store.delete(named_blob)
-                total -= blobs.pop(named_blob)
+            for named in set(names.get(key, ())):
+                refs[named] -= 1
+                if refs[named] <= 0 and named in objects:
+                    self._store.delete(named)
+                    total -= objects.pop(named)
             removed += 1
         if removed:
             log.info("the shared store's budget (%d bytes) removed %d snapshot(s), the least recently saved",
@@ -208,17 +245,25 @@ class SharedTier:
         return True
 
     async def _upload(self, key: SessionKey, kind: SnapshotKind) -> None:
-        found = await self._snapshots.open_for_export(key, kind)
-        if found is None:
+        upload = await self._snapshots.open_for_upload(key, kind)
+        if upload is None:
             return  # evicted or replaced meanwhile: a newer save is queued, or there is nothing to upload
-        snapshot, chain, handle = found
-        with handle:
-            blob = self.blob_key(snapshot.checksum)
+        snapshot, chain = upload.snapshot, upload.chain
+        try:
+            kv: tuple[str, ...] = ()
+            if upload.blocks is not None:
+                kv = upload.blocks.keys
+                await self._put_blocks(kv)
+            blob = self.tail_key(snapshot.checksum) if kv else self.blob_key(snapshot.checksum)
             put = not await asyncio.to_thread(self._store.exists, blob)
             if put:
-                await asyncio.to_thread(self._store.put_file, blob, handle, snapshot.n_bytes)
+                size = snapshot.n_bytes if not kv else os.fstat(upload.handle.fileno()).st_size
+                await asyncio.to_thread(self._store.put_file, blob, upload.handle, size)
+                self.uploaded_bytes += size
+        finally:
+            await asyncio.to_thread(self._snapshots.finish_upload, upload)
         meta = meta_of(snapshot, chain)
-        replaced: str | None = None  # the checksum of the version this upload replaced
+        replaced: str | None = None  # the object of the version this upload replaced
         for _ in range(MANIFEST_ATTEMPTS):
             current = await asyncio.to_thread(self._store.get_json, self.manifest_key(key, kind))
             etag = None
@@ -230,21 +275,22 @@ class SharedTier:
                 except SlotkeeperError:
                     older = None  # a manifest we cannot read is replaced
                 if older is not None:
-                    if older.meta.checksum == meta.checksum and not older.withdrawn:
+                    if older.meta.checksum == meta.checksum and older.kv == kv and not older.withdrawn:
                         break  # already there
                     if not older.replaced_by(meta.version):
                         await self._refuse_older(key, kind, meta.version, older, blob if put else None)
                         return
-                    replaced = None if older.withdrawn else older.meta.checksum
-            manifest = Manifest(meta, time.time(), self._origin)
+                    replaced = None if older.withdrawn else older.object_key
+            manifest = Manifest(meta, time.time(), self._origin, kv=kv)
             if await asyncio.to_thread(self._store.put_json, self.manifest_key(key, kind), manifest.to_json(), etag):
                 break
         else:
             raise SlotkeeperError(f"the manifest of {key} kept changing under {MANIFEST_ATTEMPTS} conditional writes")
-        if replaced is not None and replaced != meta.checksum and kind is SnapshotKind.SESSION:
-            # A session's file is its own (a system snapshot's may be shared): the older version it replaced goes. A
-            # host downloading that version this very moment gets none, and prefills.
-            await asyncio.to_thread(self._store.delete, self.blob_key(replaced))
+        if replaced is not None and replaced != blob and kind is SnapshotKind.SESSION:
+            # A session's file is its own (a system snapshot's may be shared): the older version it replaced goes (its
+            # blocks, shared, go with the budget's sweep). A host downloading it this very moment gets none, and
+            # prefills.
+            await asyncio.to_thread(self._store.delete, replaced)
         self.uploads += 1
         log.info("uploaded the %s snapshot of %s to the shared store: %d tokens, %d bytes, version %s", kind, key,
                  snapshot.n_tokens, snapshot.n_bytes, meta.version)
@@ -253,7 +299,7 @@ class SharedTier:
                             blob: str | None) -> None:
         """A save older than the store's manifest: the manifest stays, the file just put goes."""
         self.refused_older += 1
-        if blob is not None and blob != self.blob_key(newer_one.meta.checksum):
+        if blob is not None and blob != newer_one.object_key:
             await asyncio.to_thread(self._store.delete, blob)
         log.warning("the %s snapshot of %s is not uploaded: its version %s is older than the shared store's %s "
                     "(from %s); the session went on elsewhere", kind, key, version, newer_one.version,
@@ -291,44 +337,109 @@ class SharedTier:
             return None  # this host's is the store's, or newer than it
         return await self._download(key, kind, manifest, current[1])
 
+    async def _put_blocks(self, keys: tuple[str, ...]) -> None:
+        """Upload the blocks the store lacks (each looked up: a block the store lost is put again)."""
+        for block in dict.fromkeys(keys):
+            if await asyncio.to_thread(self._store.exists, self.kv_key(block)):
+                continue
+            path = self._snapshots.block_file(block)
+            with path.open("rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                await asyncio.to_thread(self._store.put_file, self.kv_key(block), fh, size)
+            self.uploaded_bytes += size
+
+    def _fetch_blocks(self, manifest: Manifest, path: Path, held: list[str]) -> tuple[int, str | None]:
+        """Blocking: bring a state stored as blocks into the whole file `path`: its tail, and the blocks this host
+        lacks (each checked, then adopted into the local block store, and held, with the keys put in `held`, until
+        the caller's commit names them); returns (bytes, checksum) of the file, the checksum None when a piece in
+        the store is damaged (a damaged block is removed from the store: its owner's next save puts it again)."""
+        blocks = self._snapshots.blocks
+        temps: list[Path] = []
+        try:
+            tail = blocks.temp_path("tail")
+            temps.append(tail)
+            self._store.get_file(manifest.object_key, tail)
+            parts = blocks.manifest_at(tail)
+            if parts.keys != manifest.kv or parts.checksum != manifest.meta.checksum:
+                return 0, None
+            blocks.hold(parts.keys)
+            held.extend(parts.keys)
+            other: dict[str, Path] = {}
+            for block, digest in zip(parts.keys, parts.sums, strict=True):
+                if block in other or blocks.has_block(block, digest):
+                    continue
+                source = blocks.temp_path("block")
+                temps.append(source)
+                self._store.get_file(self.kv_key(block), source)
+                self.downloaded_bytes += source.stat().st_size
+                if not blocks.adopt_block(block, digest, source):
+                    other[block] = source  # this host holds that block with other float noise: read this one
+            n_bytes, checksum = blocks.assemble_from(tail, path, other)
+            return n_bytes, checksum
+        except DamagedState as exc:
+            log.warning("a piece of the shared store's snapshot of %s/%s is damaged: %s", manifest.meta.model,
+                        manifest.meta.session_id, exc)
+            if exc.block is not None:
+                self._store.delete(self.kv_key(exc.block))
+            return 0, None
+        finally:
+            for temp in temps:
+                unlink_quietly(temp)
+
     async def _download(self, key: SessionKey, kind: SnapshotKind, manifest: Manifest, etag: str) -> Snapshot | None:
-        meta = manifest.meta
         for attempt in (1, 2):
-            temp, path = await self._snapshots.stage_upload(key, kind)
+            held: list[str] = []  # blocks fetched for it: never collected before its commit names them
             try:
-                n_bytes = await asyncio.to_thread(self._store.get_file, self.blob_key(meta.checksum), path)
-                checksum = await asyncio.to_thread(file_checksum, path) if n_bytes == meta.n_bytes else None
-            except Exception as exc:
-                await self._snapshots.discard_upload(temp)
-                log.warning("downloading the snapshot of %s from the shared store failed (%s): the turn prefills",
-                            key, _message(exc))
-                return None
-            if checksum == meta.checksum:
-                try:
-                    snapshot: Snapshot = await self._import(key, temp, meta.n_tokens, list(meta.chain), meta.n_bytes,
-                                                            kind, meta.n_prompt, meta.version)
-                except OlderVersion:  # a newer one was committed here meanwhile: it stands
-                    return None
-                except BaseException:
-                    await self._snapshots.discard_upload(temp)
-                    raise
-                self.downloads += 1
-                log.info("brought the %s snapshot of %s from the shared store (version %s, saved by %s): %d tokens",
-                         kind, key, manifest.version, manifest.origin or "another host", meta.n_tokens)
-                return snapshot
-            await self._snapshots.discard_upload(temp)
-            self.refused_downloads += 1
-            log.warning("the shared store's snapshot of %s is damaged (%d bytes, expected %d; checksum %s): refused%s",
-                        key, n_bytes, meta.n_bytes, "mismatch" if n_bytes == meta.n_bytes else "not taken",
-                        ", fetching it once more" if attempt == 1 else "")
+                found = await self._download_once(key, kind, manifest, held, attempt)
+            finally:
+                await asyncio.to_thread(self._snapshots.blocks.release, held)
+            if not isinstance(found, bool):
+                return found
         # Damaged at rest: withdraw the manifest, only if it is still the one read (a conditional write: a version
         # written since stands), and remove the file, so that the next save of it (on any host) writes it again.
         withdrawn = dataclasses.replace(manifest, withdrawn=True)
         if await asyncio.to_thread(self._store.put_json, self.manifest_key(key, kind), withdrawn.to_json(), etag):
-            await asyncio.to_thread(self._store.delete, self.blob_key(meta.checksum))
+            await asyncio.to_thread(self._store.delete, manifest.object_key)
             log.warning("withdrew the damaged snapshot of %s from the shared store: its next save uploads it again",
                         key)
         return None
+
+    async def _download_once(self, key: SessionKey, kind: SnapshotKind, manifest: Manifest, held: list[str],
+                             attempt: int) -> Snapshot | bool | None:
+        """One download: the snapshot imported; None when it cannot be had now (the store failed, or a newer one
+        was committed here); False when what came was damaged."""
+        meta = manifest.meta
+        temp, path = await self._snapshots.stage_upload(key, kind)
+        try:
+            if manifest.kv:
+                n_bytes, checksum = await asyncio.to_thread(self._fetch_blocks, manifest, path, held)
+            else:
+                n_bytes = await asyncio.to_thread(self._store.get_file, self.blob_key(meta.checksum), path)
+                checksum = await asyncio.to_thread(file_checksum, path) if n_bytes == meta.n_bytes else None
+        except Exception as exc:
+            await self._snapshots.discard_upload(temp)
+            log.warning("downloading the snapshot of %s from the shared store failed (%s): the turn prefills",
+                        key, _message(exc))
+            return None
+        if checksum == meta.checksum and n_bytes == meta.n_bytes:
+            try:
+                snapshot: Snapshot = await self._import(key, temp, meta.n_tokens, list(meta.chain), meta.n_bytes,
+                                                        kind, meta.n_prompt, meta.version)
+            except OlderVersion:  # a newer one was committed here meanwhile: it stands
+                return None
+            except BaseException:
+                await self._snapshots.discard_upload(temp)
+                raise
+            self.downloads += 1
+            log.info("brought the %s snapshot of %s from the shared store (version %s, saved by %s): %d tokens",
+                     kind, key, manifest.version, manifest.origin or "another host", meta.n_tokens)
+            return snapshot
+        await self._snapshots.discard_upload(temp)
+        self.refused_downloads += 1
+        log.warning("the shared store's snapshot of %s is damaged (%d bytes, expected %d; checksum %s): refused%s",
+                    key, n_bytes, meta.n_bytes, "mismatch" if n_bytes == meta.n_bytes else "not taken",
+                    ", fetching it once more" if attempt == 1 else "")
+        return False
 
 
 def _message(exc: BaseException) -> str:

@@ -34,7 +34,8 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from slotkeeper.cache.blockstore import DamagedState
+from slotkeeper.cache.blockstore import BlockStore, DamagedState
+from slotkeeper.cache.blockstore import Manifest as BlockManifest
 from slotkeeper.cache.budget import DiskBudget, SnapshotId
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
@@ -574,6 +575,35 @@ class Snapshots:
         except OSError:
             return 0
 
+    async def open_for_upload(self, key: SessionKey, kind: SnapshotKind) -> Upload | None:
+        """`open_for_export` for the shared tier: a state kept as blocks comes as its tail (open) and manifest, its
+        blocks held until `finish_upload`; a state kept whole as its file."""
+        await self._writes.wait([snapshot_id(key, kind)])
+        snapshot = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint, kind)
+        if snapshot is not None and snapshot.tail_bytes:
+            try:
+                handle, manifest = await asyncio.to_thread(self._store.open_parts, snapshot)
+            except (DamagedState, FileNotFoundError):
+                return None  # replaced or evicted meanwhile: a newer save is queued, or there is nothing to upload
+            chain = await asyncio.to_thread(self._store.chain_of, snapshot)
+            return Upload(snapshot, chain, handle, manifest)
+        found = await self.open_for_export(key, kind)
+        return None if found is None else Upload(*found, None)
+
+    def finish_upload(self, upload: Upload) -> None:
+        upload.handle.close()
+        if upload.blocks is not None:
+            self._store.release_parts(upload.blocks)
+
+    def block_file(self, key: str) -> Path:
+        """Where the block store keeps a block (for an upload of it)."""
+        return self._store.blocks.block_path(key)
+
+    @property
+    def blocks(self) -> BlockStore:
+        """The block store, for the shared tier's downloads (checked blocks adopted, temporaries)."""
+        return self._store.blocks
+
     async def open_for_export(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION
                               ) -> tuple[Snapshot, builtins.list[Link], BinaryIO] | None:
         """`key`'s checked snapshot, its message chain and its file opened for reading, once the snapshot's pending
@@ -594,6 +624,16 @@ class Snapshots:
             chain = await asyncio.to_thread(self._store.chain_of, snapshot)
             return snapshot, chain, handle
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Upload:
+    """A saved state opened for an upload: its file, or its tail with its blocks' manifest (`blocks`)."""
+
+    snapshot: Snapshot
+    chain: builtins.list[Link]
+    handle: BinaryIO
+    blocks: BlockManifest | None
 
 
 def _same_estimates(found: dict[str, Candidate]) -> dict[str, Candidate]:

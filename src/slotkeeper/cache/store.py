@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from slotkeeper.cache.blockstore import TAIL_SUFFIX, BlockStore, DamagedState, Split
+from slotkeeper.cache.blockstore import Manifest as BlockManifest
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
 from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.files import copy_durably, fsync_dir, make_private_dir, unlink_quietly
@@ -502,6 +503,22 @@ class SnapshotStore:
             return temp.open("rb")
         finally:
             unlink_quietly(temp)
+
+    def open_parts(self, snapshot: Snapshot) -> tuple[BinaryIO, BlockManifest]:
+        """A state kept as blocks, for an upload: its tail open for reading and its checked manifest; its blocks are
+        held (never collected) until `release_parts`. DamagedState when its tail is not intact."""
+        manifest = self.blocks.manifest(snapshot.filename)
+        if manifest.checksum != snapshot.checksum:
+            raise DamagedState("its tail belongs to another save")
+        self.blocks.hold(manifest.keys)
+        try:
+            return self.blocks.tail_path(snapshot.filename).open("rb"), manifest
+        except BaseException:
+            self.blocks.release(manifest.keys)
+            raise
+
+    def release_parts(self, manifest: BlockManifest) -> None:
+        self.blocks.release(manifest.keys)
 
     def appendix_extent(self, snapshot: Snapshot) -> tuple[Path, int | None]:
         """Where the state's slot file ends with its checkpoint appendix, if any: the file and its end (a tail's
