@@ -10,9 +10,12 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import struct
 import time
 from dataclasses import dataclass
 from enum import StrEnum
+
+import numpy as np
 
 from slotkeeper.cache.chain import Link
 from slotkeeper.cache.store import SnapshotStore
@@ -22,6 +25,8 @@ MODEL = "bench-model"
 # Bytes of one synthetic slot file: real ones hold the KV cache (megabytes to gigabytes); small ones keep the fill
 # fast and leave only the index's own costs, plus a checksum of a few KiB, in the timings.
 FILE_BYTES = (2048, 8192)
+# Tokens per message of the slot files `fill(slot_files=True)` writes: 10-40 messages make 160-640 tokens.
+TOKENS_PER_LINK = 16
 
 
 def _digest(parent: str, salt: str) -> str:
@@ -97,18 +102,59 @@ def write_snapshot(store: SnapshotStore, key: SessionKey, fingerprint: str, chai
     return (time.perf_counter() - started) * 1000
 
 
-def fill(store: SnapshotStore, population: Population, fingerprint: str, seed: int = 11) -> list[float]:
-    """Save the population's system snapshots, then its sessions; returns each commit's milliseconds."""
+def fill(store: SnapshotStore, population: Population, fingerprint: str, seed: int = 11,
+         slot_files: bool = False) -> list[float]:
+    """Save the population's system snapshots, then its sessions; returns each commit's milliseconds. With
+    `slot_files`, each file is a dense slot file in llama-server's format whose tokens follow its chain (states
+    sharing messages share tokens), so a store with the block store on keeps it as blocks and a tail."""
     rng = random.Random(seed)
+    write = write_slot_file if slot_files else write_snapshot
     times = []
     for system in population.systems:
         instructions = Link(_digest(system.link.digest, "instructions"), system.link.chars + 600)
-        times.append(write_snapshot(store, SessionKey(MODEL, system.digest, IdSource.SYSTEM_PROMPT), fingerprint,
-                                    [system.link, instructions], SnapshotKind.SYSTEM, rng))
+        times.append(write(store, SessionKey(MODEL, system.digest, IdSource.SYSTEM_PROMPT), fingerprint,
+                           [system.link, instructions], SnapshotKind.SYSTEM, rng))
     for session in population.sessions:
-        times.append(write_snapshot(store, SessionKey(MODEL, session.session_id, IdSource.HEADER), fingerprint,
-                                    session.chain, SnapshotKind.SESSION, rng))
+        times.append(write(store, SessionKey(MODEL, session.session_id, IdSource.HEADER), fingerprint,
+                           session.chain, SnapshotKind.SESSION, rng))
     return times
+
+
+def chain_tokens(chain: list[Link]) -> list[int]:
+    """Tokens for a chain: TOKENS_PER_LINK per message, drawn from its digest (equal messages, equal tokens)."""
+    out: list[int] = []
+    for link in chain:
+        drawn = hashlib.shake_128(link.digest.encode()).digest(2 * TOKENS_PER_LINK)
+        out += [int.from_bytes(drawn[i:i + 2], "little") % 30000 for i in range(0, len(drawn), 2)]
+    return out
+
+
+def slot_file(tokens: list[int], row: int = 16, n_layer: int = 2) -> bytes:
+    """A dense model's slot file (llama-server b11434's format): the packed token list, one stream of cells at
+    positions 0..n-1, then per layer K and V rows (their bytes drawn from the token and layer, so equal prefixes
+    hold equal KV)."""
+    n = len(tokens)
+    words = [-1, 1, n, *tokens, 0]
+    out = [struct.pack("<III", 0x67677371, 4, len(words)), struct.pack(f"<{len(words)}i", *words),
+           struct.pack("<II", 1, n), b"".join(struct.pack("<iIi", pos, 1, 0) for pos in range(n)),
+           struct.pack("<IIII", 0, n_layer, 0, 0)]
+    cells = np.asarray(tokens, dtype=np.uint32)
+    for tensor in range(2 * n_layer):
+        out.append(struct.pack("<iQ", 1, row))
+        out.append(np.repeat(((cells * 31 + tensor) % 251).astype(np.uint8), row).tobytes())
+    return b"".join(out)
+
+
+def write_slot_file(store: SnapshotStore, key: SessionKey, fingerprint: str, chain: list[Link], kind: SnapshotKind,
+                    rng: random.Random) -> float:
+    """`write_snapshot` with a slot file whose tokens follow the chain."""
+    temp = store.temp_name(key, fingerprint, kind)
+    tokens = chain_tokens(chain)
+    data = slot_file(tokens)
+    (store.slot_dir / temp).write_bytes(data)
+    started = time.perf_counter()
+    store.commit(key, temp, fingerprint, len(tokens), chain, len(data), kind)
+    return (time.perf_counter() - started) * 1000
 
 
 class Lookup(StrEnum):

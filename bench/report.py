@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench import agents, decide, sections
+from bench import agents, blocks, decide, sections
 
 
 def _fmt(value: float, digits: int = 1) -> str:
@@ -40,7 +40,7 @@ def _header(results: dict[str, dict[str, Any]]) -> list[str]:
     ]
 
 
-OWN_HEADER = ("system", "agent", "scale", "day", "title", "client")
+OWN_HEADER = ("system", "agent", "scale", "day", "title", "client", "blocks")
 
 
 def _reading(r: dict[str, Any]) -> list[str]:
@@ -173,7 +173,8 @@ def _restart(r: dict[str, Any]) -> list[str]:
 SECTIONS = {"switch": _switch, "reading": _reading, "overhead": _overhead, "restart": _restart,
             "system": sections.system, "agent": sections.agent, "scale": sections.scale, "day": sections.day,
             "title": sections.title, "beyond": sections.beyond, "first": sections.first, "client": sections.client,
-            "backends": sections.backends, "decide": decide.section, "agents": agents.section}
+            "backends": sections.backends, "decide": decide.section, "agents": agents.section,
+            "blocks": blocks.section}
 
 
 def write_report(out: Path) -> Path:

@@ -18,14 +18,17 @@ from typing import Any
 import httpx
 
 from bench.common import BenchConfig, Processes, describe, machine, make_model, processes
-from bench.population import MODEL, Lookup, Population, fill, make_population, request_chain
+from bench.population import MODEL, Lookup, Population, chain_tokens, fill, make_population, request_chain
 from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.cache.tokens import as_tokens
 from slotkeeper.types import IdSource, SessionKey
 from tests.support import Backend
 
 INDEX_NAME = "index.sqlite3"  # the index's name inside slotkeeper's --cache-dir
 KEEPER = "scale-slotkeeper"
+BLOCK_KEEPER = "scale-blocks-slotkeeper"
+BLOCK_TOKENS = 64
 
 
 def timed_ms(action: Callable[[], object]) -> float:
@@ -57,6 +60,7 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
         store = SnapshotStore(backend.slot_dir, index)
         evicting = measure_eviction(store)
         store.close()
+        block_states = measure_block_states(procs, client, root, population, lookups, starts)
     summary = {
         "snapshots": n,
         "system_snapshots": len(population.systems),
@@ -68,6 +72,7 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
         "index_bytes": sum(p.stat().st_size for p in index.parent.glob(f"{INDEX_NAME}*")),
         "startup_ms": {"empty index": describe(empty_starts), "full index": describe(full_starts),
                        "full index, --disk-budget 1T": describe(budget_starts)},
+        "block_states": block_states,
     }
     return {"scenario": "scale", "config": config.as_json(), "machine": machine(), "samples": [summary],
             "summary": summary}
@@ -115,6 +120,55 @@ def measure_index(store: SnapshotStore, index: Path, population: Population, fin
     }
 
 
+def measure_block_states(procs: Processes, client: httpx.Client, root: Path, population: Population, lookups: int,
+                         starts: int) -> dict[str, Any]:
+    """The same population as dense slot files kept by the block store (blocks of BLOCK_TOKENS, each stored once):
+    the fill, the own-state and token look-ups, opening and reconciling the index, the start's sweep of blocks no
+    state names, and slotkeeper's start-up on the full index."""
+    args = ("--block-tokens", str(BLOCK_TOKENS))
+    backend = procs.backend("scale-blocks-backend", cache_ram=0, ctx_per_slot=2048)
+    _, fingerprint = start_times(procs, backend, client, 1, *args, keeper_name=BLOCK_KEEPER)
+    index = root / BLOCK_KEEPER / "cache" / INDEX_NAME
+    store = SnapshotStore(backend.slot_dir, index, block_tokens=BLOCK_TOKENS)
+    commit_ms = fill(store, population, fingerprint, slot_files=True)
+    rng = random.Random(7)
+    own: list[float] = []
+    by_tokens: list[float] = []
+    found = 0
+    for i in range(lookups):
+        session = rng.choice(population.sessions)
+        key = SessionKey(MODEL, session.session_id, IdSource.HEADER)
+        started = time.perf_counter()
+        if store.checked_snapshot(key, fingerprint) is None:
+            raise RuntimeError(f"the stored state of {key} was not found")
+        own.append((time.perf_counter() - started) * 1000)
+        tokens = as_tokens(chain_tokens(request_chain(population, Lookup.NEXT_TURN, rng, f"b{i}")))
+        started = time.perf_counter()
+        matches = store.best_by_tokens(MODEL, fingerprint, tokens)
+        by_tokens.append((time.perf_counter() - started) * 1000)
+        found += bool(matches)
+    n_blocks, block_bytes = store.blocks.usage()
+    states = store.list(kind=None)
+    whole_bytes = sum(s.n_bytes for s in states)
+    stored_bytes = store._index.total_bytes()
+    store.close()
+    started = time.perf_counter()
+    again = SnapshotStore(backend.slot_dir, index, block_tokens=BLOCK_TOKENS)
+    open_ms = (time.perf_counter() - started) * 1000
+    reconcile_ms = timed_ms(again.reconcile)
+    sweep_ms = timed_ms(again.sweep_blocks)
+    again.close()
+    full_starts, _ = start_times(procs, backend, client, starts, *args, keeper_name=BLOCK_KEEPER)
+    return {
+        "block_tokens": BLOCK_TOKENS, "states": len(states), "blocks": n_blocks, "block_bytes": block_bytes,
+        "whole_file_bytes": whole_bytes, "stored_bytes": stored_bytes,
+        "fill_seconds": sum(commit_ms) / 1000, "commit_ms": describe(commit_ms),
+        "checked_snapshot_ms": describe(own), "best_by_tokens_ms": {**describe(by_tokens), "found": found},
+        "open_ms": open_ms, "reconcile_ms": reconcile_ms, "sweep_blocks_ms": sweep_ms,
+        "startup_ms": describe(full_starts),
+    }
+
+
 def measure_eviction(store: SnapshotStore) -> dict[str, Any]:
     """One enforce_budget that has to evict about 1% of the bytes (least recently used first)."""
     total = sum(s.n_bytes for s in store.list(kind=None))
@@ -125,13 +179,13 @@ def measure_eviction(store: SnapshotStore) -> dict[str, Any]:
 
 
 def start_times(procs: Processes, backend: Backend, client: httpx.Client, times: int,
-                *extra: str) -> tuple[list[float], str]:
+                *extra: str, keeper_name: str = KEEPER) -> tuple[list[float], str]:
     """Start slotkeeper `times` times over the backend: the milliseconds until /health answered 200 each time, and
     the backend's fingerprint as slotkeeper computed it."""
     out, fingerprint = [], ""
     for _ in range(times):
         started = time.perf_counter()
-        keeper = procs.slotkeeper(KEEPER, backend, *extra)
+        keeper = procs.slotkeeper(keeper_name, backend, *extra)
         out.append((time.perf_counter() - started) * 1000)
         fingerprint = client.get(f"{keeper.url}/api/backend").json()["fingerprint"]
         keeper.stop()

@@ -453,3 +453,23 @@ def turn_log(keeper: Slotkeeper, session: str) -> list[dict[str, str]]:
             fields = dict(re.findall(r"(\w+)=(\S+)", match.group(3)))
             rows.append({"api": match.group(1), "side": "yes" if match.group(2) else "no", **fields})
     return rows
+
+
+def saved_state_bytes(slot_dir: Path, row: dict[str, Any]) -> bytes:
+    """The slot file an index row names, as llama-server would be handed it: the file itself, or, for a state kept
+    as KV blocks and a tail (the default), the file its blocks and tail assemble into (each checked)."""
+    from slotkeeper.cache.blockstore import BlockStore
+
+    if not row.get("tail_bytes"):
+        return (slot_dir / row["filename"]).read_bytes()
+    target = slot_dir / f".test-assembled-{row['filename']}"
+    try:
+        BlockStore(slot_dir, 0).assemble(row["filename"], target)
+        return target.read_bytes()
+    finally:
+        target.unlink(missing_ok=True)
+
+
+def saved_state_names(slot_dir: Path) -> set[str]:
+    """The saved states in a slot dir, by name: whole files, and states kept as blocks by their tails."""
+    return {p.name.removesuffix(".tail") for p in slot_dir.iterdir() if p.is_file()}

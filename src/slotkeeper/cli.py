@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
                        "(default 0: no limit)")
     serve.add_argument("--block-tokens", type=int, metavar="N",
                        help="keep saved states as blocks of N tokens' KV, each stored once however many states "
-                       "share it (e.g. 128; default 0: one whole file per state)")
+                       "share it (default 64; 0: one whole file per state)")
     serve.add_argument("--ram-budget", metavar="SIZE",
                        help="RAM for copies of recent snapshots in the RAM dir, where the backend saves and restores "
                        "at memory speed (default: a quarter of the memory, at most 8G; 0: no RAM dir, the backend "

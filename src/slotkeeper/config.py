@@ -94,9 +94,9 @@ class Settings:
     # None: a quarter of the machine's memory, at most 8 GiB (llama-server's own --cache-ram default); 0: no RAM dir.
     ram_budget: int | None = None
     # Tokens per KV block of the block store (cache/blockstore.py): each saved state is kept as blocks of this many
-    # tokens' KV, each stored once however many states share it, plus a tail. 0 (for now the default, until the
-    # shared tier stores blocks too): every state kept as one whole file.
-    block_tokens: int = 0
+    # tokens' KV, each stored once however many states share it, plus a tail. 0: every state kept as one whole file.
+    # 64: measured (docs/blocks.md), the smallest store; 128 and 256 keep a larger partial block in every tail.
+    block_tokens: int = 64
     # Requests allowed to wait for a slot; one more is answered 503 in the client's dialect (0: unbounded).
     max_queue: int = 64
     # Seconds to wait for a save, restore or erase (the backend defers them while the slot is busy).

@@ -21,6 +21,7 @@ import pytest
 
 from slotkeeper.backend import discover
 from slotkeeper.cache import store as store_mod
+from slotkeeper.cache.blockstore import TAIL_SUFFIX, BlockStore
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import SnapshotStore, file_checksum
@@ -176,11 +177,13 @@ async def test_shutdown_flush_waits_for_the_commits_still_running(rig: Rig, monk
     assert rig.pool.saves == 2 and rig.pool.failed_saves == 0
 
 
-def test_a_file_changed_in_place_after_it_was_hashed_is_refused(stack: Stack, client_for) -> None:
+@pytest.mark.parametrize("stored_as", ["file", "blocks"])
+def test_a_file_changed_in_place_after_it_was_hashed_is_refused(stack: Stack, client_for, stored_as: str) -> None:
     """The slotkeeper process hashed the file when it committed it and again when it checked it for a restore;
-    a byte changed in place afterwards (same size, same inode) still gets it refused."""
+    a byte changed in place afterwards (same size, same inode) still gets it refused. Kept as blocks: a byte changed
+    in one of its blocks (every block is checked each time a file is assembled from it)."""
     backend = stack.backend(cache_ram=0)
-    keeper = stack.slotkeeper(backend)
+    keeper = stack.slotkeeper(backend, "--block-tokens", "0" if stored_as == "file" else "64")
     client = client_for(keeper)
     victim = Conversation(client, "victim", size=500)
     other = Conversation(client, "other", size=500, seed=7)
@@ -191,8 +194,15 @@ def test_a_file_changed_in_place_after_it_was_hashed_is_refused(stack: Stack, cl
     row = keeper.row("victim")
     assert row is not None
     path = stack.slot_dir / row["filename"]
-    size = path.stat().st_size
-    fd = os.open(path, os.O_RDWR)
+    if stored_as == "blocks":
+        assert row["tail_bytes"] > 0 and not path.exists()
+        last = BlockStore(stack.slot_dir, 64).manifest(row["filename"]).keys[-1]  # the victim's own
+        changed = BlockStore(stack.slot_dir, 64).block_path(last)
+        path = stack.slot_dir / (row["filename"] + TAIL_SUFFIX)  # what goes to quarantine
+    else:
+        changed = path
+    size = changed.stat().st_size
+    fd = os.open(changed, os.O_RDWR)
     try:
         byte = os.pread(fd, 1, size // 2)
         os.pwrite(fd, bytes([byte[0] ^ 0xFF]), size // 2)
@@ -205,4 +215,4 @@ def test_a_file_changed_in_place_after_it_was_hashed_is_refused(stack: Stack, cl
     assert keeper.row("victim") is None
     assert not path.exists()
     assert [p.name.split(".")[0] for p in (stack.slot_dir / "quarantine").iterdir()] == [path.name.split(".")[0]]
-    assert "checksum mismatch" in keeper.log_text()
+    assert ("checksum mismatch" if stored_as == "file" else "does not match its checksum") in keeper.log_text()

@@ -362,14 +362,14 @@ def test_blocks(blocks_results: Path) -> None:
     """The block store against whole files: counts and byte ratios, not timings."""
     data = load(blocks_results, "blocks")
     shape, summary = data["shape"], data["summary"]
-    assert shape["block_sizes"] == [128]
-    modes = ["today", "blocks 128"]
+    assert shape["block_sizes"] == [64]
+    modes = ["today", "blocks 64"]
     assert data["modes"] == modes
     assert "## blocks" in (blocks_results / "README.md").read_text()
 
     shared = summary["shared_prompt"]["modes"]
     assert list(shared) == modes
-    today, blocks = shared["today"], shared["blocks 128"]
+    today, blocks = shared["today"], shared["blocks 64"]
     assert today["stored_as"] == {"file": today["states"]} and blocks["stored_as"] == {"blocks": blocks["states"]}
     assert today["states"] >= shape["conversations"] and blocks["states"] >= shape["conversations"]
     assert today["disk"]["whole_files"] == today["disk"]["total"] > 0 and today["disk"]["blocks"] == 0
@@ -395,7 +395,7 @@ def test_blocks(blocks_results: Path) -> None:
         for key in ("written_over_new_kv_plus_tail", "uploaded_over_new_kv_plus_tail", "written_over_today"):
             assert positive(entry[key])
     # Today every turn writes its whole state; blocks, what is new.
-    assert long["modes"]["blocks 128"]["later_totals"]["written_bytes"] < long["modes"]["today"]["later_totals"][
+    assert long["modes"]["blocks 64"]["later_totals"]["written_bytes"] < long["modes"]["today"]["later_totals"][
         "written_bytes"]
     assert long["modes"]["today"]["later_totals"]["written_bytes"] >= long["modes"]["today"]["later_totals"][
         "state_bytes"]

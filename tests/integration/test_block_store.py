@@ -85,6 +85,38 @@ def test_states_kept_as_blocks_restore_to_the_same_answers(stack: Stack, client_
                       timeout=10, interval=0.1), "an assembled file stayed in the slot dir after the restore"
 
 
+@pytest.mark.parametrize("options", [("-fa", "off"), ("-fa", "on", "--cache-type-k", "q8_0", "--cache-type-v", "q8_0")],
+                         ids=["v-transposed", "q8_0"])
+def test_other_kv_layouts_restore_from_blocks_to_the_same_answers(stack: Stack, client_for, tmp_path: Path,
+                                                                  options: tuple[str, ...]) -> None:
+    """The binary with flash attention off (V stored transposed: a run per element) and with quantized KV."""
+    if stack.kind != "binary":
+        pytest.skip("llama-server options: the binary only")
+    backend = stack.backend(cache_ram=0, extra_args=options)
+    keeper = stack.slotkeeper(backend, "--block-tokens", str(BLOCK_TOKENS), "--save-idle-seconds", "-1")
+    client = client_for(keeper)
+    system = "You are a helpful assistant. " + words(250, 5)
+    a, b = Session(client, "a", system, 21), Session(client, "b", system, 22)
+    a.turn()
+    a.answer()
+    b.turn()
+    b.answer()
+    a.turn()  # b's state is saved as blocks
+    client.get("/api/sessions/current")
+    assert list(backend.slot_dir.glob("*" + TAIL_SUFFIX)) and _blocks(backend.slot_dir)
+    reference = Backend("binary", stack.model, tmp_path / "reference-slots", tmp_path / "reference.log",
+                        extra_args=options).start()
+    try:
+        body = {"logprobs": True, "top_logprobs": 5, "grammar": "root ::= [a-z]+"}
+        response = chat(client, b.messages, b.name, max_tokens=1, **body)
+        fresh = httpx.post(f"{reference.url}/v1/chat/completions", timeout=120, json={
+            "messages": b.messages, "max_tokens": 1, "temperature": 0, "cache_prompt": False, **body})
+        assert response.headers["x-slotkeeper-cache"] == "restored", response.headers
+        assert_same_distribution(top_logprobs(response), top_logprobs(fresh), f"{options} from blocks")
+    finally:
+        reference.stop()
+
+
 def test_twenty_conversations_on_one_system_prompt_store_it_once(stack: Stack, client_for) -> None:
     """The dense model: the system prompt's KV is in the store once, not once per conversation."""
     backend = stack.backend(cache_ram=0)

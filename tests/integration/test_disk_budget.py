@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from slotkeeper.cache.blockstore import TAIL_SUFFIX
 from tests.conftest import Stack
 from tests.support import REPO, Conversation, Slotkeeper, chat, wait_until, words
 
@@ -22,7 +23,8 @@ def rows(keeper: Slotkeeper, kind: str = "session") -> dict[str, dict[str, Any]]
 
 
 def files(stack: Stack) -> set[str]:
-    return {p.name for p in stack.slot_dir.iterdir() if p.is_file()}
+    """The saved states in the slot dir: whole files, and states kept as blocks by their tails."""
+    return {p.name.removesuffix(TAIL_SUFFIX) for p in stack.slot_dir.iterdir() if p.is_file()}
 
 
 def idle_saved(keeper: Slotkeeper, session: str, turns: int = 1) -> dict[str, Any]:

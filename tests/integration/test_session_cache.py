@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import Stack
-from tests.support import ANSWER_SLACK, Conversation, chat, timings, wait_until, words
+from tests.support import ANSWER_SLACK, Conversation, chat, saved_state_bytes, timings, wait_until, words
 
 pytestmark = pytest.mark.backend
 
@@ -40,7 +40,7 @@ def test_switching_sessions_restores_from_disk(stack: Stack, client_for) -> None
     b.turn()  # switching to B saves A first
     row_a = keeper.row("session-a")
     assert row_a is not None and row_a["n_tokens"] > 0
-    a_file_bytes = (stack.slot_dir / row_a["filename"]).read_bytes()
+    a_file_bytes = saved_state_bytes(stack.slot_dir, row_a)
 
     again = a.turn()  # switching back saves B, then restores A
     assert again.headers["x-slotkeeper-cache"] == "restored"
@@ -50,7 +50,7 @@ def test_switching_sessions_restores_from_disk(stack: Stack, client_for) -> None
     assert row_b is not None and row_b["filename"] != row_a["filename"]
     assert row_b["n_tokens"] > 0
     # B's traffic never touched A's snapshot.
-    assert (stack.slot_dir / row_a["filename"]).read_bytes() == a_file_bytes
+    assert saved_state_bytes(stack.slot_dir, row_a) == a_file_bytes
     assert keeper.row("session-a")["checksum"] == row_a["checksum"]  # type: ignore[index]
 
 
@@ -94,7 +94,7 @@ def test_empty_save_never_replaces_a_good_snapshot(stack: Stack, client_for) -> 
     after = keeper.row("keep-me")
     assert after is not None
     assert after["checksum"] == good["checksum"] and after["n_tokens"] == good["n_tokens"]
-    assert (stack.slot_dir / after["filename"]).stat().st_size == after["n_bytes"]
+    assert len(saved_state_bytes(stack.slot_dir, after)) == after["n_bytes"]
     # Either the backend watch noticed the restart first and nothing was saved, or the save came back empty and
     # was refused; the good snapshot survives both ways.
     log = keeper.log_text()

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import Backend, Slotkeeper, llama_server_binary, words
+from tests.support import Backend, Slotkeeper, llama_server_binary, saved_state_names, words
 
 pytestmark = pytest.mark.backend
 
@@ -111,8 +111,8 @@ def test_requests_go_to_the_model_they_name_and_sessions_stay_apart(two_models: 
         ("beta", "shared"), ("beta", "other")}
     assert {r["fingerprint"] for r in alpha_rows}.isdisjoint({r["fingerprint"] for r in beta_rows})
     beta_slots = next((cache / "backends").glob("beta-*")) / "slots" / "launch"
-    assert {r["filename"] for r in beta_rows} <= {p.name for p in beta_slots.iterdir()}
-    assert not {r["filename"] for r in alpha_rows} & {p.name for p in beta_slots.iterdir()}
+    assert {r["filename"] for r in beta_rows} <= saved_state_names(beta_slots)
+    assert not {r["filename"] for r in alpha_rows} & saved_state_names(beta_slots)
 
 
 def test_a_file_of_one_model_is_never_restored_into_the_other(two_models: Any) -> None:
@@ -126,7 +126,8 @@ def test_a_file_of_one_model_is_never_restored_into_the_other(two_models: Any) -
         # Someone copies alpha's snapshot, file and row, into beta's slot dir and index under beta's name. The two
         # models have the same shapes, so llama-server itself would restore it without a word.
         beta_slots = next((cache / "backends").glob("beta-*")) / "slots" / "launch"
-        shutil.copy(alpha.slot_dir / row["filename"], beta_slots / row["filename"])
+        stored = row["filename"] + (".tail" if row["tail_bytes"] else "")  # a whole file, or a state's tail
+        shutil.copy(alpha.slot_dir / stored, beta_slots / stored)
         db = sqlite3.connect(index_of(cache, "beta"))
         columns = ", ".join(row)
         db.execute(f"INSERT INTO snapshots ({columns}) VALUES ({', '.join('?' * len(row))})",

@@ -64,10 +64,12 @@ class TwoHosts:
 
 
 def start_host(tmp_path: Path, name: str, kind: str, model: Path, store: ObjectStoreServer) -> Host:
+    # Snapshots kept as whole files (`blobs/`): this file's checks name their objects. The block store's shared tier
+    # (`kv/`, `tails/`) has its own tests in test_block_store.py.
     backend = Backend(kind, model, tmp_path / f"{name}-slots", tmp_path / f"{name}-backend.log").start()
     keeper = Slotkeeper(tmp_path / f"{name}-cache", tmp_path / f"{name}.log", upstream=backend,
                         extra_args=("--shared-store", f"s3://{store.bucket}/{PREFIX}", "--shared-endpoint", store.url,
-                                    "--save-idle-seconds", "0.3"))
+                                    "--save-idle-seconds", "0.3", "--block-tokens", "0"))
     return Host(backend, keeper.start(timeout=120))
 
 

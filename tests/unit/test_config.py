@@ -55,7 +55,7 @@ PRECEDENCE_ROWS: list[tuple[str, Any, dict[str, str], Any]] = [
     ("min_restore_tokens", None, {}, 128),
     ("block_tokens", 64, {"SLOTKEEPER_BLOCK_TOKENS": "256"}, 64),
     ("block_tokens", None, {"SLOTKEEPER_BLOCK_TOKENS": "256"}, 256),
-    ("block_tokens", None, {}, 0),
+    ("block_tokens", None, {}, 64),
     ("max_queue", 5, {"SLOTKEEPER_MAX_QUEUE": "6"}, 5),
     ("max_queue", None, {"SLOTKEEPER_MAX_QUEUE": "6"}, 6),
     ("max_queue", None, {}, 64),

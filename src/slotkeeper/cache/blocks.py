@@ -21,9 +21,6 @@ import xxhash
 from slotkeeper.cache.slotformat import SlotLayout, TokenRegion
 from slotkeeper.cache.tokens import Tokens
 
-# Tokens per KV block: chosen by `python -m bench --scenario blocks` (docs/blocks.md).
-DEFAULT_BLOCK_TOKENS = 128
-
 
 @dataclass(frozen=True, slots=True)
 class Cut:
@@ -127,6 +124,51 @@ def place_tail(out: np.ndarray, cut: Cut, tail: bytes | np.ndarray) -> None:
             read += size
         at = region.offset + region.n_outer * n * region.cell_bytes
     out[at:cut.layout.file_size] = data[read:]
+
+
+def tail_writes(cut: Cut, tail: bytes) -> Iterator[tuple[int, memoryview]]:
+    """Where the tail's bytes go in the whole file, when every region is of one run (rows): (offset, bytes) pairs."""
+    if len(tail) != cut.tail_size:
+        raise ValueError(f"the tail has {len(tail)} bytes, not {cut.tail_size}")
+    view = memoryview(tail)
+    at = read = 0
+    n, taken = cut.layout.n_cells, cut.n_blocks * cut.block_tokens
+    for region in cut.layout.regions:
+        if region.n_outer != 1:
+            raise ValueError("a region of several runs: place the tail with place_tail")
+        yield at, view[read:read + region.offset - at]
+        read += region.offset - at
+        rest = (n - taken) * region.cell_bytes
+        yield region.offset + taken * region.cell_bytes, view[read:read + rest]
+        read += rest
+        at = region.offset + n * region.cell_bytes
+    yield at, view[read:]
+
+
+def block_writes(cut: Cut, b: int, payload: bytes) -> Iterator[tuple[int, memoryview]]:
+    """Where block b's bytes go in the whole file, for the regions of one run each (K and V rows): (offset, bytes)
+    pairs, one per region. Regions of several runs (V transposed) are left to `place_block`."""
+    if len(payload) != cut.block_bytes:
+        raise ValueError(f"block {b} has {len(payload)} bytes, not {cut.block_bytes}")
+    view, at = memoryview(payload), 0
+    for region in cut.layout.regions:
+        width = cut.block_tokens * region.cell_bytes
+        if region.n_outer == 1:
+            yield region.offset + b * width, view[at:at + width]
+        at += region.n_outer * width
+
+
+def place_block_runs(out: np.ndarray, cut: Cut, b: int, payload: bytes) -> None:
+    """`place_block` for the regions of several runs only (those `block_writes` leaves out)."""
+    data = np.frombuffer(payload, dtype=np.uint8)
+    at = 0
+    for region in cut.layout.regions:
+        width = cut.block_tokens * region.cell_bytes
+        size = region.n_outer * width
+        if region.n_outer > 1:
+            runs = _runs(out, region, cut.layout.n_cells)
+            runs[:, b * width:(b + 1) * width] = data[at:at + size].reshape(region.n_outer, width)
+        at += size
 
 
 def layout_to_json(cut: Cut) -> dict[str, object]:

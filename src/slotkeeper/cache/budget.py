@@ -42,8 +42,12 @@ def identity(snapshot: Snapshot) -> SnapshotId:
 
 
 def choose_evictions(snapshots: Sequence[Snapshot], budget: DiskBudget, protected: Collection[SnapshotId],
-                     now: float) -> list[Eviction]:
-    """The snapshots to evict, each with the limit it broke, least recently used first within each limit."""
+                     now: float, total: int | None = None) -> list[Eviction]:
+    """The snapshots to evict, each with the limit it broke, least recently used first within each limit. Each
+    snapshot's `n_bytes` is what evicting it frees; `total` what they all take (their sum when None; less when they
+    share KV blocks)."""
+    if total is None:
+        total = sum(s.n_bytes for s in snapshots)
     by_age = sorted(snapshots, key=lambda s: s.last_used)
     evicted: list[Eviction] = []
     gone: set[str] = set()
@@ -76,7 +80,7 @@ def choose_evictions(snapshots: Sequence[Snapshot], budget: DiskBudget, protecte
                     evict(snapshot, f"more than {most} {what} for the model")
                     excess -= 1
     if budget.max_bytes > 0:
-        total = sum(s.n_bytes for s in snapshots if s.filename not in gone)
+        total -= sum(s.n_bytes for s in snapshots if s.filename in gone)
         for snapshot in by_age:
             if total <= budget.max_bytes:
                 break

@@ -65,6 +65,10 @@ CREATE TABLE IF NOT EXISTS kv_refs (
     PRIMARY KEY (filename, key)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS kv_refs_by_key ON kv_refs (key);
+CREATE TABLE IF NOT EXISTS kv_blocks (
+    key         TEXT PRIMARY KEY,
+    n_bytes     INTEGER NOT NULL
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS file_identities (
     path        TEXT NOT NULL,
     size        INTEGER NOT NULL,
@@ -89,6 +93,8 @@ _BLOCK_CANDIDATES = (
     " WHERE b.digest = ? AND b.position = ? AND s.model = ? AND s.fingerprint = ?"
     " ORDER BY s.last_used DESC LIMIT 8"
 )
+# What the states take on disk but for their blocks: a whole file, or a tail.
+_STORED_BYTES = "SELECT COALESCE(SUM(CASE WHEN tail_bytes > 0 THEN tail_bytes ELSE n_bytes END), 0) FROM snapshots"
 # States indexed before token blocks existed (n_blocks -1), to be filled in from their files.
 _UNBLOCKED = "SELECT filename FROM snapshots WHERE n_blocks < 0 LIMIT ?"
 
@@ -134,8 +140,8 @@ class SnapshotIndex:
     def replace(self, key: SessionKey, kind: SnapshotKind, filename: str, fingerprint: str, n_tokens: int,
                 n_bytes: int, checksum: str, chain: Sequence[Link] = (),
                 n_prompt: int = 0, blocks: Sequence[int] | None = None, version: Version | None = None,
-                fence: int | None = None, tail_bytes: int = 0,
-                kv_keys: Sequence[str] = ()) -> tuple[Snapshot | None, Snapshot]:
+                fence: int | None = None, tail_bytes: int = 0, kv_keys: Sequence[str] = (),
+                kv_block_bytes: int = 0) -> tuple[Snapshot | None, Snapshot]:
         """Index `filename` as the key's snapshot, with its chain and its token blocks (tokens.py; None: its tokens
         could not be read), in one transaction; returns the row it replaced (its file is now the caller's to remove)
         and the new one. The replaced row's `created` and `hits` carry over.
@@ -165,6 +171,8 @@ class SnapshotIndex:
             )
             self._db.executemany("INSERT OR IGNORE INTO kv_refs (filename, key) VALUES (?, ?)",
                                  [(filename, k) for k in kv_keys])
+            self._db.executemany("INSERT OR IGNORE INTO kv_blocks (key, n_bytes) VALUES (?, ?)",
+                                 [(k, kv_block_bytes) for k in kv_keys])
             self._db.executemany(
                 "INSERT INTO chains (filename, position, digest, chars) VALUES (?, ?, ?, ?)",
                 [(filename, i, link.digest, link.chars) for i, link in enumerate(chain)],
@@ -209,13 +217,23 @@ class SnapshotIndex:
         return keys
 
     def referenced(self, keys: Sequence[str]) -> set[str]:
-        """The keys among `keys` that some state names."""
+        """The keys among `keys` that some state names; the others' sizes are forgotten (they are being removed)."""
         found: set[str] = set()
-        with self._lock:
+        with self._lock, self._transaction():
             for k in keys:
                 if self._db.execute("SELECT 1 FROM kv_refs WHERE key=? LIMIT 1", (k,)).fetchone() is not None:
                     found.add(k)
+                else:
+                    self._db.execute("DELETE FROM kv_blocks WHERE key=?", (k,))
         return found
+
+    def own_block_bytes(self, filename: str) -> int:
+        """The bytes of the blocks only this state names: what its eviction frees besides its tail."""
+        with self._lock:
+            return int(self._db.execute(
+                "SELECT COALESCE(SUM(b.n_bytes), 0) FROM kv_refs r JOIN kv_blocks b ON b.key = r.key"
+                " WHERE r.filename = ? AND NOT EXISTS (SELECT 1 FROM kv_refs o WHERE o.key = r.key"
+                " AND o.filename <> r.filename)", (filename,)).fetchone()[0])
 
     def orphan_refs(self) -> list[str]:
         """Drop the block references of states whose row is gone (a crash between the two); returns their keys."""
@@ -332,18 +350,21 @@ class SnapshotIndex:
         return [Link(str(digest), int(chars)) for digest, chars in rows]
 
     def total_bytes(self) -> int:
+        """Bytes the saved states take on disk: whole files, tails, and every block once."""
         with self._lock:
-            return int(self._db.execute("SELECT COALESCE(SUM(n_bytes), 0) FROM snapshots").fetchone()[0])
+            return self._total_bytes()
+
+    def _total_bytes(self) -> int:
+        return int(self._db.execute(_STORED_BYTES).fetchone()[0]) + int(
+            self._db.execute("SELECT COALESCE(SUM(n_bytes), 0) FROM kv_blocks").fetchone()[0])
 
     def over_budget(self, budget: DiskBudget, now: float) -> bool:
         """Whether any limit is broken at all, by one aggregate query per limit. Every save enforces the budget and
         most saves leave it whole; listing every snapshot to find that out took 40-100 ms at 10,000 snapshots.
         Errs towards True (pinned and in-use snapshots are not counted out): the full check decides then."""
         with self._lock:
-            if budget.max_bytes > 0:
-                total = self._db.execute("SELECT COALESCE(SUM(n_bytes), 0) FROM snapshots").fetchone()[0]
-                if total > budget.max_bytes:
-                    return True
+            if budget.max_bytes > 0 and self._total_bytes() > budget.max_bytes:
+                return True
             if budget.max_age_seconds > 0 and self._db.execute(
                 "SELECT 1 FROM snapshots WHERE last_used < ? LIMIT 1", (now - budget.max_age_seconds,)
             ).fetchone() is not None:

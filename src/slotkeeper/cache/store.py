@@ -10,6 +10,7 @@ copies of recent snapshots and symlinks to the others: `backend_dir` is whicheve
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from slotkeeper.cache.blockstore import TAIL_SUFFIX, BlockStore, DamagedState, Split
+from slotkeeper.cache.blockstore import BLOCK_HEADER_BYTES, TAIL_SUFFIX, BlockStore, DamagedState, Split
 from slotkeeper.cache.blockstore import Manifest as BlockManifest
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
 from slotkeeper.cache.chain import Link, common_prefix
@@ -223,7 +224,8 @@ class SnapshotStore:
             try:
                 previous, snapshot = self._index.replace(
                     key, kind, final_name, fingerprint, n_tokens, n_bytes, split.checksum, chain, n_prompt, blocks,
-                    version, fence, tail_bytes=split.tail_bytes, kv_keys=split.keys)
+                    version, fence, tail_bytes=split.tail_bytes, kv_keys=split.keys,
+                    kv_block_bytes=split.cut.block_bytes + BLOCK_HEADER_BYTES)
             except OlderVersion:
                 self._unlink_snapshot_files(final_name)
                 raise
@@ -282,6 +284,9 @@ class SnapshotStore:
         copies = self.ram.copies(_is_final_name)
         if sum(copies.values()) <= self.ram.budget:
             return 0
+        with self._assembled_lock:  # a copy a restore is about to read stays until it has read it
+            for name in self._assembled:
+                copies.pop(name, None)
         indexed = self._index.filenames_by_use()
         unindexed = [name for name in copies if name not in set(indexed)]
         return self.ram.trim(copies, [*unindexed, *indexed])
@@ -367,7 +372,8 @@ class SnapshotStore:
         many were done. Called at start, in a worker thread, until it returns 0."""
         names = self._index.unblocked(limit)
         for name in names:
-            tokens = read_tokens(self.slot_dir / name)
+            tail = self.blocks.tail_path(name)  # a state kept as blocks: its tail starts as its file did
+            tokens = read_tokens(tail if tail.is_file() else self.slot_dir / name)
             self._index.set_blocks(name, None if tokens is None else block_hashes(tokens))
         return len(names)
 
@@ -458,13 +464,13 @@ class SnapshotStore:
         False when it cannot be (the state is quarantined and the turn runs cold). Pair with `restored`."""
         if not snapshot.tail_bytes:
             return True
-        if self.ram is not None and self.ram.intact_copy(snapshot.filename, snapshot.n_bytes, snapshot.checksum):
-            return True
-        with self._assembled_lock:
+        with self._assembled_lock:  # in use by a restore until `restored`: never trimmed or removed meanwhile
             self._assembled[snapshot.filename] += 1
             if self.ram is None and self._assembled[snapshot.filename] > 1 and \
                     (self.slot_dir / snapshot.filename).is_file():
                 return True  # another restore assembled it a moment ago and has not finished with it
+        if self.ram is not None and self.ram.intact_copy(snapshot.filename, snapshot.n_bytes, snapshot.checksum):
+            return True
         target = self.backend_dir / snapshot.filename
         try:
             _, checksum = self.blocks.assemble(snapshot.filename, target)
@@ -483,14 +489,15 @@ class SnapshotStore:
     def restored(self, snapshot: Snapshot) -> None:
         """A restore `materialize` prepared is over: the whole file assembled in the slot dir goes (a RAM dir keeps
         its copy, within its budget)."""
-        if not snapshot.tail_bytes or self.ram is not None:
+        if not snapshot.tail_bytes:
             return
         with self._assembled_lock:
             self._assembled[snapshot.filename] -= 1
             if self._assembled[snapshot.filename] > 0:
                 return
             del self._assembled[snapshot.filename]
-            unlink_quietly(self.slot_dir / snapshot.filename)
+            if self.ram is None:
+                unlink_quietly(self.slot_dir / snapshot.filename)
 
     def open_whole(self, snapshot: Snapshot) -> BinaryIO:
         """The state's whole file, open for reading (a state kept as blocks is assembled into a temporary file that
@@ -588,8 +595,16 @@ class SnapshotStore:
         self.trim_quarantine(budget, now)
         if not budget.limited or not self._index.over_budget(budget, now):
             return []
-        evictions = choose_evictions(self.list(kind=None), budget, protected, now)
+        evictions = choose_evictions(self._sized(self.list(kind=None)), budget, protected, now,
+                                     self._index.total_bytes())
         return [e for e in evictions if self.evict(e.snapshot, e.reason)]
+
+    def _sized(self, snapshots: Sequence[Snapshot]) -> Sequence[Snapshot]:
+        """The states with `n_bytes` as what evicting each frees: its file, or its tail and the blocks only it names
+        (blocks shared only with other states evicted at once are not counted: the budget errs towards evicting one
+        state too many, never towards staying over)."""
+        return [s if not s.tail_bytes else dataclasses.replace(
+            s, n_bytes=s.tail_bytes + self._index.own_block_bytes(s.filename)) for s in snapshots]
 
     def trim_quarantine(self, budget: DiskBudget, now: float | None = None) -> int:
         """Remove quarantined files older than the budget's max age (a week without one), then, oldest first, as many
