@@ -309,3 +309,30 @@ def test_rows_and_runs_assemble_byte_for_byte_through_the_store(tmp_path: Path, 
     assert split is not None
     store.assemble("a.bin", tmp_path / "out.bin")
     assert (tmp_path / "out.bin").read_bytes() == data
+
+
+def test_after_a_restart_the_most_recent_states_are_assembled_into_the_ram_dir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from slotkeeper.cache.ramdir import RamDir
+
+    data, layout, _ = _file(48, [(1, 8)], seed=13)
+    other, layout2, _ = _file(48, [(1, 8)], seed=14)
+    a, b = SessionKey("m", "a"), SessionKey("m", "b")
+    layouts = {a.file_stem(FINGERPRINT, _kind()): layout, b.file_stem(FINGERPRINT, _kind()): layout2}
+    store = _snapshot_store(tmp_path, monkeypatch, layouts)
+    snap_a = store.commit(a, _save(store, a, data), FINGERPRINT, 48)
+    snap_b = store.commit(b, _save(store, b, other), FINGERPRINT, 48)
+    store.close()
+    ram_path = tmp_path / "ram"
+    # Room for one (half the budget): the most recently used (b) is assembled, a is not.
+    again = SnapshotStore(tmp_path / "slots", tmp_path / "index.db",
+                          RamDir(ram_path, tmp_path / "slots", 2 * len(other) + 1), block_tokens=16)
+    again.reconcile()
+    assert again.prewarm_ram("another fingerprint") == 0
+    assert again.prewarm_ram(FINGERPRINT) == 1
+    assert (ram_path / snap_b.filename).read_bytes() == other and not (ram_path / snap_a.filename).exists()
+    assert again.prewarm_ram(FINGERPRINT) == 0  # in RAM already, and no room for a
+    checked = again.checked_snapshot(b, FINGERPRINT)
+    assert checked is not None and again.materialize(checked)
+    again.restored(checked)
+    assert (ram_path / snap_b.filename).read_bytes() == other

@@ -404,6 +404,10 @@ class Snapshots:
         swept = await asyncio.to_thread(self._store.sweep_blocks)
         if swept:
             log.info("removed %d KV blocks no saved state names (left by a crash)", swept)
+        warmed = await asyncio.to_thread(self._store.prewarm_ram, self._fingerprint)
+        if warmed:
+            log.info("assembled the %d most recently used saved state(s) into the RAM dir: their restores read "
+                     "memory", warmed)
         return done
 
     def appendix_extent(self, snapshot: Snapshot) -> tuple[Path, int | None]:

@@ -486,6 +486,34 @@ class SnapshotStore:
             self.trim_ram()
         return True
 
+    def prewarm_ram(self, fingerprint: str) -> int:
+        """At start, in a worker thread: assemble the most recently used states of this backend that are kept as
+        blocks into the RAM dir, as many as fit in half its budget, so that their first restores after a restart read
+        memory (as a RAM copy would have before it) instead of assembling first. Returns how many."""
+        if self.ram is None:
+            return 0
+        room = self.ram.budget // 2 - sum(self.ram.copies(_is_final_name).values())
+        done = 0
+        for snapshot in self.list(kind=None):
+            if room <= 0:
+                break
+            if (not snapshot.tail_bytes or snapshot.fingerprint != fingerprint or snapshot.n_bytes > room
+                    or self.ram.in_ram(snapshot.filename)):
+                continue
+            with self._assembled_lock:
+                if snapshot.filename in self._assembled:
+                    continue  # a restore is assembling it
+            target = self.ram.path / snapshot.filename
+            try:
+                _, checksum = self.blocks.assemble(snapshot.filename, target)
+                _, identity = read_identity(target)
+            except (DamagedState, OSError):
+                continue  # its restore will find out, and quarantine it
+            self.ram.hashes.remember(snapshot.filename, identity, checksum)
+            room -= snapshot.n_bytes
+            done += 1
+        return done
+
     def restored(self, snapshot: Snapshot) -> None:
         """A restore `materialize` prepared is over: the whole file assembled in the slot dir goes (a RAM dir keeps
         its copy, within its budget)."""
