@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench import agents, blocks, decide, sections
+from bench import agents, decide, sections
 
 
 def _fmt(value: float, digits: int = 1) -> str:
@@ -174,7 +174,7 @@ SECTIONS = {"switch": _switch, "reading": _reading, "overhead": _overhead, "rest
             "system": sections.system, "agent": sections.agent, "scale": sections.scale, "day": sections.day,
             "title": sections.title, "beyond": sections.beyond, "first": sections.first, "client": sections.client,
             "backends": sections.backends, "decide": decide.section, "agents": agents.section,
-            "blocks": blocks.section}
+            "blocks": sections.blocks}
 
 
 def write_report(out: Path) -> Path:

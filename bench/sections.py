@@ -360,3 +360,97 @@ def backends(r: dict[str, Any]) -> list[str]:
                      f"| {_fmt(t['resumed_ttft_ms']['p50'], 0)} / {_fmt(t['resumed_ttft_ms']['p95'], 0)} "
                      f"| {eff} | {t['prefilled']:,} | {busiest} |")
     return [*lines, ""]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def blocks(r: dict[str, Any]) -> list[str]:
+    """bench/results/README.md's section for the `blocks` scenario."""
+    s, shape = r["summary"], r["shape"]
+    shared, long, ttft = s["shared_prompt"], s["long_conversation"], s["ttft"]
+    cut = max(m.get("system_state_tokens", 0) for m in shared["modes"].values())
+    system_note = f"; its system state, cut and saved by slotkeeper: {cut:,} tokens" if cut else ""
+    lines = [
+        "## blocks: the block store against whole files",
+        "",
+        "slotkeeper keeping saved states as KV blocks of B tokens, each stored once (`--block-tokens B`), against "
+        "one whole file per state (`--block-tokens 0`, today), side by side: one slotkeeper and llama-server "
+        "(`--cache-ram 0`) per mode, every turn sent to every mode in rotating order. Byte counts do not depend on "
+        f"the machine; times do. {_model(r)}",
+        "",
+        f"**Shared system prompt.** {shared['conversations']} conversations on one system prompt "
+        f"(`--system-tokens {shared['system_tokens']}`{system_note}), {shared['turns']} turns each, taking turns on "
+        "one slot (idle saves at "
+        "the default). Disk = every file in the slot dir afterwards (blocks, tails, whole files; not quarantine/ "
+        "nor the index); distinct KV = KV bytes per token x the number of distinct token prefixes over all saved "
+        "states' token lists (what storing each shared prefix once would take). The bar for blocks: disk / "
+        "distinct KV <= 1.15x.",
+        "",
+        "| mode | states | distinct tokens | distinct KV MiB | disk MiB | blocks MiB | tails MiB | whole files MiB "
+        "| disk / distinct KV | disk / today |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode, m in shared["modes"].items():
+        d = m["disk"]
+        lines.append(f"| {mode} | {m['states']} | {m['distinct_tokens']:,} | {_mib(m['distinct_kv_bytes'])} "
+                     f"| {_mib(d['total'])} | {_mib(d['blocks'])} | {_mib(d['tails'])} | {_mib(d['whole_files'])} "
+                     f"| {m['disk_over_distinct_kv']:.3f}x | {m['disk_over_today']:.3f}x |")
+    lines += [
+        "",
+        f"**One long conversation.** {long['turns']} turns of one conversation; after each turn's idle save was "
+        "committed, the bytes of files new or changed in the slot dir (written), and once the shared tier's uploads "
+        "settled, the bytes of objects new in the S3-compatible bucket (moto on loopback; uploaded). New KV = KV "
+        "bytes of the tokens past the common prefix with the previous saved state; tail = the state's tail (its "
+        "header, token list and the KV past its last full block). Totals over the resumed turns (the first writes "
+        "the whole state in every mode). The bar for blocks: written / (new KV + tail) <= 1.2x.",
+        "",
+        "| mode | written per turn (median KiB) | written MiB | new KV + tail MiB | written / (new KV + tail) "
+        "| written / today | uploaded MiB | uploaded / (new KV + tail) | uploaded / today |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode, m in long["modes"].items():
+        t = m["later_totals"]
+        lines.append(f"| {mode} | {m['written_per_turn_bytes']['median'] / 1024:,.0f} | {_mib(t['written_bytes'])} "
+                     f"| {_mib(t['new_kv_bytes'] + t['tail_bytes'])} | {m['written_over_new_kv_plus_tail']:.3f}x "
+                     f"| {m['written_over_today']:.3f}x | {_mib(t['uploaded_bytes'])} "
+                     f"| {m['uploaded_over_new_kv_plus_tail']:.3f}x | {m['uploaded_over_today']:.3f}x |")
+    lines += [
+        "",
+        f"**Time to first token of resumed turns** (blocks of {shape['ttft_blocks']} tokens). *switch*: "
+        f"{ttft['switch']['sessions']} sessions of {ttft['switch']['tokens']} tokens taking turns on one slot, "
+        f"{ttft['switch']['rounds']} resumed turns each, saved on the switch; *restart*: "
+        f"{ttft['restart']['sessions']} sessions primed, every process stopped and started again (a RAM dir starts "
+        "empty), the next turn restored from disk. With a RAM dir the backend restores a RAM copy when one is "
+        "there (blocks: kept after the save); without, a state kept as blocks is assembled into the slot dir "
+        "first. llama-server alone prefills the turn cold.",
+        "",
+        "| workload | target | TTFT median ms | TTFT max ms | restore ms (median) | reused (cache_n) | cache |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for workload in ("switch", "restart"):
+        for target, t in ttft[workload]["targets"].items():
+            restore = f"{t['restore_ms']['median']:,.1f}" if "restore_ms" in t else ""
+            states = ", ".join(f"{k} {v}" for k, v in t.get("cache_states", {}).items())
+            lines.append(f"| {workload} | {target} | {t['ttft_ms']['median']:,.1f} | {t['ttft_ms']['max']:,.1f} "
+                         f"| {restore} | {t['cache_n_median']:g} | {states} |")
+    lines += ["", "| workload | blocks / today, RAM dir (of medians, per-turn median) "
+              "| blocks / today, no RAM dir (of medians, per-turn median) | cold / blocks (RAM dir, no RAM dir) |",
+              "|---|---|---|---|"]
+    for workload in ("switch", "restart"):
+        q = ttft[workload]["ratios"]
+        ram, disk = q["blocks_over_today_ram"], q["blocks_over_today_disk"]
+        cold_ram, cold_disk = q["cold_over_blocks_ram"]["of_medians"], q["cold_over_blocks_disk"]["of_medians"]
+        lines.append(f"| {workload} | {ram['of_medians']:.2f}x, {ram['median_per_turn']:.2f}x "
+                     f"| {disk['of_medians']:.2f}x, {disk['median_per_turn']:.2f}x "
+                     f"| {cold_ram:.1f}x, {cold_disk:.1f}x |")
+    lines += ["", "**Per block size** (parts above, one row per mode):", "",
+              "| mode | disk MiB | disk / distinct KV | disk / today | written / (new KV + tail) | written / today "
+              "| uploaded / today |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for mode, m in s["by_block_tokens"].items():
+        lines.append(f"| {mode} | {_mib(m['disk_bytes'])} | {m['disk_over_distinct_kv']:.3f}x "
+                     f"| {m['disk_over_today']:.3f}x | {m['written_over_new_kv_plus_tail']:.3f}x "
+                     f"| {m['written_over_today']:.3f}x | {m['uploaded_over_today']:.3f}x |")
+    return [*lines, ""]
