@@ -134,8 +134,7 @@ def tail_writes(cut: Cut, tail: bytes) -> Iterator[tuple[int, memoryview]]:
     at = read = 0
     n, taken = cut.layout.n_cells, cut.n_blocks * cut.block_tokens
     for region in cut.layout.regions:
-        if region.n_outer != 1:
-            raise ValueError("a region of several runs: place the tail with place_tail")
+        assert region.n_outer == 1, "regions of several runs go through place_tail"
         yield at, view[read:read + region.offset - at]
         read += region.offset - at
         rest = (n - taken) * region.cell_bytes

@@ -19,12 +19,13 @@ import sqlite3
 import stat
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from slotkeeper.cache.assembly import Assembly
 from slotkeeper.cache.blockstore import BLOCK_HEADER_BYTES, TAIL_SUFFIX, BlockStore, DamagedState, Split
 from slotkeeper.cache.blockstore import Manifest as BlockManifest
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
@@ -91,8 +92,7 @@ class SnapshotStore:
         self.slot_dir = slot_dir
         self.ram = ram
         self.blocks = BlockStore(slot_dir, block_tokens)
-        self._assembled: Counter[str] = Counter()  # whole files assembled in the slot dir for restores under way
-        self._assembled_lock = threading.Lock()
+        self.assembly = Assembly(self.blocks, slot_dir, ram)
         make_private_dir(slot_dir)
         make_private_dir(index_path.parent)
         self._index = SnapshotIndex(index_path)
@@ -284,9 +284,8 @@ class SnapshotStore:
         copies = self.ram.copies(_is_final_name)
         if sum(copies.values()) <= self.ram.budget:
             return 0
-        with self._assembled_lock:  # a copy a restore is about to read stays until it has read it
-            for name in self._assembled:
-                copies.pop(name, None)
+        for name in self.assembly.in_use():  # a copy a restore is about to read stays until it has read it
+            copies.pop(name, None)
         indexed = self._index.filenames_by_use()
         unindexed = [name for name in copies if name not in set(indexed)]
         return self.ram.trim(copies, [*unindexed, *indexed])
@@ -459,85 +458,24 @@ class SnapshotStore:
         return None
 
     def materialize(self, snapshot: Snapshot) -> bool:
-        """Make the state's whole file ready for the backend to restore by its name in backend_dir: a state kept as
-        blocks is assembled there (every block checked as it is read), unless the RAM dir holds an intact copy.
-        False when it cannot be (the state is quarantined and the turn runs cold). Pair with `restored`."""
-        if not snapshot.tail_bytes:
+        """The state's whole file ready for the backend under its name (assembly.py); False when it cannot be had:
+        the state is quarantined and the turn runs cold. Pair with `restored`."""
+        if self.assembly.materialize(snapshot):
+            if self.ram is not None and snapshot.tail_bytes:
+                self.trim_ram()
             return True
-        with self._assembled_lock:  # in use by a restore until `restored`: never trimmed or removed meanwhile
-            self._assembled[snapshot.filename] += 1
-            if self.ram is None and self._assembled[snapshot.filename] > 1 and \
-                    (self.slot_dir / snapshot.filename).is_file():
-                return True  # another restore assembled it a moment ago and has not finished with it
-        if self.ram is not None and self.ram.intact_copy(snapshot.filename, snapshot.n_bytes, snapshot.checksum):
-            return True
-        target = self.backend_dir / snapshot.filename
-        try:
-            _, checksum = self.blocks.assemble(snapshot.filename, target)
-        except (DamagedState, OSError) as exc:
-            self.restored(snapshot)
-            if isinstance(exc, DamagedState) and exc.block is not None:
-                self.blocks.forget_damaged(exc.block)
-            self.quarantine(snapshot, f"it cannot be assembled from its blocks: {exc}")
-            return False
-        if self.ram is not None:
-            _, identity = read_identity(target)
-            self.ram.hashes.remember(snapshot.filename, identity, checksum)
-            self.trim_ram()
-        return True
-
-    def prewarm_ram(self, fingerprint: str) -> int:
-        """At start, in a worker thread: assemble the most recently used states of this backend that are kept as
-        blocks into the RAM dir, as many as fit in half its budget, so that their first restores after a restart read
-        memory (as a RAM copy would have before it) instead of assembling first. Returns how many."""
-        if self.ram is None:
-            return 0
-        room = self.ram.budget // 2 - sum(self.ram.copies(_is_final_name).values())
-        done = 0
-        for snapshot in self.list(kind=None):
-            if room <= 0:
-                break
-            if (not snapshot.tail_bytes or snapshot.fingerprint != fingerprint or snapshot.n_bytes > room
-                    or self.ram.in_ram(snapshot.filename)):
-                continue
-            with self._assembled_lock:
-                if snapshot.filename in self._assembled:
-                    continue  # a restore is assembling it
-            target = self.ram.path / snapshot.filename
-            try:
-                _, checksum = self.blocks.assemble(snapshot.filename, target)
-                _, identity = read_identity(target)
-            except (DamagedState, OSError):
-                continue  # its restore will find out, and quarantine it
-            self.ram.hashes.remember(snapshot.filename, identity, checksum)
-            room -= snapshot.n_bytes
-            done += 1
-        return done
+        self.quarantine(snapshot, f"it cannot be assembled from its blocks: {self.assembly.last_problem}")
+        return False
 
     def restored(self, snapshot: Snapshot) -> None:
-        """A restore `materialize` prepared is over: the whole file assembled in the slot dir goes (a RAM dir keeps
-        its copy, within its budget)."""
-        if not snapshot.tail_bytes:
-            return
-        with self._assembled_lock:
-            self._assembled[snapshot.filename] -= 1
-            if self._assembled[snapshot.filename] > 0:
-                return
-            del self._assembled[snapshot.filename]
-            if self.ram is None:
-                unlink_quietly(self.slot_dir / snapshot.filename)
+        self.assembly.restored(snapshot)
+
+    def prewarm_ram(self, fingerprint: str) -> int:
+        """At start: the most recently used states of this backend kept as blocks, assembled into the RAM dir."""
+        return self.assembly.prewarm(self.list(kind=None), fingerprint)
 
     def open_whole(self, snapshot: Snapshot) -> BinaryIO:
-        """The state's whole file, open for reading (a state kept as blocks is assembled into a temporary file that
-        is gone when it is closed). FileNotFoundError when it is gone; DamagedState when it cannot be assembled."""
-        if not snapshot.tail_bytes:
-            return (self.slot_dir / snapshot.filename).open("rb")
-        temp = self.slot_dir / f".export-{secrets.token_hex(4)}.bin"
-        self.blocks.assemble(snapshot.filename, temp)
-        try:
-            return temp.open("rb")
-        finally:
-            unlink_quietly(temp)
+        return self.assembly.open_whole(snapshot)
 
     def open_parts(self, snapshot: Snapshot) -> tuple[BinaryIO, BlockManifest]:
         """A state kept as blocks, for an upload: its tail open for reading and its checked manifest; its blocks are
