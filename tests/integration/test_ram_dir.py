@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import xxhash
 
 from slotkeeper.cache import ramdir as ramdir_mod
 from slotkeeper.cache.budget import DiskBudget
@@ -23,7 +24,7 @@ from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import SnapshotStore, file_checksum
 from slotkeeper.types import SessionKey
 from slotkeeper.upstream.client import UpstreamClient
-from tests.support import Backend, Conversation, Slotkeeper, small_tmpfs, timings, words
+from tests.support import Backend, Conversation, Slotkeeper, saved_state_bytes, small_tmpfs, timings, words
 
 pytestmark = pytest.mark.backend
 
@@ -47,9 +48,12 @@ def start(tmp_path: Path, tiny_model: Path, ram_dir: Path, *options: str) -> tup
     return backend, keeper
 
 
+@pytest.mark.parametrize("stored_as", ["file", "blocks"])
 def test_saves_land_in_ram_are_kept_on_disk_and_restore_from_the_copy(tmp_path: Path, tiny_model: Path,
-                                                                      ram_dir: Path) -> None:
-    backend, keeper = start(tmp_path, tiny_model, ram_dir)
+                                                                      ram_dir: Path, stored_as: str) -> None:
+    """Kept as a whole file, or as blocks and a tail (the default): either way the RAM copy is the file the backend
+    wrote, and what is on disk gives back the same bytes."""
+    backend, keeper = start(tmp_path, tiny_model, ram_dir, *(("--block-tokens", "0") if stored_as == "file" else ()))
     slots = tmp_path / "slots"
     try:
         with httpx.Client(base_url=keeper.url, timeout=120) as client:
@@ -58,10 +62,13 @@ def test_saves_land_in_ram_are_kept_on_disk_and_restore_from_the_copy(tmp_path: 
             bob.turn()  # saves alice (into RAM, then copied to disk)
             row = keeper.row("alice")
             assert row is not None
-            copy, kept = ram_dir / row["filename"], slots / row["filename"]
+            copy = ram_dir / row["filename"]
             assert copy.is_file() and not copy.is_symlink()
-            assert kept.is_file() and file_checksum(kept) == file_checksum(copy) == row["checksum"]
-            assert kept.stat().st_size == row["n_bytes"]
+            kept = saved_state_bytes(slots, row)
+            assert xxhash.xxh3_128_hexdigest(kept) == file_checksum(copy) == row["checksum"]
+            assert len(kept) == row["n_bytes"]
+            assert (slots / row["filename"]).is_file() == (stored_as == "file")
+            assert (row["tail_bytes"] > 0) == (stored_as == "blocks")
             assert not [p for p in [*ram_dir.iterdir(), *slots.iterdir()] if ".tmp-" in p.name]
 
             back = alice.turn()  # saves bob, restores alice from her RAM copy
@@ -123,12 +130,15 @@ def test_a_ram_dir_without_room_sends_saves_to_disk(tmp_path: Path, tiny_model: 
             alice.turn()
             assert bob.turn().status_code == 200  # a 600 KB tmpfs has no room: alice is saved straight to disk
             row = keeper.row("alice")
-            assert row is not None and (slots / row["filename"]).stat().st_size == row["n_bytes"]
+            assert row is not None and len(saved_state_bytes(slots, row)) == row["n_bytes"]
             assert (small_ram / row["filename"]).is_symlink() or not (small_ram / row["filename"]).exists()
             back = alice.turn()
             assert back.headers["x-slotkeeper-cache"] == "restored"
             assert timings(back)["cache_n"] >= row["n_tokens"] - 4
             assert client.get("/api/sessions/current").json()["failed_saves"] == 0
+            # Kept as blocks: no room to put it back together in RAM either, so it was, in the slot dir, and is gone.
+            assert "it is assembled in the slot dir" in keeper.log_text()
+            assert not (slots / row["filename"]).exists()
     finally:
         keeper.stop()
         backend.stop()

@@ -37,6 +37,7 @@ class Assembly:
         self.slot_dir = slot_dir
         self.ram = ram
         self._in_use: Counter[str] = Counter()
+        self._on_disk: set[str] = set()  # assembled in the slot dir though there is a RAM dir (it had no room)
         self._lock = threading.Lock()
         self.last_problem = ""  # why the last `materialize` that failed failed
 
@@ -57,19 +58,32 @@ class Assembly:
                 return True  # another restore assembled it a moment ago and has not finished with it
         if self.ram is not None and self.ram.intact_copy(snapshot.filename, snapshot.n_bytes, snapshot.checksum):
             return True
-        target = (self.ram.path if self.ram is not None else self.slot_dir) / snapshot.filename
         try:
-            _, checksum = self.blocks.assemble(snapshot.filename, target)
+            self._assemble(snapshot)
         except (DamagedState, OSError) as exc:
             self.restored(snapshot)
             if isinstance(exc, DamagedState) and exc.block is not None:
                 self.blocks.forget_damaged(exc.block)
             self.last_problem = str(exc)
             return False
-        if self.ram is not None:
-            _, identity = read_identity(target)
-            self.ram.hashes.remember(snapshot.filename, identity, checksum)
         return True
+
+    def _assemble(self, snapshot: Snapshot) -> None:
+        name = snapshot.filename
+        if self.ram is not None:
+            try:
+                _, checksum = self.blocks.assemble(name, self.ram.path / name)
+            except OSError as exc:  # the RAM dir has no room for it: the slot dir, through a link, as a save would
+                log.warning("assembling %s in the RAM dir failed (%s): it is assembled in the slot dir", name, exc)
+            else:
+                _, identity = read_identity(self.ram.path / name)
+                self.ram.hashes.remember(name, identity, checksum)
+                return
+        self.blocks.assemble(name, self.slot_dir / name)
+        if self.ram is not None:
+            with self._lock:
+                self._on_disk.add(name)
+            self.ram.link(name)
 
     def restored(self, snapshot: Snapshot) -> None:
         """A restore `materialize` prepared is over: the whole file assembled in the slot dir goes (a RAM dir keeps
@@ -81,7 +95,8 @@ class Assembly:
             if self._in_use[snapshot.filename] > 0:
                 return
             del self._in_use[snapshot.filename]
-            if self.ram is None:
+            if self.ram is None or snapshot.filename in self._on_disk:
+                self._on_disk.discard(snapshot.filename)
                 unlink_quietly(self.slot_dir / snapshot.filename)
 
     def prewarm(self, by_use: Iterable[Snapshot], fingerprint: str) -> int:
