@@ -108,6 +108,11 @@ def _context_check(backend: dict[str, Any]) -> Check:
                  f"least {SMALL_CONTEXT} per slot")
 
 
+def _stored_file(session: dict[str, Any]) -> str:
+    """The file a saved state is kept in: its slot file, or its tail when kept as blocks (cache/blockstore.py)."""
+    return str(session["file"]) + (".tail" if session.get("stored_as") == "blocks" else "")
+
+
 def _slot_dir_check(backend: dict[str, Any], sessions: list[dict[str, Any]]) -> Check:
     slot_dir = Path(backend["slot_dir"])
     free = backend.get("slot_dir_free_bytes")
@@ -119,7 +124,7 @@ def _slot_dir_check(backend: dict[str, Any], sessions: list[dict[str, Any]]) -> 
         return Check("slot dir", "warn", detail, "free disk space or delete old sessions (`slotkeeper sessions rm "
                      "ID`): a save that does not fit fails and the conversation is prefilled again later")
     if slot_dir.is_dir():  # the same machine: the files can be checked too
-        missing = [s["session"] for s in sessions if not (slot_dir / s["file"]).is_file()]
+        missing = [s["session"] for s in sessions if not (slot_dir / _stored_file(s)).is_file()]
         if missing:
             return Check("slot dir", "fail", f"{detail}; {len(missing)} indexed file(s) missing, e.g. {missing[0]!r}",
                          "another program removed files from the slot dir: restart slotkeeper (it drops rows "

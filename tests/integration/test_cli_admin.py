@@ -222,7 +222,7 @@ def test_doctor_reports_checks_and_fixes(stack: Stack, client_for) -> None:
     # A snapshot file removed behind slotkeeper's back is a failure with its fix, and exit status 1.
     row = keeper.row("cli-a")
     assert row is not None
-    (stack.slot_dir / row["filename"]).unlink()
+    (stack.slot_dir / (row["filename"] + (".tail" if row["tail_bytes"] else ""))).unlink()  # its file, or tail
     broken = cli("doctor", "--json", "--url", keeper.url)
     assert broken.returncode == 1 and broken.stderr == ""
     report = json.loads(broken.stdout)

@@ -60,7 +60,7 @@ def test_dashboard_shows_and_deletes_sessions(stack: Stack, client_for, browser:
     Conversation(client, "dash-b", size=300, seed=2).turn()  # switching saves "dash a/1"
     row = keeper.row("dash a/1")
     assert row is not None
-    snapshot = stack.slot_dir / row["filename"]
+    snapshot = stack.slot_dir / (row["filename"] + (".tail" if row["tail_bytes"] else ""))  # its file, or tail
     assert snapshot.is_file()
 
     page = browser.new_page()
