@@ -27,6 +27,7 @@ from tests.support import (
     Slotkeeper,
     free_port,
     llama_server_binary,
+    saved_state_bytes,
     timings,
     wait_until,
     words,
@@ -142,7 +143,7 @@ def test_launch_serves_the_openai_client_with_the_options_it_added(launch, tiny_
     assert not alive(pid)
     rows = {row["session_id"]: row for row in keeper.index_rows()}
     assert set(rows) == {"alice", "bob"}  # saved through the RAM dir into the slot dir
-    assert all((slot_dir / row["filename"]).is_file() for row in rows.values())
+    assert all(len(saved_state_bytes(slot_dir, row)) == row["n_bytes"] for row in rows.values())
     assert not ram_dir.exists()  # a clean exit empties the RAM dir: everything in it is on disk
 
 
