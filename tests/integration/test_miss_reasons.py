@@ -137,7 +137,7 @@ def test_snapshot_quarantined(stack: Stack, client_for) -> None:
     assert wait_until(lambda: keeper.row("victim") is not None)
     row = keeper.row("victim")
     assert row is not None
-    path = stack.slot_dir / row["filename"]
+    path = stack.slot_dir / (row["filename"] + (".tail" if row["tail_bytes"] else ""))  # its file, or its tail
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     victim.turn()
     assert reason_of(keeper, client, "victim")["why"] == "quarantined"

@@ -186,7 +186,8 @@ def test_four_slots_twelve_sessions_never_mix(tmp_path: Path, tiny_model: Path) 
         assert sorted(r["session_id"] for r in rows) == sessions
         with httpx.Client(base_url=backend.url, timeout=30) as direct:
             for row in rows:
-                tokens = snapshot_tokens(backend.slot_dir / row["filename"])
+                # Its file, or its tail (which starts as its file did: the header and the tokens).
+                tokens = snapshot_tokens(backend.slot_dir / (row["filename"] + (".tail" if row["tail_bytes"] else "")))
                 assert len(tokens) == row["n_tokens"]
                 text = direct.post("/detokenize", json={"tokens": tokens}).json()["content"]
                 markers = set(re.findall(r"MARKER-(s\d\d)-END", text))
