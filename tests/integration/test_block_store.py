@@ -261,3 +261,26 @@ def test_blocks_move_between_hosts_and_a_block_missing_from_the_store_costs_a_pr
             keeper.stop()
             backend.stop()
         store.stop()
+
+
+def test_a_state_saved_whole_before_the_block_store_restores_and_its_next_save_is_kept_as_blocks(
+        stack: Stack, client_for) -> None:
+    backend = stack.backend(cache_ram=0)
+    before = stack.slotkeeper(backend, "--block-tokens", "0", "--save-idle-seconds", "-1")
+    client = client_for(before)
+    a, b = Session(client, "a", "You are the first. " + words(300, 3), 1), Session(client, "b", "Second. ", 2)
+    a.turn()
+    a.answer()
+    b.turn()  # a's state is saved whole
+    old = before.row("a")
+    assert old is not None and old["tail_bytes"] == 0 and (backend.slot_dir / old["filename"]).is_file()
+    before.stop()
+    after = stack.slotkeeper(backend, "--save-idle-seconds", "-1")  # the block store, on by default
+    a.client = b.client = client_for(after)
+    outcome, t = a.turn()  # restored from the whole file (its prompt: the client sent back another answer)
+    assert outcome == "restored" and t["cache_n"] >= old["n_prompt"] - 8, t
+    a.answer()
+    b.turn()  # a's next state is saved as blocks; the whole file it replaced goes
+    new = after.row("a")
+    assert new is not None and new["tail_bytes"] > 0
+    assert not (backend.slot_dir / old["filename"]).exists() and _blocks(backend.slot_dir)
