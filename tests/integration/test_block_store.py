@@ -7,6 +7,7 @@ prefill's. Counts only: files, bytes, cache_n, log-probabilities."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,14 @@ def test_twenty_conversations_on_one_system_prompt_store_it_once(stack: Stack, c
     # Six conversations of about 450 tokens each, sharing about 420: whole files would hold ~2,700 tokens of KV;
     # the store holds the shared part once (under 2 x one conversation's blocks).
     assert len(blocks) * BLOCK_TOKENS < tokens / 2, (len(blocks), tokens, per_block)
+    # What the API and the metrics say: each block once, and less on disk than the states' whole sizes.
+    disk = httpx.get(f"{keeper.url}/api/sessions/disk").json()
+    assert disk["blocks"] == {"count": len(blocks), "bytes": len(blocks) * per_block}
+    assert disk["stored_bytes"] < disk["bytes"] / 2
+    metrics = httpx.get(f"{keeper.url}/metrics").text
+    gauges = {m[0]: float(m[1]) for m in re.findall(r"^(slotkeeper_\w+) (\S+)$", metrics, re.MULTILINE)}
+    assert gauges["slotkeeper_kv_blocks"] == len(blocks)
+    assert gauges["slotkeeper_stored_bytes"] == disk["stored_bytes"]
 
 
 # -- the shared tier: blocks move between hosts ---------------------------------------------------------------------

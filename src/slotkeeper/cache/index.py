@@ -227,6 +227,12 @@ class SnapshotIndex:
                     self._db.execute("DELETE FROM kv_blocks WHERE key=?", (k,))
         return found
 
+    def block_usage(self) -> tuple[int, int]:
+        """(blocks, bytes) of the KV blocks the states name, each once."""
+        with self._lock:
+            count, total = self._db.execute("SELECT COUNT(*), COALESCE(SUM(n_bytes), 0) FROM kv_blocks").fetchone()
+        return int(count), int(total)
+
     def own_block_bytes(self, filename: str) -> int:
         """The bytes of the blocks only this state names: what its eviction frees besides its tail."""
         with self._lock:

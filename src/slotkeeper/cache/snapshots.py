@@ -553,7 +553,17 @@ class Snapshots:
     async def disk(self) -> dict[str, Any]:
         """The slot dir, its free bytes, and the RAM dir's copies (None without a RAM dir)."""
         free = await asyncio.to_thread(shutil.disk_usage, self._store.slot_dir)
-        return {"slot_dir": str(self._store.slot_dir), "free_bytes": free.free, "ram": await self.ram()}
+        count, block_bytes = await asyncio.to_thread(self._store.block_usage)
+        return {"slot_dir": str(self._store.slot_dir), "free_bytes": free.free, "ram": await self.ram(),
+                "blocks": {"count": count, "bytes": block_bytes},
+                "stored_bytes": await asyncio.to_thread(self._store.stored_bytes)}
+
+    def blocks_now(self) -> tuple[int, int]:
+        """(blocks, bytes) of the block store, for the metrics collector's thread."""
+        return self._store.block_usage()
+
+    def stored_bytes_now(self) -> int:
+        return self._store.stored_bytes()
 
     async def ram(self) -> dict[str, Any] | None:
         ram = self._store.ram

@@ -606,6 +606,14 @@ class SnapshotStore:
                      keep_for)
         return len(removed)
 
+    def block_usage(self) -> tuple[int, int]:
+        """(blocks, bytes) of the block store, each block once."""
+        return self._index.block_usage()
+
+    def stored_bytes(self) -> int:
+        """What the saved states take on disk: whole files, tails, and each block once."""
+        return self._index.total_bytes()
+
     def usage(self) -> dict[str, dict[str, int]]:
         """Bytes and snapshot counts per kind: {"session": {"count", "bytes", "pinned"}, "system": {...}}."""
         return self._index.usage()

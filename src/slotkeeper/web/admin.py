@@ -91,6 +91,9 @@ async def disk(request: Request) -> dict[str, Any]:
         "slot_dir": disk["slot_dir"],
         "ram": disk["ram"],
         "bytes": sum(u["bytes"] for u in usage.values()),
+        # What they take on disk: whole files, tails, and each KV block once however many states share it.
+        "stored_bytes": disk["stored_bytes"],
+        "blocks": disk["blocks"],
         "snapshots": usage,
         "budget": {"max_bytes": budget.max_bytes, "max_age_seconds": budget.max_age_seconds,
                    "max_system_snapshots": budget.max_system_snapshots},
