@@ -473,3 +473,24 @@ def saved_state_bytes(slot_dir: Path, row: dict[str, Any]) -> bytes:
 def saved_state_names(slot_dir: Path) -> set[str]:
     """The saved states in a slot dir, by name: whole files, and states kept as blocks by their tails."""
     return {p.name.removesuffix(".tail") for p in slot_dir.iterdir() if p.is_file()}
+
+
+def stored_object_bytes(s3: Any, bucket: str, prefix: str, manifest: dict[str, Any], scratch: Path) -> bytes:
+    """The slot file a shared-tier manifest names, read back from the object store: its blob (kept whole), or its
+    tail and KV blocks (`kv`, the block store) put together the way a host's download does, each piece checked."""
+    from slotkeeper.cache.blockstore import BlockStore
+
+    def get(key: str) -> bytes:
+        data: bytes = s3.get_object(Bucket=bucket, Key=f"{prefix}/{key}")["Body"].read()
+        return data
+
+    if not manifest.get("kv"):
+        return get(f"blobs/{manifest['checksum']}")
+    store = BlockStore(scratch / "slots", 0)
+    store.tail_path("state.bin").parent.mkdir(parents=True, exist_ok=True)
+    store.tail_path("state.bin").write_bytes(get(f"tails/{manifest['checksum']}"))
+    for key in manifest["kv"]:
+        store.block_path(key).parent.mkdir(parents=True, exist_ok=True)
+        store.block_path(key).write_bytes(get(f"kv/{key}"))
+    store.assemble("state.bin", scratch / "state.bin")
+    return (scratch / "state.bin").read_bytes()
