@@ -91,6 +91,9 @@ def test_without_a_system_state_a_new_chat_starts_from_another_sharing_its_syste
     assert chat(client, [system, {"role": "user", "content": "first chat " + words(100, 1)}], "chat-x").status_code \
         == 200
     Conversation(client, "unrelated", size=300, seed=4).turn()
+    # chat-x's state is committed in the background after the switch: a new chat that comes while it still is
+    # finds only what is in the index (a prefill then), so the test waits for it.
+    assert wait_until(lambda: keeper.row("chat-x") is not None, timeout=30)
     second = chat(client, [system, {"role": "user", "content": "second chat " + words(100, 2)}], "chat-y")
     assert second.headers["x-slotkeeper-cache"] == "prefix"
     assert timings(second)["cache_n"] >= prompt_tokens(backend.url, [system]) - 8

@@ -19,6 +19,7 @@ from slotkeeper.cache.blockstore import TAIL_SUFFIX, BlockStore, DamagedState
 from slotkeeper.cache.slotformat import SlotLayout, TokenRegion
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.cache.tokens import as_tokens
+from slotkeeper.errors import SnapshotError
 from slotkeeper.types import SessionKey, SnapshotKind
 
 FINGERPRINT = "f" * 16
@@ -336,3 +337,35 @@ def test_after_a_restart_the_most_recent_states_are_assembled_into_the_ram_dir(
     assert checked is not None and again.materialize(checked)
     again.restored(checked)
     assert (ram_path / snap_b.filename).read_bytes() == other
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_state_and_leaves_no_block_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    first, layout, toks = _file(64, [(1, 8)], seed=15)
+    second, layout2, _ = _file(96, [(1, 8)], seed=16, tokens=[*toks.tolist(), *range(32)], shared_cells=64,
+                               base=_regions_of(first, layout))
+    key = SessionKey("m", "a")
+    stem = key.file_stem(FINGERPRINT, _kind())
+    store = _snapshot_store(tmp_path, monkeypatch, {stem: layout})
+    kept = store.commit(key, _save(store, key, first), FINGERPRINT, 64)
+    assert store.blocks.usage()[0] == 4
+    monkeypatch.setattr(blockstore_module, "parse_layout", lambda path: layout2)
+    real = blockstore_module._write_atomically
+    writes = []
+
+    def full_after_one(path: Path, pieces: object) -> None:
+        writes.append(path)
+        if len(writes) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, pieces)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(blockstore_module, "_write_atomically", full_after_one)
+    with pytest.raises(SnapshotError, match="No space left"):
+        store.commit(key, _save(store, key, second), FINGERPRINT, 96)
+    assert store.get(key) == kept  # the previous state stands, whole
+    assert store.blocks.usage()[0] == 4  # the one new block written before the disk filled went at once
+    assert not list(store.slot_dir.glob(".tmp-*")) and not list(store.slot_dir.glob("*.tmp-*"))
+    checked = store.checked_snapshot(key, FINGERPRINT)
+    assert checked is not None and store.materialize(checked)

@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 from slotkeeper.cache.assembly import Assembly
-from slotkeeper.cache.blockstore import BLOCK_HEADER_BYTES, TAIL_SUFFIX, BlockStore, DamagedState, Split
+from slotkeeper.cache.blockstore import (
+    BLOCK_HEADER_BYTES,
+    TAIL_SUFFIX,
+    BlockStore,
+    DamagedState,
+    Split,
+    SplitFailed,
+)
 from slotkeeper.cache.blockstore import Manifest as BlockManifest
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
 from slotkeeper.cache.chain import Link, common_prefix
@@ -156,6 +163,8 @@ class SnapshotStore:
         except OSError as exc:
             self.discard_temp(temp_name)
             self.blocks.remove_tail(final_name)
+            if isinstance(exc, SplitFailed):  # the blocks it wrote go now, not at the next start: the disk is full
+                self.blocks.collect(exc.keys, self._index.referenced)
             raise SnapshotError(f"could not store the blocks of the snapshot of {key}: {exc}") from exc
         if split is not None:
             return self._commit_split(key, kind, temp_name, final_name, fingerprint, n_tokens, split, in_ram,
