@@ -366,6 +366,10 @@ class SlotPool:
         system = lease.system if self._system_snapshots and not lease.side else None
         system_key = SessionKey(key.model, system.digest) if system is not None else None
         n_system = system.n_messages if system is not None else 0
+        if self.policy.strategy is Strategy.KEEP_HOT and self._evidence.wanted and not key.is_default:
+            # Whether this build keeps checkpoints in its slot files is learned from a save's file as it is
+            # committed: a commit of this conversation's state still running may change what this turn can do.
+            await self.snapshots.settled(key)
         strategy = self.policy.strategy
         rules = Rules(strategy, self._min_restore_tokens, self._n_ctx_slot)
         # A side task has no state of its own: what its name could find is the state an identical task left.

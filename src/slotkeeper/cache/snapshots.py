@@ -435,6 +435,10 @@ class Snapshots:
             return await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint, SnapshotKind.SYSTEM)
         return await asyncio.to_thread(self._store.get, key, SnapshotKind.SYSTEM)
 
+    async def settled(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> None:
+        """Wait until `key`'s pending writes (a save being committed) are done."""
+        await self._writes.wait([snapshot_id(key, kind)])
+
     async def checked(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
         """`key`'s snapshot if its file is intact and of this backend (a damaged one is quarantined: None)."""
         await self._writes.wait([snapshot_id(key, kind)])
