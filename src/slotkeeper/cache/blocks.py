@@ -12,7 +12,7 @@ Pure functions over arrays and bytes (numpy views of an mmap for multi-gigabyte 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,10 +201,3 @@ def _check(cut: Cut) -> None:
         at = region.offset + region.n_outer * layout.n_cells * region.cell_bytes
     if at > layout.file_size or not layout.regions:
         raise ValueError("regions run past the file")
-
-
-def whole_checksum(pieces: Sequence[bytes | memoryview]) -> str:
-    digest = xxhash.xxh3_128()
-    for piece in pieces:
-        digest.update(piece)
-    return digest.hexdigest()

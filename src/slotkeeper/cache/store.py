@@ -195,13 +195,17 @@ class SnapshotStore:
         except OlderVersion:
             self._unlink_snapshot_files(final_name)
             raise
+        self._after_commit(final_name, tokens, previous, in_ram)
+        return snapshot
+
+    def _after_commit(self, final_name: str, tokens: Tokens | None, previous: Snapshot | None, in_ram: bool) -> None:
+        """Once a save is indexed: its tokens kept in memory, the state it replaced removed, the RAM dir trimmed."""
         if tokens is not None:
             self._tokens.put(final_name, tokens)
         if previous is not None and previous.filename != final_name:
             self._unlink_snapshot_files(previous.filename)
         if in_ram:
             self.trim_ram()
-        return snapshot
 
     def _split(self, source: Path, final_name: str, tokens: Tokens | None, fingerprint: str,
                n_written: int | None) -> Split | None:
@@ -240,12 +244,7 @@ class SnapshotStore:
                 raise
         finally:
             self.blocks.release(split.keys)
-        if tokens is not None:
-            self._tokens.put(final_name, tokens)
-        if previous is not None and previous.filename != final_name:
-            self._unlink_snapshot_files(previous.filename)
-        if in_ram:
-            self.trim_ram()
+        self._after_commit(final_name, tokens, previous, in_ram)
         log.debug("stored %s as %d blocks (%d bytes new) and a tail of %d bytes", final_name, len(split.keys),
                   split.new_block_bytes, split.tail_bytes)
         return snapshot
