@@ -45,19 +45,20 @@ class Assembly:
         with self._lock:
             return list(self._in_use)
 
-    def materialize(self, snapshot: Snapshot) -> bool:
+    def materialize(self, snapshot: Snapshot) -> bool | None:
         """Make the state's whole file ready for the backend to restore by its name: a state kept as blocks is
-        assembled (every block checked as it is read), unless the RAM dir holds an intact copy. False when a piece is
-        missing or damaged (a damaged block is removed, so the next save of those tokens writes it again)."""
+        assembled (every block checked as it is read), unless the RAM dir holds an intact copy. True when it was
+        assembled, None when there was nothing to do, False when a piece is missing or damaged (a damaged block is
+        removed, so the next save of those tokens writes it again)."""
         if not snapshot.tail_bytes:
-            return True
+            return None
         with self._lock:  # in use by a restore until `restored`: never trimmed or removed meanwhile
             self._in_use[snapshot.filename] += 1
             if self.ram is None and self._in_use[snapshot.filename] > 1 and \
                     (self.slot_dir / snapshot.filename).is_file():
-                return True  # another restore assembled it a moment ago and has not finished with it
+                return None  # another restore assembled it a moment ago and has not finished with it
         if self.ram is not None and self.ram.intact_copy(snapshot.filename, snapshot.n_bytes, snapshot.checksum):
-            return True
+            return None
         try:
             self._assemble(snapshot)
         except (DamagedState, OSError) as exc:

@@ -143,8 +143,9 @@ class BlockStore:
             raise
 
     def _split(self, source: Path, filename: str, cut: Cut, keys: tuple[str, ...]) -> Split:
-        # A numpy map of the file (not an mmap closed by hand: views of it may outlive an error's traceback).
-        buffer = np.memmap(source, dtype=np.uint8, mode="r")
+        # A numpy map of the file (not an mmap closed by hand: views of it may outlive an error's traceback), read
+        # through a plain array view of it, which slices without the memmap subclass's per-slice bookkeeping.
+        buffer = np.memmap(source, dtype=np.uint8, mode="r").view(np.ndarray)
         if buffer.size != cut.layout.file_size:
             raise OSError(f"{source} changed while it was cut")
         sums, new_bytes, differs = self._store_blocks(buffer, cut, keys)
@@ -204,7 +205,7 @@ class BlockStore:
         magic, _, digest = _BLOCK_HEADER.unpack(header)
         return digest if magic == _BLOCK_MAGIC else None
 
-    def _write_block(self, key: str, payload: bytes, digest: bytes) -> None:
+    def _write_block(self, key: str, payload: np.ndarray, digest: bytes) -> None:
         path = self.block_path(key)
         make_private_dir(path.parent)
         _write_atomically(path, [_BLOCK_HEADER.pack(_BLOCK_MAGIC, len(payload), digest), payload])

@@ -468,9 +468,12 @@ class SnapshotStore:
     def materialize(self, snapshot: Snapshot) -> bool:
         """The state's whole file ready for the backend under its name (assembly.py); False when it cannot be had:
         the state is quarantined and the turn runs cold. Pair with `restored`."""
-        if self.assembly.materialize(snapshot):
-            if self.ram is not None and snapshot.tail_bytes:
-                self.trim_ram()
+        made = self.assembly.materialize(snapshot)
+        if made is None:
+            return True
+        if made:
+            if self.ram is not None:
+                self.trim_ram()  # a copy assembled into the RAM dir counts against its budget
             return True
         self.quarantine(snapshot, f"it cannot be assembled from its blocks: {self.assembly.last_problem}")
         return False
