@@ -168,7 +168,7 @@ class BlockStore:
         with ThreadPoolExecutor(max_workers=WRITERS) as writers:
             pending: deque[Future[None]] = deque()
             for b, key in enumerate(keys):
-                payload = block_payload(buffer, cut, b)
+                payload = block_payload(buffer, cut, b).data
                 own = xxhash.xxh3_128_digest(payload)
                 stored = self._stored_sum(key)
                 if stored is None:
@@ -205,7 +205,7 @@ class BlockStore:
         magic, _, digest = _BLOCK_HEADER.unpack(header)
         return digest if magic == _BLOCK_MAGIC else None
 
-    def _write_block(self, key: str, payload: np.ndarray, digest: bytes) -> None:
+    def _write_block(self, key: str, payload: memoryview, digest: bytes) -> None:
         path = self.block_path(key)
         make_private_dir(path.parent)
         _write_atomically(path, [_BLOCK_HEADER.pack(_BLOCK_MAGIC, len(payload), digest), payload])
