@@ -16,12 +16,14 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from slotkeeper.peers import MIN_SECRET_CHARS, is_url_pattern
 from slotkeeper.upstream.launchargs import check_command, launch_slot_dir
 from slotkeeper.upstream.wire import Origin
+from slotkeeper.urls import is_url_pattern
 
 # Where a RAM dir goes by default: the memory file system every Linux has.
 _SHM = Path("/dev/shm")
+# The shortest replica secret accepted.
+MIN_SECRET_CHARS = 16
 
 
 def default_cache_dir() -> Path:
@@ -125,7 +127,7 @@ class Settings:
     # A model on several backends (several [[backends]] tables of one name): a new session goes to a backend that
     # owns at most this many times the mean of active sessions, and a session moves off a backend past it.
     load_factor: float = 1.25
-    # The shared tier (cache/shared.py): snapshots also kept in an S3-compatible object store, s3://BUCKET/PREFIX,
+    # The shared tier (fleet/shared.py): snapshots also kept in an S3-compatible object store, s3://BUCKET/PREFIX,
     # that every host's slotkeeper reads; `shared_endpoint` for a store other than AWS (MinIO, Ceph RGW, R2, ...).
     # Credentials come from the usual AWS_* variables or profiles.
     shared_store: str | None = None

@@ -111,7 +111,7 @@ class SnapshotError(SlotkeeperError):
 
 class OlderVersion(SnapshotError):
     """A copy of a saved state brought in (from the shared tier, another backend, a bundle) is not newer than the
-    one already here: it is refused, never applied (cache/version.py)."""
+    one already here: it is refused, never applied (version.py)."""
 
 
 def _message_from_body(body: bytes) -> str | None:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from slotkeeper.cache.version import UNVERSIONED, Version
+from slotkeeper.version import UNVERSIONED, Version
 
 
 class IdSource(enum.StrEnum):
@@ -103,7 +103,7 @@ class Snapshot:
     pinned: bool = False  # never evicted by the disk budget
     # Tokens of the prompt of the turn saved (0: not known); the rest of n_tokens were generated.
     n_prompt: int = 0
-    # The saved state's version (cache/version.py): which of two copies of it is newer.
+    # The saved state's version (version.py): which of two copies of it is newer.
     version: Version = UNVERSIONED
     # Bytes of the state's tail when it is kept as KV blocks and a tail (cache/blockstore.py); 0: kept whole.
     tail_bytes: int = 0
@@ -128,3 +128,10 @@ class TurnResult:
     prompt_n: int | None = None
     predicted_n: int | None = None
     completed: bool = False
+
+
+# The body fields: ids of our own, OpenRouter's `session_id`, and OpenAI's `prompt_cache_key` (Codex sends its
+# thread id there), in this order.
+SESSION_BODY_FIELDS: tuple[str, ...] = ("session_id", "conversation_id", "chat_id", "id", "prompt_cache_key")
+# Body fields that are ours: removed before the request goes to the backend.
+OWN_BODY_FIELDS: frozenset[str] = frozenset(SESSION_BODY_FIELDS)

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from slotkeeper.backend import discover
 from slotkeeper.cache import store as store_mod
 from slotkeeper.cache.blockstore import TAIL_SUFFIX, BlockStore
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import SnapshotStore, file_checksum
-from slotkeeper.service import TurnRecord, TurnService
+from slotkeeper.serving.backend import discover
+from slotkeeper.serving.service import TurnRecord, TurnService
 from slotkeeper.types import CacheOutcome, IdSource, SessionKey
 from slotkeeper.upstream.client import UpstreamClient
 from tests.conftest import Stack

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from slotkeeper.identity import session_group, system_session_id
+from slotkeeper.serving.identity import session_group, system_session_id
 from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
 from tests.conftest import Stack
 from tests.support import wait_until, words

@@ -31,7 +31,7 @@ import openai
 import pytest
 import xxhash
 
-from slotkeeper.directory import LEASE_MS
+from slotkeeper.fleet.directory import LEASE_MS
 from tests.support import (
     REPLICA_ARGS,
     Backend,

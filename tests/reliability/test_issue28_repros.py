@@ -23,17 +23,17 @@ import pytest
 from starlette.requests import Request
 
 from slotkeeper.cache.pool import SlotPool
-from slotkeeper.cache.shared import Manifest, SharedTier
 from slotkeeper.cache.slots import TurnEnd
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import SnapshotStore
-from slotkeeper.directory import CALL_SECONDS
 from slotkeeper.errors import BadRequest
-from slotkeeper.group import BackendGroup
-from slotkeeper.identity import SESSION_BODY_FIELDS, checked_session_id, resolve_session
-from slotkeeper.peers import HOPS, Peers
-from slotkeeper.placement import ACTIVE_SECONDS
-from slotkeeper.types import BackendInfo, CacheOutcome, IdSource, SessionKey, SnapshotKind
+from slotkeeper.fleet.directory import CALL_SECONDS
+from slotkeeper.fleet.group import BackendGroup
+from slotkeeper.fleet.peers import HOPS, Peers
+from slotkeeper.fleet.placement import ACTIVE_SECONDS
+from slotkeeper.fleet.shared import Manifest, SharedTier
+from slotkeeper.serving.identity import checked_session_id, resolve_session
+from slotkeeper.types import SESSION_BODY_FIELDS, BackendInfo, CacheOutcome, IdSource, SessionKey, SnapshotKind
 from slotkeeper.web.replicas import Replicas, hops_of, turns_for
 from tests.support import RedisServer
 from tests.unit.test_directory import B1, B3, MODEL, R1, R2, Replica, serve

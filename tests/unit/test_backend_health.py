@@ -14,9 +14,9 @@ from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.errors import UpstreamUnavailable
-from slotkeeper.service import TurnService
+from slotkeeper.serving.service import TurnService
+from slotkeeper.serving.watch import BackendWatch
 from slotkeeper.upstream.health import BackendHealth, Probe
-from slotkeeper.watch import BackendWatch
 from tests.unit.test_pool import FP, FakeClient, key
 
 A, B = key("A"), key("B")

@@ -19,10 +19,10 @@ from slotkeeper.cache.slots import TurnEnd
 from slotkeeper.cache.store import SnapshotStore, file_checksum
 from slotkeeper.config import Settings
 from slotkeeper.errors import UpstreamError
-from slotkeeper.runtime import RunningBackend
 from slotkeeper.types import CacheOutcome, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult
 from slotkeeper.upstream.launcher import StartedBackend
+from slotkeeper.web.runtime import RunningBackend
 from slotkeeper.web.state import AppState
 from tests.unit.test_pool import FP, A, B, C, FakeClient, make_pool, turn
 

@@ -165,7 +165,7 @@ def test_a_reader_that_closes_the_pipe_early_is_not_an_error() -> None:
 
     script = ("import sys\n"
               "from unittest import mock\n"
-              "import slotkeeper.manage as manage\n"
+              "import slotkeeper.cli.manage as manage\n"
               "def run(args):\n"
               "    for i in range(100000):\n"
               "        print('line', i)\n"

@@ -10,8 +10,8 @@ import pytest
 from starlette.datastructures import Headers
 
 from slotkeeper.dialects import anthropic
-from slotkeeper.identity import OWN_BODY_FIELDS, resolve_session
-from slotkeeper.types import IdSource
+from slotkeeper.serving.identity import resolve_session
+from slotkeeper.types import OWN_BODY_FIELDS, IdSource
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.37.0d9; cc_entrypoint=cli; cch=fa690;"
 

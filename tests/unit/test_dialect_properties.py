@@ -21,7 +21,8 @@ from slotkeeper.cache.chain import message_chain
 from slotkeeper.dialects import anthropic, ollama, openai
 from slotkeeper.dialects.ollama import ChatRequest, GenerateRequest
 from slotkeeper.errors import SlotkeeperError
-from slotkeeper.identity import OWN_BODY_FIELDS, is_side_task, resolve_session
+from slotkeeper.serving.identity import is_side_task, resolve_session
+from slotkeeper.types import OWN_BODY_FIELDS
 from slotkeeper.web.errors import Dialect, error_body
 from tests import strategies as s
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from slotkeeper import directory as directory_module
-from slotkeeper.directory import BackendView, Directory, Route
+from slotkeeper.fleet import directory as directory_module
+from slotkeeper.fleet.directory import BackendView, Directory, Route
 from tests.support import RedisServer
 
 MODEL = "m"
@@ -119,7 +119,7 @@ async def test_a_lease_that_expired_is_lost_by_its_holder_and_taken_by_another_w
 
 
 def _lands_on(session: str, backend: str) -> bool:
-    from slotkeeper.placement import Placement
+    from slotkeeper.fleet.placement import Placement
 
     return Placement(sorted([B1, B2, B3])).walk(session)[0] == backend
 
@@ -156,7 +156,7 @@ async def test_redis_down_degrades_to_local_placement_and_a_restart_keeps_the_fe
 
 
 def test_a_password_in_the_directory_url_is_never_shown() -> None:
-    from slotkeeper.directory import _without_password
+    from slotkeeper.fleet.directory import _without_password
 
     assert _without_password("redis://:s3cret@10.0.0.5:6379/0") == "redis://***@10.0.0.5:6379/0"
     assert _without_password("rediss://user:pw@r.lan/1") == "rediss://***@r.lan/1"

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from starlette.datastructures import Headers
 
 from slotkeeper.errors import BadRequest
-from slotkeeper.identity import (
+from slotkeeper.serving.identity import (
     CHAT_PREFIX,
     DEFAULT_SESSION,
     MAX_ID_LENGTH,

@@ -76,8 +76,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read() -> None:
     graph = import_graph()
-    assert "slotkeeper.admin_client" in graph["slotkeeper.doctor"]
-    assert "slotkeeper.formatting" in graph["slotkeeper.manage"]
+    assert "slotkeeper.cli.admin_client" in graph["slotkeeper.cli.doctor"]
+    assert "slotkeeper.cli.formatting" in graph["slotkeeper.cli.manage"]
 
 
 def test_no_import_cycle() -> None:
@@ -100,3 +100,50 @@ def test_only_the_snapshots_module_and_its_parts_reach_the_store() -> None:
 def test_the_web_layer_never_waits_for_writes_itself() -> None:
     web = SOURCE / "web"
     assert [p.name for p in web.rglob("*.py") if "settle" in p.read_text()] == []
+
+
+# The layers, lowest first: a module imports only from its own layer and the ones below it. A layer is a list of
+# folders and of the package's root modules (by name); the foundations are the root modules not named elsewhere and
+# the generated test models. The settings (config.py) sit beside upstream/, whose command line they read and check.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("", "tinymodel"),
+    ("dialects", "upstream", "config"),
+    ("cache",),
+    ("serving",),
+    ("fleet",),
+    ("web",),
+    ("cli",),
+)
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        place = ""
+    elif (SOURCE / parts[1]).is_dir():
+        place = parts[1]
+    else:
+        place = parts[1] if any(parts[1] in level for level in LAYERS) else ""
+    for level, places in enumerate(LAYERS):
+        if place in places:
+            return level
+    raise AssertionError(f"{module} is in no layer: add its folder to LAYERS")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{name} -> {target}" for name, targets in graph.items() for target in targets
+                  if layer_of(target) > layer_of(name))
+
+
+def test_no_import_runs_from_a_lower_layer_to_a_higher_one() -> None:
+    assert upward_imports(import_graph()) == []
+
+
+def test_an_upward_import_is_found() -> None:
+    graph = {"slotkeeper.cache.pool": {"slotkeeper.web.app"}, "slotkeeper.web.app": {"slotkeeper.cache.pool"}}
+    assert upward_imports(graph) == ["slotkeeper.cache.pool -> slotkeeper.web.app"]
+
+
+def test_every_folder_is_in_a_layer() -> None:
+    folders = {p.name for p in SOURCE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert folders == {f for level in LAYERS for f in level if f and (SOURCE / f).is_dir()}

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from starlette.requests import ClientDisconnect, Request
 
-from slotkeeper.peers import FORWARDED, HEADERS, HOPS, SENT_AT, SIGNATURE, SKEW_SECONDS, Peers, is_base_url
+from slotkeeper.fleet.peers import FORWARDED, HEADERS, HOPS, SENT_AT, SIGNATURE, SKEW_SECONDS, Peers, is_base_url
 from slotkeeper.web.replicas import Replicas, _forward, _Relayed, hops_of
 
 SECRET = "the-replicas-shared-secret"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slotkeeper.placement import ACTIVE_SECONDS, FORGET_SECONDS, Placed, Placement
+from slotkeeper.fleet.placement import ACTIVE_SECONDS, FORGET_SECONDS, Placed, Placement
 
 MEMBERS = ["http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003"]
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from slotkeeper.cache import files as files_mod
-from slotkeeper.cache.files import copy_durably
+from slotkeeper import files as files_mod
 from slotkeeper.cache.ramdir import RamDir
 from slotkeeper.cache.store import SnapshotStore, file_checksum
 from slotkeeper.config import Settings
+from slotkeeper.files import copy_durably
 from slotkeeper.types import SessionKey, Snapshot
 from slotkeeper.upstream.launchargs import plan_launch
 

@@ -213,7 +213,7 @@ def test_checkpoint_appendix_is_found_only_when_it_ends_the_file(tmp_path: Path,
 def test_the_embedded_servers_build_comes_from_its_package_version(tmp_path: Path) -> None:
     from importlib.metadata import version
 
-    from slotkeeper.backend import capability_of
+    from slotkeeper.serving.backend import capability_of
 
     props = {"build_info": "b0-unknown", "model_path": str(tmp_path / "absent.gguf")}
     assert capability_of(props).checkpoints_in_file is None  # an attached server that names no build

@@ -12,8 +12,8 @@ from typing import Any, BinaryIO
 import pytest
 
 from slotkeeper.cache.pool import SlotPool
-from slotkeeper.cache.shared import Manifest, SharedTier
 from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.fleet.shared import Manifest, SharedTier
 from slotkeeper.types import SnapshotKind
 from tests.unit.test_pool import FP, A, B, C, FakeClient, make_pool, turn
 

@@ -16,7 +16,7 @@ from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.cache.systemprompt import system_prompt_of
 from slotkeeper.errors import UpstreamError
-from slotkeeper.service import TurnService
+from slotkeeper.serving.service import TurnService
 from slotkeeper.types import CacheOutcome, SnapshotKind
 from tests.unit.test_pool import FP, FakeClient, key
 

@@ -1,4 +1,4 @@
-"""A saved state's version (cache/version.py): the one rule for which of two copies is newer, and the index that
+"""A saved state's version (version.py): the one rule for which of two copies is newer, and the index that
 refuses to let an older copy replace a newer one."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from slotkeeper.cache.index import SnapshotIndex
-from slotkeeper.cache.version import UNVERSIONED, Version, newer, next_version
 from slotkeeper.errors import OlderVersion
 from slotkeeper.types import IdSource, SessionKey, SnapshotKind
+from slotkeeper.version import UNVERSIONED, Version, newer, next_version
 
 KEY = SessionKey("m", "s", IdSource.HEADER)
 

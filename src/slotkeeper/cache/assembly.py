@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from slotkeeper.cache.blockstore import BlockStore, DamagedState
-from slotkeeper.cache.files import unlink_quietly
 from slotkeeper.cache.hashmemo import read_identity
 from slotkeeper.cache.ramdir import RamDir
+from slotkeeper.files import unlink_quietly
 from slotkeeper.types import Snapshot
 
 log = logging.getLogger("slotkeeper.store")

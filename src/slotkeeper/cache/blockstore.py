@@ -46,9 +46,9 @@ from slotkeeper.cache.blocks import (
     tail_pieces,
     tail_writes,
 )
-from slotkeeper.cache.files import fsync_dir, make_private_dir, unlink_quietly
 from slotkeeper.cache.slotformat import parse_layout
 from slotkeeper.cache.tokens import Tokens
+from slotkeeper.files import fsync_dir, make_private_dir, unlink_quietly
 
 log = logging.getLogger("slotkeeper.store")
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from slotkeeper.cache.chain import Link
-from slotkeeper.cache.version import UNVERSIONED, Version
 from slotkeeper.errors import BadRequest
 from slotkeeper.types import Snapshot, SnapshotKind
+from slotkeeper.version import UNVERSIONED, Version
 
 FORMAT = "slotkeeper-snapshot"
 VERSION = 1

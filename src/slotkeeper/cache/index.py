@@ -18,9 +18,9 @@ from typing import Any
 
 from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.chain import Link
-from slotkeeper.cache.version import Version, newer, next_version
 from slotkeeper.errors import OlderVersion
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
+from slotkeeper.version import Version, newer, next_version
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (

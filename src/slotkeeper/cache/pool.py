@@ -33,11 +33,11 @@ from slotkeeper.cache.snapshots import Found, Snapshots, key_of, snapshot_id
 from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.cache.tokens import Tokens
 from slotkeeper.cache.tokens import common_prefix as common_tokens
-from slotkeeper.cache.version import Version
 from slotkeeper.errors import NotFound, Overloaded, SaveFailed, SlotkeeperError
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import BackendHealth
+from slotkeeper.version import Version
 
 log = logging.getLogger("slotkeeper.pool")
 

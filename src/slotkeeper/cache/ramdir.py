@@ -28,8 +28,8 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from slotkeeper.cache.files import file_checksum, unlink_quietly
 from slotkeeper.cache.hashmemo import HashMemo, fine_timestamps, read_identity
+from slotkeeper.files import file_checksum, unlink_quietly
 
 log = logging.getLogger("slotkeeper.store")
 

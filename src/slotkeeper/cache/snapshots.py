@@ -46,10 +46,10 @@ from slotkeeper.cache.reasons import Reason
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore, file_checksum, shared_with
 from slotkeeper.cache.tokens import Tokens
 from slotkeeper.cache.tokens import common_prefix as common_tokens
-from slotkeeper.cache.version import Version
 from slotkeeper.errors import OlderVersion, SnapshotError, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult, UpstreamClient
+from slotkeeper.version import Version
 
 log = logging.getLogger("slotkeeper.pool")
 

@@ -37,16 +37,16 @@ from slotkeeper.cache.blockstore import (
 from slotkeeper.cache.blockstore import Manifest as BlockManifest
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
 from slotkeeper.cache.chain import Link, common_prefix
-from slotkeeper.cache.files import copy_durably, fsync_dir, make_private_dir, unlink_quietly
-from slotkeeper.cache.files import file_checksum as file_checksum  # where the rest of the code finds it
 from slotkeeper.cache.hashmemo import HashMemo, fine_timestamps, read_identity
 from slotkeeper.cache.index import SnapshotIndex
 from slotkeeper.cache.ramdir import RamDir
 from slotkeeper.cache.tokens import Tokens, block_hashes, read_tokens
 from slotkeeper.cache.tokens import common_prefix as common_tokens
-from slotkeeper.cache.version import Version
 from slotkeeper.errors import OlderVersion, SnapshotError
+from slotkeeper.files import copy_durably, fsync_dir, make_private_dir, unlink_quietly
+from slotkeeper.files import file_checksum as file_checksum  # where the rest of the code finds it
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
+from slotkeeper.version import Version
 
 log = logging.getLogger("slotkeeper.store")
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from slotkeeper.errors import BadRequest, SlotkeeperError
-from slotkeeper.identity import OWN_BODY_FIELDS
+from slotkeeper.types import OWN_BODY_FIELDS
 
 # Fields a client may not set because they are ours to decide (slot pinning and prompt caching).
 _CONTROLLED_FIELDS = frozenset({"id_slot", "cache_prompt"})

@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from slotkeeper.cache.files import make_private_dir
 from slotkeeper.config import Settings
+from slotkeeper.files import make_private_dir
 from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
 from slotkeeper.upstream.launchargs import plan_launch
 from slotkeeper.upstream.process import ServerProcess, ServerStartError

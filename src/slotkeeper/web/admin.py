@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from slotkeeper.errors import BadRequest, NotFound
-from slotkeeper.identity import session_group
+from slotkeeper.serving.identity import session_group
 from slotkeeper.types import IdSource, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.web.state import AppState, app_state, backends, caught_up
 

@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse, Response
 
 from slotkeeper.dialects import anthropic, openai
 from slotkeeper.errors import NotFound, SlotkeeperError, UpstreamError
-from slotkeeper.identity import is_side_task, resolve_session
-from slotkeeper.service import StreamTurn
+from slotkeeper.serving.identity import is_side_task, resolve_session
+from slotkeeper.serving.service import StreamTurn
 from slotkeeper.web.openapi import JSON, answers, json_body
 from slotkeeper.web.replicas import turns_for
 from slotkeeper.web.state import app_state

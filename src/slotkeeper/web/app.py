@@ -15,7 +15,6 @@ from starlette.routing import Match
 from slotkeeper import __version__
 from slotkeeper.config import Settings
 from slotkeeper.errors import MethodNotAllowed, NotFound, SlotkeeperError
-from slotkeeper.runtime import RunningBackend, form_groups
 from slotkeeper.web import (
     activity,
     admin,
@@ -31,6 +30,7 @@ from slotkeeper.web import (
 from slotkeeper.web.errors import error_response
 from slotkeeper.web.openapi import SlotkeeperAPI
 from slotkeeper.web.replicas import Replicas, join_replicas
+from slotkeeper.web.runtime import RunningBackend, form_groups
 from slotkeeper.web.security import Guard
 from slotkeeper.web.state import Backends, backends
 

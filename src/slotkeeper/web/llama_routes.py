@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from slotkeeper.cache.chain import infill_chain
 from slotkeeper.dialects import llama, openai
 from slotkeeper.errors import Overloaded, SlotkeeperError
-from slotkeeper.identity import is_side_task, resolve_session
+from slotkeeper.serving.identity import is_side_task, resolve_session
 from slotkeeper.types import IdSource, SessionKey
 from slotkeeper.web.openapi import JSON, answers, json_body
 from slotkeeper.web.replicas import turns_for

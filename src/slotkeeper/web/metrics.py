@@ -21,7 +21,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from slotkeeper import __version__
-from slotkeeper.directory import Directory
+from slotkeeper.fleet.directory import Directory
 from slotkeeper.journal import RequestEntry, RequestJournal
 from slotkeeper.types import SnapshotKind
 from slotkeeper.web.state import AppState, Backends, caught_up

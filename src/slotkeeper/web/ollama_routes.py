@@ -20,8 +20,8 @@ from slotkeeper import __version__
 from slotkeeper.dialects import ollama, openai
 from slotkeeper.dialects.ollama import AnswerShape, ChatRequest, GenerateRequest, ModelRequest, Sampling
 from slotkeeper.errors import BadRequest, NotSupported, SlotkeeperError
-from slotkeeper.identity import is_side_task, resolve_session
-from slotkeeper.service import StreamTurn, TurnRecord, header_safe
+from slotkeeper.serving.identity import is_side_task, resolve_session
+from slotkeeper.serving.service import StreamTurn, TurnRecord, header_safe
 from slotkeeper.types import SessionKey
 from slotkeeper.web.openapi import JSON as JSON_TYPE
 from slotkeeper.web.openapi import answers, json_body

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from slotkeeper.dialects import openai
 from slotkeeper.errors import NotFound
-from slotkeeper.identity import is_side_task, resolve_session
+from slotkeeper.serving.identity import is_side_task, resolve_session
 from slotkeeper.web.openapi import JSON, answers, json_body
 from slotkeeper.web.replicas import turns_for
 from slotkeeper.web.state import AppState, app_state, backends

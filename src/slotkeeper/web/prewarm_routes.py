@@ -15,7 +15,7 @@ from slotkeeper.cache.systemprompt import system_prompt_of
 from slotkeeper.dialects import openai
 from slotkeeper.dialects.prewarm import parse_prewarm_request, upstream_chat_body
 from slotkeeper.errors import BadRequest, SlotkeeperError
-from slotkeeper.service import Prewarm
+from slotkeeper.serving.service import Prewarm
 from slotkeeper.web.state import app_state
 
 router = APIRouter()

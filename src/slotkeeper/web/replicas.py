@@ -20,10 +20,10 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from slotkeeper.config import Settings
-from slotkeeper.directory import BackendView, Directory
 from slotkeeper.errors import SlotkeeperError
-from slotkeeper.group import ring_key
-from slotkeeper.peers import HEADERS, Peers
+from slotkeeper.fleet.directory import BackendView, Directory
+from slotkeeper.fleet.group import ring_key
+from slotkeeper.fleet.peers import HEADERS, Peers
 from slotkeeper.types import SessionKey
 from slotkeeper.web.state import AppState, Backends, Turns
 

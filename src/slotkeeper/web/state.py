@@ -17,8 +17,16 @@ from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.config import Settings
 from slotkeeper.errors import NotFound
-from slotkeeper.group import BackendGroup
-from slotkeeper.service import BodyBuilder, HungUp, Prewarm, ProgressCallback, StreamTurn, TurnRecord, TurnService
+from slotkeeper.fleet.group import BackendGroup
+from slotkeeper.serving.service import (
+    BodyBuilder,
+    HungUp,
+    Prewarm,
+    ProgressCallback,
+    StreamTurn,
+    TurnRecord,
+    TurnService,
+)
 from slotkeeper.types import BackendInfo, SessionKey
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.process import ServerProcess

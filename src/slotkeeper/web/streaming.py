@@ -11,7 +11,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from slotkeeper.errors import SlotkeeperError
-from slotkeeper.service import StreamTurn
+from slotkeeper.serving.service import StreamTurn
 
 
 class TurnStreamResponse(StreamingResponse):

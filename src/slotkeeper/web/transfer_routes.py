@@ -13,7 +13,7 @@ from starlette.concurrency import iterate_in_threadpool
 
 from slotkeeper.cache.bundle import BundleReader, meta_of, write_bundle
 from slotkeeper.errors import BadRequest, NotFound
-from slotkeeper.identity import checked_session_id
+from slotkeeper.serving.identity import checked_session_id
 from slotkeeper.types import SessionKey
 from slotkeeper.web.admin import one_kind
 from slotkeeper.web.openapi import answers

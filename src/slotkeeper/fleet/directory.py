@@ -7,7 +7,7 @@ forwards it there (web/replicas.py). The replica a session runs on holds its lea
 fencing token from a counter that only grows. A lease is taken only where none is held (one Lua script: check, count,
 set), so no two replicas ever hold one session's lease at once; its holder refreshes it while the session is active
 and gives it up after. Saves uploaded to the shared tier carry the token, and the store's manifest is never replaced
-by a save made under an older one (cache/shared.py): a holder that lost its lease (it stalled, or could not reach
+by a save made under an older one (fleet/shared.py): a holder that lost its lease (it stalled, or could not reach
 Redis) cannot overwrite its successor's state. The tokens outlive a Redis restart only with persistence (AOF).
 
 When Redis does not answer, the replica says so once and places sessions among its own backends, as without a
@@ -41,8 +41,8 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from slotkeeper.peers import is_base_url
-from slotkeeper.placement import ACTIVE_SECONDS, FORGET_SECONDS, Choice, Placement
+from slotkeeper.fleet.placement import ACTIVE_SECONDS, FORGET_SECONDS, Choice, Placement
+from slotkeeper.urls import is_base_url
 
 try:
     from redis.exceptions import ConnectionError as LostConnection

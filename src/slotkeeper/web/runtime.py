@@ -11,23 +11,23 @@ import stat
 import time
 from pathlib import Path
 
-from slotkeeper.backend import capability_of, discover
 from slotkeeper.cache.budget import DiskBudget
-from slotkeeper.cache.files import make_private_dir
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.ramdir import RamDir
-from slotkeeper.cache.shared import S3Store, SharedTier
 from slotkeeper.cache.sidestates import KEPT as SIDE_STATES_KEPT
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.config import Settings
 from slotkeeper.errors import SlotkeeperError
-from slotkeeper.group import BackendGroup
-from slotkeeper.service import TurnService
+from slotkeeper.files import make_private_dir
+from slotkeeper.fleet.group import BackendGroup
+from slotkeeper.fleet.shared import S3Store, SharedTier
+from slotkeeper.serving.backend import capability_of, discover
+from slotkeeper.serving.service import TurnService
+from slotkeeper.serving.watch import BackendWatch
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import BackendHealth
 from slotkeeper.upstream.launcher import StartedBackend, start_backend
 from slotkeeper.upstream.supervisor import Supervisor
-from slotkeeper.watch import BackendWatch
 from slotkeeper.web.state import AppState
 
 log = logging.getLogger("slotkeeper")
@@ -152,7 +152,7 @@ async def form_groups(states: list[AppState], load_factor: float) -> list[Backen
 
 def _shared_tier(settings: Settings, snapshots: Snapshots, pool: SlotPool, fingerprint: str,
                  url: str) -> SharedTier:
-    """The shared tier of one backend: its commits uploaded, what it lacks brought in (cache/shared.py)."""
+    """The shared tier of one backend: its commits uploaded, what it lacks brought in (fleet/shared.py)."""
     assert settings.shared_store is not None
     try:
         store = S3Store(settings.shared_store, settings.shared_endpoint)

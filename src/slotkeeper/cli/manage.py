@@ -14,10 +14,10 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, TextIO
 
-from slotkeeper.admin_client import DEFAULT_URL, AdminClient, CommandError
-from slotkeeper.doctor import run_doctor
-from slotkeeper.formatting import human_bytes, print_json, since, table
-from slotkeeper.story import tell
+from slotkeeper.cli.admin_client import DEFAULT_URL, AdminClient, CommandError
+from slotkeeper.cli.doctor import run_doctor
+from slotkeeper.cli.formatting import human_bytes, print_json, since, table
+from slotkeeper.cli.story import tell
 
 
 def add_commands(sub: Any) -> None:

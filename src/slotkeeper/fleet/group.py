@@ -22,14 +22,22 @@ from slotkeeper.cache.chain import Link
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.systemprompt import SystemPrompt, system_prompt_of
-from slotkeeper.cache.version import newer
 from slotkeeper.errors import SlotkeeperError, UpstreamUnavailable
-from slotkeeper.identity import session_group
-from slotkeeper.placement import Choice, Placement
-from slotkeeper.service import BodyBuilder, HungUp, Prewarm, ProgressCallback, StreamTurn, TurnRecord, TurnService
+from slotkeeper.fleet.placement import Choice, Placement
+from slotkeeper.serving.identity import session_group
+from slotkeeper.serving.service import (
+    BodyBuilder,
+    HungUp,
+    Prewarm,
+    ProgressCallback,
+    StreamTurn,
+    TurnRecord,
+    TurnService,
+)
 from slotkeeper.types import BackendInfo, IdSource, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import Probe
+from slotkeeper.version import newer
 
 log = logging.getLogger("slotkeeper.group")
 T = TypeVar("T")

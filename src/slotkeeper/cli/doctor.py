@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from slotkeeper.admin_client import AdminClient, CommandError
 from slotkeeper.cache.capability import ADVISED_BUILD
-from slotkeeper.formatting import human_bytes
+from slotkeeper.cli.admin_client import AdminClient, CommandError
+from slotkeeper.cli.formatting import human_bytes
 
 # A slot smaller than this cuts long conversations short.
 SMALL_CONTEXT = 8192

@@ -165,7 +165,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-json", action="store_const", const=True,
                        help="log one JSON object per line (a request's line carries its fields as keys)")
 
-    from slotkeeper.manage import add_commands
+    from slotkeeper.cli.manage import add_commands
 
     add_commands(sub)
 
@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return _serve(args, tuple(launch or ()))
     if args.command in ("sessions", "backends", "doctor", "prewarm", "export", "import"):
-        from slotkeeper.manage import run
+        from slotkeeper.cli.manage import run
 
         try:
             return run(args)

@@ -38,11 +38,11 @@ from typing import Any, BinaryIO, Protocol
 
 from slotkeeper.cache.blockstore import DamagedState
 from slotkeeper.cache.bundle import BundleMeta, meta_of
-from slotkeeper.cache.files import file_checksum, unlink_quietly
 from slotkeeper.cache.snapshots import Snapshots
-from slotkeeper.cache.version import UNVERSIONED, Version, newer
 from slotkeeper.errors import BadRequest, OlderVersion, SlotkeeperError
+from slotkeeper.files import file_checksum, unlink_quietly
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
+from slotkeeper.version import UNVERSIONED, Version, newer
 
 log = logging.getLogger("slotkeeper.shared")
 

@@ -13,12 +13,11 @@ import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from slotkeeper.cache.chain import Link, message_chain
 from slotkeeper.cache.cutting import request_tokens, system_prefix
 from slotkeeper.cache.pool import SlotPool
-from slotkeeper.cache.shared import SharedTier
 from slotkeeper.cache.slots import SlotLease, TurnEnd
 from slotkeeper.cache.systemprompt import SystemPrompt, system_prompt_of, warmup_prompt_body
 from slotkeeper.cache.tokens import Tokens
@@ -31,6 +30,13 @@ from slotkeeper.upstream.health import BackendHealth
 from slotkeeper.upstream.wire import TransportError, WireResponse
 
 log = logging.getLogger("slotkeeper.turn")
+
+
+class SharedBring(Protocol):
+    """What a turn needs of the shared tier (fleet/shared.py, a layer above this one, which wires it in): the newest
+    version of a snapshot made local when another host has one."""
+
+    async def bring(self, key: SessionKey, kind: SnapshotKind) -> Snapshot | None: ...
 
 BodyBuilder = Callable[[int], Mapping[str, Any]]
 # Whether the client hung up (Starlette's Request.is_disconnected): a request waiting for the backend stops then.
@@ -94,9 +100,9 @@ class TurnService:
         # back before it fails in its client's dialect; 0 fails it at once.
         self.health = health if health is not None else BackendHealth(client.base_url)
         self.backend_wait = backend_wait
-        # The shared tier (cache/shared.py) when snapshots are kept in an object store too: a turn first brings in
+        # The shared tier (fleet/shared.py) when snapshots are kept in an object store too: a turn first brings in
         # the newest version of its session's and system prompt's snapshots when this host lacks them.
-        self.shared: SharedTier | None = None
+        self.shared: SharedBring | None = None
 
     async def _backend_up(self, hung_up: HungUp | None) -> None:
         if not self.health.up:

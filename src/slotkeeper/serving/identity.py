@@ -14,7 +14,7 @@ from typing import Any
 from slotkeeper.cache.chain import canonical_json
 from slotkeeper.cache.sidestates import RESERVED_PREFIX
 from slotkeeper.errors import BadRequest
-from slotkeeper.types import IdSource, SessionKey
+from slotkeeper.types import SESSION_BODY_FIELDS, IdSource, SessionKey
 
 # Checked in this order; the first one present with a usable value wins. Who sends which (docs/clients.md):
 SESSION_HEADERS: tuple[str, ...] = (
@@ -30,14 +30,9 @@ SESSION_HEADERS: tuple[str, ...] = (
     "session_id",  # older Codex builds
     "conversation_id",
 )
-# The body fields: ids of our own, OpenRouter's `session_id`, and OpenAI's `prompt_cache_key` (Codex sends its
-# thread id there), in this order.
-SESSION_BODY_FIELDS: tuple[str, ...] = ("session_id", "conversation_id", "chat_id", "id", "prompt_cache_key")
 # A subagent's requests carry its parent's session id and an agent id of its own: they are a conversation of their
 # own (Claude Code's x-claude-code-agent-id), kept apart as `<session>.agent-<id>`.
 AGENT_HEADERS: tuple[str, ...] = ("x-claude-code-agent-id",)
-# Body fields that are ours: removed before the request goes to the backend.
-OWN_BODY_FIELDS: frozenset[str] = frozenset(SESSION_BODY_FIELDS)
 # A body `id` that looks like an id the API itself hands out (a completion or message echoed back) is not a chat id.
 _RESPONSE_ID_PREFIXES: tuple[str, ...] = ("chatcmpl-", "cmpl-", "msg_", "resp_")
 

@@ -21,6 +21,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from slotkeeper.urls import is_base_url
+
 FORWARDED = "x-slotkeeper-forwarded"  # the sender: its replica URL
 HOPS = "x-slotkeeper-hops"  # how many times the request was forwarded, this time included
 SENT_AT = "x-slotkeeper-sent-at"  # unix seconds when it was sent
@@ -28,23 +30,10 @@ SIGNATURE = "x-slotkeeper-signature"  # hex HMAC-SHA256 of the above with the re
 HEADERS = frozenset({FORWARDED, HOPS, SENT_AT, SIGNATURE})
 # A signed request older (or newer, by the clocks) than this is not taken as forwarded.
 SKEW_SECONDS = 30
-MIN_SECRET_CHARS = 16
 
-# An absolute http(s) base URL: a scheme, a host (a name, an IPv4 address or a bracketed IPv6 one) and a port; no
-# user, path, query or fragment. `*` is allowed only in allow-list patterns.
-_BASE_URL = re.compile(r"https?://(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
-_PATTERN = re.compile(r"https?://(?:[A-Za-z0-9*](?:[A-Za-z0-9.*-]*[A-Za-z0-9*])?|\[[0-9A-Fa-f:.*]+\])(?::[0-9*]{1,5})?")
 _COUNT = re.compile(r"[0-9]{1,2}")
 _SECONDS = re.compile(r"[0-9]{1,12}")
 _HEX = re.compile(r"[0-9a-f]{64}")
-
-
-def is_base_url(text: str) -> bool:
-    return _BASE_URL.fullmatch(text) is not None
-
-
-def is_url_pattern(text: str) -> bool:
-    return _PATTERN.fullmatch(text) is not None
 
 
 @dataclass(frozen=True)
