@@ -1,24 +1,46 @@
 """The one Settings object: built once from command-line values, then SLOTKEEPER_* environment variables, then a
 TOML file (`--config`), then defaults. Every other module receives the Settings instead of reading the environment.
+
+settingvalues.py turns each value given into its setting's type, and writes it back as TOML.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
-import shlex
 import socket
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from slotkeeper.settingvalues import (
+    _FILE_TYPES,
+    _SECRETS,
+    BackendSpec,
+    _convert,
+    _toml_value,
+    parse_duration,
+    parse_size,
+)
 from slotkeeper.upstream.launchargs import check_command, launch_slot_dir
 from slotkeeper.upstream.wire import Origin
 from slotkeeper.urls import is_url_pattern
+
+# What other modules import from here (parse_size, parse_duration and BackendSpec live in settingvalues.py).
+__all__ = [
+    "MIN_SECRET_CHARS",
+    "BackendSpec",
+    "Settings",
+    "ShutdownBudget",
+    "default_cache_dir",
+    "load_config_file",
+    "parse_duration",
+    "parse_size",
+    "settings_toml",
+]
 
 # Where a RAM dir goes by default: the memory file system every Linux has.
 _SHM = Path("/dev/shm")
@@ -29,25 +51,6 @@ MIN_SECRET_CHARS = 16
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "slotkeeper"
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """One backend (a `[[backends]]` table of the config file): requests naming `name` go to this backend. Several
-    tables of one name are one model on several backends: each session goes to one of them (placement.py).
-
-    Exactly as the single-backend settings of the same names: `upstream` + `slot_dir` attach, `launch_command`
-    launches, otherwise `model` (or the tiny test model) runs on the embedded server.
-    """
-
-    name: str
-    upstream: str | None = None
-    slot_dir: Path | None = None
-    launch_command: tuple[str, ...] = ()
-    model: Path | None = None
-    ctx_size: int | None = None
-    parallel: int | None = None
-    cache_ram_mib: int | None = None
 
 
 @dataclass(frozen=True)
@@ -376,182 +379,9 @@ def settings_toml(settings: Settings) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(str(value), ensure_ascii=False)  # a JSON string is a TOML basic string
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
-               "g": 1024**3, "gb": 1024**3, "gib": 1024**3, "t": 1024**4, "tb": 1024**4, "tib": 1024**4}
-_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def _with_unit(value: Any, units: Mapping[str, int], what: str) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"expected {what}")
-    if isinstance(value, int | float):
-        number, unit = float(value), ""
-    else:
-        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(value))
-        if match is None:
-            raise ValueError(f"expected {what}")
-        number, unit = float(match.group(1)), match.group(2).lower()
-    if unit not in units or number < 0:
-        raise ValueError(f"expected {what}")
-    return number * units[unit]
-
-
-def parse_size(value: Any) -> int:
-    """Bytes from 123, "500M", "20GiB" (K, M, G, T are powers of 1024)."""
-    return int(_with_unit(value, _SIZE_UNITS, "a size such as 500M or 20G"))
-
-
-def parse_duration(value: Any) -> float:
-    """Seconds from 90, "45m", "12h", "7d", "2w"."""
-    return _with_unit(value, _DURATION_UNITS, "a duration such as 90s, 12h or 7d")
-
-
-def _command(value: Any) -> tuple[str, ...]:
-    """A command line: a list of words (TOML, the CLI), or one string split like a shell would (the environment)."""
-    if isinstance(value, str):
-        return tuple(shlex.split(value))
-    return tuple(str(word) for word in value)
-
-
-_BACKEND_CONVERTERS: dict[str, Callable[[Any], Any]] = {
-    "name": str,
-    "upstream": lambda v: str(v).rstrip("/"),
-    "slot_dir": lambda v: Path(v).expanduser(),
-    "launch_command": lambda v: _command(v),
-    "model": lambda v: Path(v).expanduser(),
-    "ctx_size": int,
-    "parallel": int,
-    "cache_ram_mib": int,
-}
-
-
-def _backends(value: Any) -> tuple[BackendSpec, ...]:
-    """`[[backends]]` tables (or, from the environment, the same as a JSON list of objects)."""
-    if isinstance(value, str):
-        value = json.loads(value)
-    if isinstance(value, BackendSpec):
-        return (value,)
-    if not isinstance(value, list | tuple):
-        raise ValueError("expected a list of backend tables")
-    specs = []
-    for i, table in enumerate(value):
-        if isinstance(table, BackendSpec):
-            specs.append(table)
-            continue
-        if not isinstance(table, Mapping):
-            raise ValueError(f"backend {i + 1} is not a table")
-        unknown = set(table) - set(_BACKEND_CONVERTERS)
-        if unknown:
-            raise ValueError(f"backend {i + 1}: unknown key(s) {', '.join(sorted(unknown))} (known: "
-                             f"{', '.join(_BACKEND_CONVERTERS)})")
-        if not str(table.get("name") or "").strip():
-            raise ValueError(f"backend {i + 1} needs a name: the model name clients ask for")
-        specs.append(BackendSpec(**{k: _BACKEND_CONVERTERS[k](v) for k, v in table.items()}))
-    return tuple(specs)
-
-
 def _dir_name(name: str, nth: int = 1) -> str:
     """A directory name for a backend's own cache: readable, and distinct for names that differ (the second and
     later backends of one model get .2, .3...)."""
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
     suffix = "" if nth == 1 else f".{nth}"
     return f"{readable[:48]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}{suffix}"
-
-
-def _headers(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return tuple(h.strip() for h in value.split(",") if h.strip())
-    return tuple(str(h) for h in value)
-
-
-_CONVERTERS: dict[str, Callable[[Any], Any]] = {
-    "port": int,
-    "ctx_size": int,
-    "parallel": int,
-    "min_restore_tokens": int,
-    "block_tokens": int,
-    "max_queue": int,
-    "cache_ram_mib": int,
-    "save_idle_seconds": float,
-    "slot_op_timeout": float,
-    "upstream_read_timeout": float,
-    "backend_wait_seconds": float,
-    "side_task_hold_seconds": float,
-    "load_factor": float,
-    "shared_endpoint": lambda v: str(v).rstrip("/"),
-    "replica_url": lambda v: str(v).rstrip("/"),
-    "replicas": lambda v: tuple(r.strip().rstrip("/") for item in ([v] if isinstance(v, str) else v)
-                                for r in str(item).split(",") if r.strip()),
-    "start_timeout": float,
-    "shutdown_timeout": float,
-    "launch_command": _command,
-    "slot_dir": lambda v: Path(v).expanduser(),
-    "model": lambda v: Path(v).expanduser(),
-    "cache_dir": lambda v: Path(v).expanduser(),
-    "upstream": lambda v: str(v).rstrip("/"),
-    "session_headers": _headers,
-    "allowed_hosts": _headers,
-    "max_body_bytes": int,
-    "log_json": _bool,
-    "backends": _backends,
-    "system_snapshots": _bool,
-    "keep_attribution_block": _bool,
-    "disk_budget": parse_size,
-    "ram_budget": parse_size,
-    "shared_budget": parse_size,
-    "ram_dir": lambda v: Path(v).expanduser(),
-    "max_snapshot_age": parse_duration,
-    "max_system_snapshots": int,
-}
-_SECRETS = frozenset({"api_key", "admin_key", "replica_secret"})
-# What a TOML value may be, per setting (default: a string).
-_FILE_TYPES: dict[str, tuple[type, ...]] = {
-    **{name: (int,) for name in ("port", "ctx_size", "parallel", "min_restore_tokens", "block_tokens", "max_queue",
-                                 "cache_ram_mib",
-                                 "max_body_bytes")},
-    **{name: (int, float) for name in ("save_idle_seconds", "slot_op_timeout", "upstream_read_timeout",
-                                       "backend_wait_seconds", "start_timeout", "shutdown_timeout",
-                                       "side_task_hold_seconds", "load_factor")},
-    "launch_command": (list, str),
-    "session_headers": (list, str),
-    "allowed_hosts": (list, str),
-    "replicas": (list, str),
-    "log_json": (bool,),
-    "backends": (list,),
-    "system_snapshots": (bool,),
-    "keep_attribution_block": (bool,),
-    "disk_budget": (int, str),
-    "ram_budget": (int, str),
-    "shared_budget": (int, str),
-    "max_snapshot_age": (int, float, str),
-    "max_system_snapshots": (int,),
-}
-
-
-def _convert(name: str, value: Any) -> Any:
-    converter = _CONVERTERS.get(name, str)
-    try:
-        return converter(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"setting {name}: cannot use {value!r}: {exc}") from exc
