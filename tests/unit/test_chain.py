@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from slotkeeper.cache.chain import Link, common_prefix, message_chain
-from slotkeeper.cache.store import PrefixMatch, SnapshotStore
+from slotkeeper.cache.matching import PrefixMatch
+from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.types import IdSource, SessionKey
 
 SYS = {"role": "system", "content": "rules"}

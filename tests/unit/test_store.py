@@ -14,7 +14,8 @@ import pytest
 from slotkeeper.cache import fingerprint as fp_mod
 from slotkeeper.cache.chain import Link
 from slotkeeper.cache.fingerprint import backend_fingerprint, model_file_identity
-from slotkeeper.cache.store import QUARANTINE_DIR, ReconcileReport, SnapshotStore, file_checksum
+from slotkeeper.cache.reconcile import ReconcileReport
+from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore, file_checksum
 from slotkeeper.errors import SnapshotError
 from slotkeeper.types import IdSource, SessionKey, Snapshot
 
@@ -483,7 +484,7 @@ def test_an_index_from_before_prompt_counts_gets_the_column(tmp_path: Path, slot
 
 def test_quarantined_files_age_out_and_count_in_the_disk_budget(store: SnapshotStore, slot_dir: Path) -> None:
     from slotkeeper.cache.budget import DiskBudget
-    from slotkeeper.cache.store import QUARANTINE_KEEP_SECONDS
+    from slotkeeper.cache.quarantine import QUARANTINE_KEEP_SECONDS
 
     qdir = slot_dir / QUARANTINE_DIR
     qdir.mkdir(parents=True)

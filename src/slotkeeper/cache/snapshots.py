@@ -17,36 +17,41 @@ What is reported, where:
   write only.
 - `saves`, `failed_saves`, `events.saved` (the save-duration histogram) and the "saved slot" log line: once the
   commit is done (or failed), with the time from the start of the save until the snapshot was durable and indexed.
+
+Its parts, each in a module of its own: the pending writes per snapshot (pending.py), the look-ups of what a request
+could start from (candidates.py), and the snapshots going in and out: imports, exports, uploads (transfers.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
-import dataclasses
 import logging
-import os
 import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from slotkeeper.cache.blockstore import BlockStore, DamagedState
-from slotkeeper.cache.blockstore import Manifest as BlockManifest
+from slotkeeper.cache import tails
+from slotkeeper.cache.blockstore import BlockStore
 from slotkeeper.cache.budget import DiskBudget, SnapshotId
-from slotkeeper.cache.chain import Link, common_prefix
+from slotkeeper.cache.candidates import Found as Found  # where the rest of the code finds it
+from slotkeeper.cache.candidates import Lookups
+from slotkeeper.cache.chain import Link
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.fingerprint import model_file_identity
-from slotkeeper.cache.planner import NEAR_TIE_TOKENS, Candidate, Tier
+from slotkeeper.cache.pending import PendingWrites
+from slotkeeper.cache.pending import key_of as key_of  # where the rest of the code finds them
+from slotkeeper.cache.pending import snapshot_id as snapshot_id
+from slotkeeper.cache.quarantine import count as count_quarantined
 from slotkeeper.cache.ramdir import RamDir
-from slotkeeper.cache.reasons import Reason
-from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore, file_checksum, shared_with
+from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.cache.tokens import Tokens
-from slotkeeper.cache.tokens import common_prefix as common_tokens
-from slotkeeper.errors import OlderVersion, SnapshotError, UpstreamError, UpstreamUnavailable
+from slotkeeper.cache.transfers import Transfers, Upload
+from slotkeeper.errors import SnapshotError, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult, UpstreamClient
 from slotkeeper.version import Version
@@ -60,32 +65,15 @@ VIEW_WAIT_SECONDS = 5.0
 _GONE_KEPT = 4096
 
 
-def snapshot_id(key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> SnapshotId:
-    return key.model, key.session_id, kind
-
-
-def key_of(snapshot: Snapshot) -> SessionKey:
-    return SessionKey(snapshot.model, snapshot.session_id)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Found:
-    """What a look-up found for a request: the session's own state (or what became of it: `fate`), every candidate
-    (the own one included) with the tokens it shares, and whether the request's system part has a saved state."""
-
-    own: Candidate | None
-    fate: Reason | None
-    saved: builtins.list[Candidate]
-    system_saved: bool = False
-
-
 class Snapshots:
     """One backend's snapshots. Opened at start (`open`: the directories, the index, a reconcile); the slot pool then
     `attach`es the backend they belong to, which saving and every fingerprint-checked lookup need."""
 
     def __init__(self, store: SnapshotStore) -> None:
         self._store = store
-        self._writes = _PendingWrites()
+        self._writes = PendingWrites()
+        self._lookups = Lookups(store, self._writes, self._evicted)
+        self._transfers = Transfers(store, self._writes)
         self._client: UpstreamClient | None = None
         self._fingerprint = ""
         self.budget = DiskBudget()
@@ -99,12 +87,11 @@ class Snapshots:
         # The fencing token of the lease this replica holds on a session (the session directory), if any: the first
         # part of the version of a conversation's save (version.py).
         self.fence: Callable[[SessionKey], int | None] | None = None
-        self.refused_older = 0  # copies brought in that were not newer than the state here: refused
         self.saves = 0
         self.failed_saves = 0
         self.evictions = 0
         # Seconds per token of the last backend write (the part of a save the slot waits for), None before one: how
-        # long the next save of a slot is expected to take (the pool's idle saves, pool.py).
+        # long the next save of a slot is expected to take (idle saves, idlesaves.py).
         self.write_seconds_per_token: float | None = None
         self._gone: OrderedDict[SnapshotId, None] = OrderedDict()
         self._gone_lock = threading.Lock()  # budget enforcement runs in worker threads, several at once
@@ -128,6 +115,8 @@ class Snapshots:
         budget), its event counters, and a look at each saved file."""
         self._client, self._fingerprint = client, fingerprint
         self.budget, self.events, self._occupants, self._inspect = budget, events, occupants, inspect
+        self._lookups.attach(fingerprint)
+        self._transfers.attach(fingerprint, inspect)
 
     async def close(self, drop_ram_copies: bool = False) -> None:
         """Close the index (after the pool's `aclose`); `drop_ram_copies` once every save is committed and the
@@ -261,139 +250,51 @@ class Snapshots:
         self.failed_saves += 1
         log.error("saving slot %d as %s failed: %s", slot_id, key, reason)
 
-    # -- importing ----------------------------------------------------------------------------------------------
+    # -- importing and exporting (transfers.py) ---------------------------------------------------------------
+
+    @property
+    def refused_older(self) -> int:
+        """Copies brought in that were not newer than the state here: refused."""
+        return self._transfers.refused_older
 
     async def stage_upload(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> tuple[str, Path]:
-        """A temporary name (and its path) in the slot dir for an uploaded snapshot file of `key`."""
-        temp = self._store.temp_name(key, self._fingerprint, kind)
-        return temp, self._store.slot_dir / temp
+        return await self._transfers.stage_upload(key, kind)
 
     async def checksum(self, path: Path) -> str:
-        return await asyncio.to_thread(file_checksum, path)
+        return await self._transfers.checksum(path)
 
     async def discard_upload(self, temp: str) -> None:
-        await asyncio.to_thread(self._store.discard_temp, temp)
+        await self._transfers.discard_upload(temp)
 
     async def commit_import(self, key: SessionKey, temp: str, n_tokens: int, chain: Sequence[Link], n_bytes: int,
                             kind: SnapshotKind, n_prompt: int, version: Version | None) -> Snapshot:
-        """Make an uploaded file (`temp`, checked) `key`'s snapshot, as one of the snapshot's writes: after the saves
-        of it started before (none of them lands over it), before any started later. Raises what the commit raises
-        (the temp file is then discarded); OlderVersion (counted) when the copy at `version` is not newer than the
-        state here (None: a new version, as a save made here gets). The commit goes on if the caller stops waiting
-        for it. The pool's `import_snapshot` lets go of the session in its slots first."""
-        committed: asyncio.Future[Snapshot] = asyncio.get_running_loop().create_future()
+        return await self._transfers.commit_import(key, temp, n_tokens, chain, n_bytes, kind, n_prompt, version)
 
-        async def write() -> bool:
-            try:
-                snapshot = await asyncio.to_thread(self._store.commit, key, temp, self._fingerprint, n_tokens, chain,
-                                                   n_bytes, kind, n_prompt, version)
-            except Exception as exc:
-                if isinstance(exc, OlderVersion):
-                    self.refused_older += 1
-                await asyncio.to_thread(self._store.discard_temp, temp)
-                committed.set_exception(exc)
-                return False
-            except BaseException:
-                committed.cancel()  # the write was cancelled: its caller must not wait forever
-                raise
-            if self._inspect is not None:  # an imported file tells about its build as a saved one does
-                try:
-                    await asyncio.to_thread(self._inspect, snapshot)
-                except Exception as exc:
-                    log.warning("inspecting the saved file of %s failed: %s", key, exc)
-            committed.set_result(snapshot)
-            return True
+    async def open_for_export(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION
+                              ) -> tuple[Snapshot, builtins.list[Link], BinaryIO] | None:
+        return await self._transfers.open_for_export(key, kind)
 
-        self._writes.start(snapshot_id(key, kind), write, chain)
-        return await asyncio.shield(committed)
+    async def open_for_upload(self, key: SessionKey, kind: SnapshotKind) -> Upload | None:
+        return await self._transfers.open_for_upload(key, kind)
+
+    def finish_upload(self, upload: Upload) -> None:
+        self._transfers.finish_upload(upload)
+
+    def block_file(self, key: str) -> Path:
+        """Where the block store keeps a block (for an upload of it)."""
+        return self._store.blocks.block_path(key)
+
+    @property
+    def blocks(self) -> BlockStore:
+        """The block store, for the shared tier's downloads (checked blocks adopted, temporaries)."""
+        return self._store.blocks
 
     # -- what a request could start from (the pool's look-ups) --------------------------------------------------
 
     async def candidates(self, key: SessionKey, chain: Sequence[Link], tokens: Tokens | None = None,
                          system: SessionKey | None = None, n_system: int = 0) -> Found:
-        """Every saved state a request could start from, each with the tokens it shares with the request: the
-        session's own (its name is a hint, never the proof), and those of every kind that share the most leading
-        messages (the chains) or, given the request's `tokens`, the most leading tokens, compared one by one.
-        `system` names the request's system part, to tell whether a state of it is saved.
-
-        Writes still pending that the look-up could find are waited for first: the session's own, the system
-        part's, and those of states sharing more than the system part (`n_system` messages) with the request. A
-        state found whose save started since (its file is about to be replaced) is waited for, and the look-up made
-        again, only when it shares more than every other; else it is left out."""
-        pending = [snapshot_id(key)] + ([snapshot_id(system, SnapshotKind.SYSTEM)] if system is not None else [])
-        await self._writes.wait(pending)
-        if chain:
-            await self._writes.wait(self._writes.sharing(chain, n_system + 1))
-        found = await asyncio.to_thread(self._find_now, key, chain, tokens, system)
-        settled = [c for c in found.saved if snapshot_id(key_of(c.snapshot), c.snapshot.kind) not in self._writes]
-        if len(settled) == len(found.saved):
-            return found
-        best = max((c.tokens for c in settled), default=0)
-        if all(c.tokens <= best + NEAR_TIE_TOKENS for c in found.saved):
-            # A state whose file a save is about to replace, and that shares no more than others: left out rather
-            # than waited for (the save being committed is another conversation's, and its newer state no better).
-            return dataclasses.replace(found, saved=settled)
-        await self._writes.wait([snapshot_id(key_of(c.snapshot), c.snapshot.kind) for c in found.saved
-                                 if c not in settled])
-        return await asyncio.to_thread(self._find_now, key, chain, tokens, system)
-
-    def _find_now(self, key: SessionKey, chain: Sequence[Link], tokens: Tokens | None,
-                  system: SessionKey | None) -> Found:
-        """In a worker thread, in one go."""
-        own, fate = self._own_now(key, chain)
-        found: dict[str, Candidate] = {} if own is None else {own.snapshot.filename: own}
-        if chain:
-            for match in self._store.prefix_matches(key.model, self._fingerprint, chain):
-                if match.snapshot.filename not in found:
-                    found[match.snapshot.filename] = Candidate(match.snapshot, match.messages, match.est_tokens,
-                                                               match.whole, tier=self._tier(match.snapshot))
-        found = _same_estimates(found)
-        if tokens is not None:
-            for name, candidate in list(found.items()):
-                found[name] = self._exact(candidate, tokens)
-            for token_match in self._store.best_by_tokens(key.model, self._fingerprint, tokens):
-                snapshot = token_match.snapshot
-                if snapshot.filename in found:
-                    continue
-                messages = common_prefix(self._store.chain_of(snapshot), chain) if chain else 0
-                saved = self._store.tokens_of(snapshot)
-                whole = saved is not None and token_match.tokens >= saved.size
-                found[snapshot.filename] = Candidate(snapshot, messages, token_match.tokens, whole, exact=True,
-                                                     tier=self._tier(snapshot), own=False)
-        own = found.get(own.snapshot.filename) if own is not None else None
-        system_saved = system is not None and self._store.get(system, SnapshotKind.SYSTEM) is not None
-        return Found(own, fate, list(found.values()), system_saved)
-
-    def _exact(self, candidate: Candidate, tokens: Tokens) -> Candidate:
-        """The candidate with the tokens it shares counted one by one, when its file's tokens can be read."""
-        saved = self._store.tokens_of(candidate.snapshot)
-        if saved is None:
-            return candidate
-        shared = common_tokens(saved, tokens)
-        return dataclasses.replace(candidate, tokens=shared, whole=shared >= saved.size, exact=True)
-
-    def _tier(self, snapshot: Snapshot) -> Tier:
-        return Tier.RAM if self._store.in_ram(snapshot) else Tier.DISK
-
-    def _own_now(self, key: SessionKey, chain: Sequence[Link]) -> tuple[Candidate | None, Reason | None]:
-        """The session's own conversation state and what of it the request still shares (a client may have
-        edited or trimmed its history); without one, what became of it (evicted, not restorable here,
-        quarantined), if anything is known. A request without messages (a raw prompt), or a state without a
-        recorded chain, is taken as sharing all of it."""
-        row = self._store.get(key)
-        own = self._store.checked_snapshot(key, self._fingerprint) if row is not None else None
-        if own is None:
-            if row is None:
-                with self._gone_lock:
-                    gone = snapshot_id(key) in self._gone
-                return None, Reason.EVICTED if gone else None
-            return None, Reason.NOT_RESTORABLE if row.fingerprint != self._fingerprint else Reason.QUARANTINED
-        saved = self._store.chain_of(own) if chain else []
-        shared = shared_with(own, saved, chain)  # one read of the recorded chain for both answers
-        tier = self._tier(own)
-        if shared is None:
-            return Candidate(own, len(chain), own.owed_tokens, True, tier=tier, own=True), None
-        return Candidate(own, shared[0], shared[1], shared[0] == len(saved), tier=tier, own=True), None
+        """Every saved state a request could start from (candidates.py)."""
+        return await self._lookups.candidates(key, chain, tokens, system, n_system)
 
     async def index_old_states(self) -> int:
         """At start, in the background: index the token blocks of states saved before blocks were (read from their
@@ -412,7 +313,7 @@ class Snapshots:
 
     def appendix_extent(self, snapshot: Snapshot) -> tuple[Path, int | None]:
         """Blocking: the file where a state's slot file ends (its tail when kept as blocks), and that end."""
-        return self._store.appendix_extent(snapshot)
+        return tails.appendix_extent(self._store.blocks, snapshot)
 
     async def materialize(self, snapshot: Snapshot) -> bool:
         """Before a restore: the state's whole file ready for the backend (assembled from its blocks when it is
@@ -482,6 +383,11 @@ class Snapshots:
         evicted = await asyncio.to_thread(self._enforce_budget_now, self._budget_keep(also_keep))
         self.evictions += evicted
         return evicted
+
+    def _evicted(self, snapshot: SnapshotId) -> bool:
+        """Whether the budget evicted the snapshot (of the last _GONE_KEPT it evicted)."""
+        with self._gone_lock:
+            return snapshot in self._gone
 
     def _budget_keep(self, also_keep: set[SnapshotId] | None) -> set[SnapshotId]:
         keep = set(also_keep or ())
@@ -587,156 +493,4 @@ class Snapshots:
 
     def quarantined_now(self) -> int:
         """Files in the quarantine directory, for the metrics collector's thread."""
-        try:
-            with os.scandir(self._store.slot_dir / QUARANTINE_DIR) as entries:
-                return sum(1 for entry in entries if entry.is_file())
-        except OSError:
-            return 0
-
-    async def open_for_upload(self, key: SessionKey, kind: SnapshotKind) -> Upload | None:
-        """`open_for_export` for the shared tier: a state kept as blocks comes as its tail (open) and manifest, its
-        blocks held until `finish_upload`; a state kept whole as its file."""
-        await self._writes.wait([snapshot_id(key, kind)])
-        snapshot = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint, kind)
-        if snapshot is not None and snapshot.tail_bytes:
-            try:
-                handle, manifest = await asyncio.to_thread(self._store.open_parts, snapshot)
-            except (DamagedState, FileNotFoundError):
-                return None  # replaced or evicted meanwhile: a newer save is queued, or there is nothing to upload
-            chain = await asyncio.to_thread(self._store.chain_of, snapshot)
-            return Upload(snapshot, chain, handle, manifest)
-        found = await self.open_for_export(key, kind)
-        return None if found is None else Upload(*found, None)
-
-    def finish_upload(self, upload: Upload) -> None:
-        upload.handle.close()
-        if upload.blocks is not None:
-            self._store.release_parts(upload.blocks)
-
-    def block_file(self, key: str) -> Path:
-        """Where the block store keeps a block (for an upload of it)."""
-        return self._store.blocks.block_path(key)
-
-    @property
-    def blocks(self) -> BlockStore:
-        """The block store, for the shared tier's downloads (checked blocks adopted, temporaries)."""
-        return self._store.blocks
-
-    async def open_for_export(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION
-                              ) -> tuple[Snapshot, builtins.list[Link], BinaryIO] | None:
-        """`key`'s checked snapshot, its message chain and its file opened for reading, once the snapshot's pending
-        writes are done; None when there is none. A commit or an eviction that removes the file between the look-up
-        and the open is met by waiting and looking it up once more."""
-        for _ in range(2):
-            await self._writes.wait([snapshot_id(key, kind)])
-            snapshot = await asyncio.to_thread(self._store.checked_snapshot, key, self._fingerprint, kind)
-            if snapshot is None:
-                return None
-            try:
-                handle = await asyncio.to_thread(self._store.open_whole, snapshot)
-            except FileNotFoundError:
-                continue
-            except DamagedState as exc:
-                await asyncio.to_thread(self._store.quarantine, snapshot, f"it cannot be assembled: {exc}")
-                return None
-            chain = await asyncio.to_thread(self._store.chain_of, snapshot)
-            return snapshot, chain, handle
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Upload:
-    """A saved state opened for an upload: its file, or its tail with its blocks' manifest (`blocks`)."""
-
-    snapshot: Snapshot
-    chain: builtins.list[Link]
-    handle: BinaryIO
-    blocks: BlockManifest | None
-
-
-def _same_estimates(found: dict[str, Candidate]) -> dict[str, Candidate]:
-    """Candidates that hold the same leading messages of a request share the same tokens of it (but for part of the
-    next message, which only counting tells): they get the same estimate, the count of one the request holds whole
-    where there is one (its prompt), else the largest, so that a near-tie between them is a tie the cheapest wins."""
-    by_depth: dict[int, list[Candidate]] = {}
-    for candidate in found.values():
-        if not candidate.exact and candidate.messages > 0:
-            by_depth.setdefault(candidate.messages, []).append(candidate)
-    out = dict(found)
-    for group in by_depth.values():
-        whole = [c.tokens for c in group if c.whole]
-        shared = max(whole) if whole else max(c.tokens for c in group)
-        for candidate in group:
-            out[candidate.snapshot.filename] = dataclasses.replace(candidate, tokens=shared)
-    return out
-
-
-class _PendingWrites:
-    """The running background writes, by snapshot; only the newest of each snapshot is kept (it waits for the
-    earlier ones before it starts, or with `at_once` before it finishes, whether it succeeded or not)."""
-
-    def __init__(self) -> None:
-        self._tasks: dict[SnapshotId, asyncio.Task[bool]] = {}
-        # The message chain each snapshot will have once its pending commit lands (for prefix lookups).
-        self._chains: dict[SnapshotId, Sequence[Link]] = {}
-
-    def __len__(self) -> int:
-        return len(self._tasks)
-
-    def __contains__(self, snapshot: object) -> bool:
-        return snapshot in self._tasks
-
-    def current(self, snapshot: SnapshotId) -> asyncio.Task[bool] | None:
-        """The snapshot's newest pending write, if any."""
-        return self._tasks.get(snapshot)
-
-    def start(self, snapshot: SnapshotId, write: Callable[[], Coroutine[Any, Any, bool]],
-              chain: Sequence[Link] | None = None, *, at_once: bool = False) -> asyncio.Task[bool]:
-        """Run `write()` in the background once the snapshot's earlier writes are done (`at_once`: right away, the
-        write then waits for `current()` itself before the part that must come after them); the task's result is
-        whether it succeeded. `write` handles its own failures; one that escapes anyway is logged here. `chain`:
-        the message chain a commit will index with the snapshot."""
-        earlier = self._tasks.get(snapshot)
-        if chain is not None:
-            self._chains[snapshot] = chain
-
-        async def run() -> bool:
-            if earlier is not None and not at_once:
-                await asyncio.wait({earlier})
-            try:
-                return await write()
-            finally:
-                # Never done before an earlier write of the snapshot (a write that failed early, at once): the
-                # snapshot's entry, which readers wait on and the next write orders itself after, stays until
-                # every write of it is done.
-                if earlier is not None and not earlier.done():
-                    await asyncio.wait({earlier})
-
-        task = asyncio.get_running_loop().create_task(run(), name=f"write {snapshot[0]}/{snapshot[1]}")
-        self._tasks[snapshot] = task
-        task.add_done_callback(lambda done: self._finished(snapshot, done))
-        return task
-
-    def _finished(self, snapshot: SnapshotId, task: asyncio.Task[bool]) -> None:
-        if self._tasks.get(snapshot) is task:
-            del self._tasks[snapshot]
-            self._chains.pop(snapshot, None)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error("a background write of %s/%s failed", snapshot[0], snapshot[1], exc_info=exc)
-
-    def sharing(self, chain: Sequence[Link], min_messages: int) -> builtins.list[SnapshotId]:
-        """The states with a pending commit whose chain shares at least `min_messages` leading messages
-        with `chain`: the ones a prefix lookup for it could find once they are committed."""
-        return [s for s, pending in self._chains.items() if common_prefix(pending, chain) >= min_messages]
-
-    async def wait(self, snapshots: Iterable[SnapshotId] | None = None, timeout: float | None = None) -> bool:
-        """Wait for the writes of `snapshots` (every snapshot's, with None) started so far; True when they all
-        finished. A timeout, or the caller being cancelled, leaves them running."""
-        if snapshots is None:
-            tasks = set(self._tasks.values())
-        else:
-            tasks = {task for s in snapshots if (task := self._tasks.get(s)) is not None}
-        if not tasks:
-            return True
-        _, pending = await asyncio.wait(tasks, timeout=timeout)
-        return not pending
+        return count_quarantined(self._store.slot_dir)

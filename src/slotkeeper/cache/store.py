@@ -6,6 +6,10 @@ checksum is hashed again only when the file's stat identity moved since this pro
 
 The backend reads and writes the slot dir itself, or, with a RAM dir (ramdir.py), a directory on tmpfs that holds
 copies of recent snapshots and symlinks to the others: `backend_dir` is whichever it is.
+
+Its parts, each in a module of its own: the look-ups by shared prefix (matching.py), the checks and parts of a state
+kept as blocks (tails.py), the quarantine directory (quarantine.py), and the start-of-day clean-up of what a crash
+left behind (reconcile.py).
 """
 
 from __future__ import annotations
@@ -13,35 +17,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import secrets
 import sqlite3
 import stat
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from slotkeeper.cache.assembly import Assembly
-from slotkeeper.cache.blockstore import (
-    BLOCK_HEADER_BYTES,
-    TAIL_SUFFIX,
-    BlockStore,
-    DamagedState,
-    Split,
-    SplitFailed,
-)
-from slotkeeper.cache.blockstore import Manifest as BlockManifest
+from slotkeeper.cache.blockstore import BLOCK_HEADER_BYTES, TAIL_SUFFIX, BlockStore, Split, SplitFailed
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
-from slotkeeper.cache.chain import Link, common_prefix
+from slotkeeper.cache.chain import Link
 from slotkeeper.cache.hashmemo import HashMemo, fine_timestamps, read_identity
 from slotkeeper.cache.index import SnapshotIndex
+from slotkeeper.cache.matching import Matching, PrefixMatch, TokenMatch
+from slotkeeper.cache.quarantine import QUARANTINE_DIR as QUARANTINE_DIR  # where the rest of the code finds it
+from slotkeeper.cache.quarantine import move_aside
+from slotkeeper.cache.quarantine import trim as trim_quarantine
 from slotkeeper.cache.ramdir import RamDir
+from slotkeeper.cache.reconcile import SIDECAR_SUFFIXES, ReconcileReport, is_final_name, reconcile, sweep_blocks
+from slotkeeper.cache.tails import tail_problem
 from slotkeeper.cache.tokens import Tokens, block_hashes, read_tokens
-from slotkeeper.cache.tokens import common_prefix as common_tokens
 from slotkeeper.errors import OlderVersion, SnapshotError
 from slotkeeper.files import copy_durably, fsync_dir, make_private_dir, unlink_quietly
 from slotkeeper.files import file_checksum as file_checksum  # where the rest of the code finds it
@@ -49,46 +46,6 @@ from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 from slotkeeper.version import Version
 
 log = logging.getLogger("slotkeeper.store")
-
-# Our own names: 40 hex digits, a dash and a nonce; temporaries carry `.tmp-<nonce>` before `.bin`.
-_FINAL_NAME = re.compile(r"^[0-9a-f]{40}-[0-9a-f]{8}\.bin$")
-_TEMP_NAME = re.compile(r"^[0-9a-f]{40}\.tmp-[0-9a-f]{8}\.bin$")
-# The block store's temporaries in the slot dir: a tail being written, a file being assembled, an export's copy.
-_BLOCK_TEMP_NAME = re.compile(r"^\.((tmp|assembling)-[0-9a-f]{8}-[0-9a-f]{40}-[0-9a-f]{8}\.bin(\.tail)?"
-                              r"|export-[0-9a-f]{8}\.bin)$")
-# A sidecar a patched llama-server may write next to a slot file (context checkpoints): it lives and dies with it.
-SIDECAR_SUFFIXES = (".ckpt",)
-QUARANTINE_DIR = "quarantine"
-# How long a quarantined file is kept for a person to look at when the budget sets no max age.
-QUARANTINE_KEEP_SECONDS = 7 * 86400
-# Token lists of saved states kept in memory for exact comparisons (4 bytes a token): about 32 MiB.
-_TOKENS_KEPT = 8 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    """A snapshot whose first `messages` messages equal the request's: restoring it reuses about `est_tokens`.
-    `whole`: the request has every message the snapshot was saved with."""
-
-    snapshot: Snapshot
-    messages: int
-    est_tokens: int
-    whole: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class TokenMatch:
-    """A saved state and exactly how many leading tokens it shares with a request (its token list was compared)."""
-
-    snapshot: Snapshot
-    tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReconcileReport:
-    temporaries_removed: int
-    orphans_removed: int
-    rows_dropped: int
 
 
 class SnapshotStore:
@@ -105,7 +62,7 @@ class SnapshotStore:
         self._index = SnapshotIndex(index_path)
         self.hashes = HashMemo(fine_timestamps(slot_dir))
         self._not_here: set[str] = set()  # snapshots of another fingerprint already reported
-        self._tokens = _TokenMemo(_TOKENS_KEPT)
+        self._matching = Matching(self._index, slot_dir, ram, self.blocks, self._verified)
 
     def close(self) -> None:
         self._index.close()
@@ -201,7 +158,7 @@ class SnapshotStore:
     def _after_commit(self, final_name: str, tokens: Tokens | None, previous: Snapshot | None, in_ram: bool) -> None:
         """Once a save is indexed: its tokens kept in memory, the state it replaced removed, the RAM dir trimmed."""
         if tokens is not None:
-            self._tokens.put(final_name, tokens)
+            self._matching.tokens.put(final_name, tokens)
         if previous is not None and previous.filename != final_name:
             self._unlink_snapshot_files(previous.filename)
         if in_ram:
@@ -289,7 +246,7 @@ class SnapshotStore:
         symlink to its file on disk); returns how many went."""
         if self.ram is None:
             return 0
-        copies = self.ram.copies(_is_final_name)
+        copies = self.ram.copies(is_final_name)
         if sum(copies.values()) <= self.ram.budget:
             return 0
         for name in self.assembly.in_use():  # a copy a restore is about to read stays until it has read it
@@ -300,7 +257,7 @@ class SnapshotStore:
 
     def ram_usage(self) -> tuple[int, int]:
         """(copies, bytes) in the RAM dir; (0, 0) without one."""
-        return (0, 0) if self.ram is None else self.ram.usage(_is_final_name)
+        return (0, 0) if self.ram is None else self.ram.usage(is_final_name)
 
     # -- restoring ------------------------------------------------------------------------------------------
 
@@ -310,89 +267,34 @@ class SnapshotStore:
         snapshot = self._index.get(key, kind)
         return None if snapshot is None else self._verified(snapshot, fingerprint)
 
+    # the look-ups by shared prefix (matching.py)
+
     def prefix_matches(self, model: str, fingerprint: str, chain: Sequence[Link],
                        min_messages: int = 1) -> list[PrefixMatch]:
-        """The intact states (of every kind, of this model and backend) sharing the most leading messages with
-        `chain`, at least `min_messages`: the few that hold the deepest shared position (most recently used first).
-
-        A digest covers every message up to its position, so a state that holds the request's digest at position i
-        shares its first i+1 messages: positions are tried from the deepest one down, one indexed lookup each, and
-        the first that an intact state holds wins. (Matching all digests in one join let SQLite scan every state of
-        the model, and sort every conversation on a shared system prompt, on each lookup.)
-        """
-        for position in range(len(chain) - 1, max(min_messages, 1) - 2, -1):
-            found = []
-            for candidate in self._index.prefix_candidates(chain[position].digest, model, fingerprint):
-                snapshot = self._verified(candidate, fingerprint)
-                if snapshot is None:
-                    continue
-                total_chars = self._index.chain_chars(snapshot.filename)
-                share = chain[position].chars / total_chars if total_chars else 0.0
-                whole = chain[position].chars >= total_chars
-                found.append(PrefixMatch(snapshot, position + 1, int(snapshot.owed_tokens * min(share, 1.0)), whole))
-            if found:
-                return found
-        return []
+        return self._matching.prefix_matches(model, fingerprint, chain, min_messages)
 
     def best_prefix(self, model: str, fingerprint: str, chain: Sequence[Link],
                     min_messages: int = 1) -> PrefixMatch | None:
-        """The most recently used of `prefix_matches`."""
-        found = self.prefix_matches(model, fingerprint, chain, min_messages)
-        return found[0] if found else None
+        return self._matching.best_prefix(model, fingerprint, chain, min_messages)
+
+    def best_by_tokens(self, model: str, fingerprint: str, tokens: Tokens) -> list[TokenMatch]:
+        return self._matching.best_by_tokens(model, fingerprint, tokens)
+
+    def tokens_of(self, snapshot: Snapshot) -> Tokens | None:
+        return self._matching.tokens_of(snapshot)
+
+    def fill_blocks(self, limit: int = 256) -> int:
+        return self._matching.fill_blocks(limit)
+
+    def chain_of(self, snapshot: Snapshot) -> list[Link]:
+        return self._matching.chain_of(snapshot)
+
+    def shared_prefix(self, snapshot: Snapshot, chain: Sequence[Link]) -> tuple[int, int] | None:
+        return self._matching.shared_prefix(snapshot, chain)
 
     def in_ram(self, snapshot: Snapshot) -> bool:
         """Whether a restore of the state reads a copy in the RAM dir (not its file on disk)."""
         return self.ram is not None and self.ram.in_ram(snapshot.filename)
-
-    def best_by_tokens(self, model: str, fingerprint: str, tokens: Tokens) -> list[TokenMatch]:
-        """The intact states (of every kind) of this model and backend that share the most leading tokens with
-        `tokens`, each with exactly how many: the deepest shared token block found in the index (index.py), then the
-        states holding it compared token by token. Most shared first; empty when none shares a whole block."""
-        depth, rows = self._index.deepest_blocks(block_hashes(tokens), model, fingerprint)
-        if depth == 0:
-            return []
-        found = []
-        for row in rows:
-            snapshot = self._verified(row, fingerprint)
-            saved = self.tokens_of(snapshot) if snapshot is not None else None
-            if snapshot is not None and saved is not None:
-                found.append(TokenMatch(snapshot, common_tokens(saved, tokens)))
-        return sorted(found, key=lambda m: -m.tokens)
-
-    def tokens_of(self, snapshot: Snapshot) -> Tokens | None:
-        """The tokens a saved state holds, from memory or from its file (None: not a file this code reads)."""
-        known = self._tokens.get(snapshot.filename)
-        if known is not None:
-            return known
-        path = self.slot_dir / snapshot.filename
-        if self.ram is not None and self.ram.in_ram(snapshot.filename):
-            path = self.ram.path / snapshot.filename
-        elif snapshot.tail_bytes:
-            path = self.blocks.tail_path(snapshot.filename)  # a tail starts as its file did: header, then tokens
-        tokens = read_tokens(path)
-        if tokens is not None:
-            self._tokens.put(snapshot.filename, tokens)
-        return tokens
-
-    def fill_blocks(self, limit: int = 256) -> int:
-        """Index the token blocks of states saved before blocks were indexed (read from their files); returns how
-        many were done. Called at start, in a worker thread, until it returns 0."""
-        names = self._index.unblocked(limit)
-        for name in names:
-            tail = self.blocks.tail_path(name)  # a state kept as blocks: its tail starts as its file did
-            tokens = read_tokens(tail if tail.is_file() else self.slot_dir / name)
-            self._index.set_blocks(name, None if tokens is None else block_hashes(tokens))
-        return len(names)
-
-    def chain_of(self, snapshot: Snapshot) -> list[Link]:
-        """The message chain recorded with a snapshot (empty when none was)."""
-        return self._index.chain_of(snapshot.filename)
-
-    def shared_prefix(self, snapshot: Snapshot, chain: Sequence[Link]) -> tuple[int, int] | None:
-        """How many leading messages of `chain` the snapshot covers, and about how many of its prompt tokens that
-        is (generated tokens are never counted: a client may send back another answer); None when no chain was
-        recorded for it. All of its prompt when the request extends the snapshot's messages."""
-        return shared_with(snapshot, self.chain_of(snapshot), chain)
 
     def _verified(self, snapshot: Snapshot, fingerprint: str) -> Snapshot | None:
         """The snapshot if the backend may restore it by its name in backend_dir: its RAM copy, or else its file on
@@ -409,7 +311,7 @@ class SnapshotStore:
         if self.ram is not None and self.ram.intact_copy(snapshot.filename, snapshot.n_bytes, snapshot.checksum):
             return snapshot
         if snapshot.tail_bytes:
-            reason = self._tail_problem(snapshot)
+            reason = tail_problem(self.blocks, self.hashes, snapshot)
             if reason is None:
                 return snapshot  # its file is assembled from blocks when it is restored (materialize)
             self.quarantine(snapshot, reason)
@@ -442,29 +344,6 @@ class SnapshotStore:
         self.hashes.remember(snapshot.filename, identity, snapshot.checksum)
         return None
 
-    def _tail_problem(self, snapshot: Snapshot) -> str | None:
-        """Why a state kept as blocks cannot be assembled, as far as its tail tells (its blocks are checked as they
-        are read); None when it can. The tail is read again only when its stat identity moved."""
-        name = snapshot.filename + TAIL_SUFFIX
-        path = self.slot_dir / name
-        try:
-            st, identity = read_identity(path)
-        except FileNotFoundError:
-            return "its tail is missing"
-        if not stat.S_ISREG(st.st_mode):
-            return "its tail is not a regular file"
-        if self.hashes.checksum(name, identity) == snapshot.checksum:
-            return None
-        try:
-            manifest = self.blocks.manifest(snapshot.filename)
-            self.blocks.read_tail(manifest, snapshot.filename)
-        except (DamagedState, OSError) as exc:
-            return str(exc)
-        if manifest.checksum != snapshot.checksum or manifest.cut.layout.file_size != snapshot.n_bytes:
-            return "its tail belongs to another save"
-        self.hashes.remember(name, identity, snapshot.checksum)
-        return None
-
     def materialize(self, snapshot: Snapshot) -> bool:
         """The state's whole file ready for the backend under its name (assembly.py); False when it cannot be had:
         the state is quarantined and the turn runs cold. Pair with `restored`."""
@@ -488,29 +367,6 @@ class SnapshotStore:
     def open_whole(self, snapshot: Snapshot) -> BinaryIO:
         return self.assembly.open_whole(snapshot)
 
-    def open_parts(self, snapshot: Snapshot) -> tuple[BinaryIO, BlockManifest]:
-        """A state kept as blocks, for an upload: its tail open for reading and its checked manifest; its blocks are
-        held (never collected) until `release_parts`. DamagedState when its tail is not intact."""
-        manifest = self.blocks.manifest(snapshot.filename)
-        if manifest.checksum != snapshot.checksum:
-            raise DamagedState("its tail belongs to another save")
-        self.blocks.hold(manifest.keys)
-        try:
-            return self.blocks.tail_path(snapshot.filename).open("rb"), manifest
-        except BaseException:
-            self.blocks.release(manifest.keys)
-            raise
-
-    def release_parts(self, manifest: BlockManifest) -> None:
-        self.blocks.release(manifest.keys)
-
-    def appendix_extent(self, snapshot: Snapshot) -> tuple[Path, int | None]:
-        """Where the state's slot file ends with its checkpoint appendix, if any: the file and its end (a tail's
-        bytes end where the original file ended; its manifest follows)."""
-        if not snapshot.tail_bytes:
-            return self.slot_dir / snapshot.filename, None
-        return self.blocks.tail_path(snapshot.filename), snapshot.tail_bytes
-
     def quarantine(self, snapshot: Snapshot, reason: str) -> None:
         """Drop the index row and move the file aside so it is never handed to the backend again."""
         self._index.drop(snapshot.filename)
@@ -522,13 +378,7 @@ class SnapshotStore:
             unlink_quietly(source)  # an assembled copy
             self._collect(snapshot.filename)
             source = self.blocks.tail_path(snapshot.filename)
-        if source.exists() or source.is_symlink():
-            target_dir = self.slot_dir / QUARANTINE_DIR
-            make_private_dir(target_dir)
-            try:
-                os.replace(source, target_dir / f"{snapshot.filename}.{int(time.time())}")
-            except OSError as exc:
-                log.error("could not move %s aside: %s", source, exc)
+        move_aside(self.slot_dir, source, snapshot.filename)
         log.warning("snapshot %s/%s quarantined: %s", snapshot.model, snapshot.session_id, reason)
 
     def mark_used(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> None:
@@ -584,38 +434,8 @@ class SnapshotStore:
             s, n_bytes=s.tail_bytes + self._index.own_block_bytes(s.filename)) for s in snapshots]
 
     def trim_quarantine(self, budget: DiskBudget, now: float | None = None) -> int:
-        """Remove quarantined files older than the budget's max age (a week without one), then, oldest first, as many
-        as it takes for the snapshots and the quarantine together to fit the budget's total. Returns how many."""
-        now = time.time() if now is None else now
-        found = []
-        try:
-            with os.scandir(self.slot_dir / QUARANTINE_DIR) as entries:
-                for entry in entries:
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    moved = entry.name.rsplit(".", 1)[-1]  # "<file>.<unix time it was moved aside>"
-                    found.append((int(moved) if moved.isdigit() else st.st_mtime, st.st_size, Path(entry.path)))
-        except FileNotFoundError:
-            return 0
-        keep_for = budget.max_age_seconds if budget.max_age_seconds > 0 else QUARANTINE_KEEP_SECONDS
-        found.sort()
-        removed = [f for f in found if now - f[0] > keep_for]
-        if budget.max_bytes > 0:
-            rest = [f for f in found if f not in removed]
-            total = self._index.total_bytes() + sum(f[1] for f in rest)
-            for f in rest:
-                if total <= budget.max_bytes:
-                    break
-                removed.append(f)
-                total -= f[1]
-        for _, _, path in removed:
-            unlink_quietly(path)
-        if removed:
-            log.info("removed %d quarantined file(s) (older than %.0f s, or over the disk budget)", len(removed),
-                     keep_for)
-        return len(removed)
+        """Age out quarantined files, and those over the budget with the snapshots (quarantine.py); how many went."""
+        return trim_quarantine(self.slot_dir, budget, self._index.total_bytes, now)
 
     def block_usage(self) -> tuple[int, int]:
         """(blocks, bytes) of the block store, each block once."""
@@ -632,7 +452,7 @@ class SnapshotStore:
     def _unlink_snapshot_files(self, filename: str) -> None:
         self.hashes.forget(filename)
         self.hashes.forget(filename + TAIL_SUFFIX)
-        self._tokens.drop(filename)
+        self._matching.tokens.drop(filename)
         if self.ram is not None:
             self.ram.remove(filename)
         unlink_quietly(self.slot_dir / filename)
@@ -649,60 +469,15 @@ class SnapshotStore:
         if keys:
             self.blocks.collect(keys, self._index.referenced)
 
+    # -- at start (reconcile.py) ---------------------------------------------------------------------------
+
     def sweep_blocks(self) -> int:
-        """At start, in a worker thread: remove blocks no state names (a save that crashed before its commit, a
-        removal that crashed before its blocks went) and block temporaries; returns how many blocks went."""
-        orphans = self._index.orphan_refs()
-        stored = self.blocks.stored_keys()
-        unnamed = (stored - self._index.all_referenced()) | set(orphans)
-        return self.blocks.collect(unnamed, self._index.referenced)
+        """In a worker thread: remove the blocks no state names; returns how many went."""
+        return sweep_blocks(self._index, self.blocks)
 
     def reconcile(self) -> ReconcileReport:
-        """At start: remove our leftover temporaries and unindexed files, and rows whose file is gone.
-
-        Only names of our own shape are touched: the directory may be shared with other tools.
-        """
-        indexed = self._index.filenames()
-        temps = orphans = 0
-        tails = {name for name in indexed if (self.slot_dir / (name + TAIL_SUFFIX)).is_file()}
-        for entry in os.scandir(self.slot_dir):
-            if _TEMP_NAME.match(entry.name) or _BLOCK_TEMP_NAME.match(entry.name):
-                unlink_quietly(Path(entry.path))
-                temps += 1
-            elif entry.name in tails and entry.is_file(follow_symlinks=False):
-                unlink_quietly(Path(entry.path))  # a whole file assembled for a restore that never finished
-            elif _unindexed_own_file(entry.name, indexed):
-                unlink_quietly(Path(entry.path))
-                orphans += 1
-        if self.ram is not None:
-            orphans += self._reconcile_ram(indexed)
-        self._index.drop_orphan_chains()
-        dropped = 0
-        for name in indexed:
-            if name not in tails and not (self.slot_dir / name).is_file():
-                self._index.drop(name)
-                dropped += 1
-        self.trim_ram()
-        report = ReconcileReport(temps, orphans, dropped)
-        if temps or orphans or dropped:
-            log.info(
-                "slot dir reconciled: %d temporaries and %d unindexed files removed, %d rows without a file dropped",
-                temps, orphans, dropped,
-            )
-        return report
-
-    def _reconcile_ram(self, indexed: set[str]) -> int:
-        """At start, in the RAM dir: remove temporaries, half-made links, and names no snapshot has (copies
-        of indexed snapshots stay: they are checked against their checksum before a restore uses them)."""
-        assert self.ram is not None
-        removed = 0
-        for entry in os.scandir(self.ram.path):
-            name = entry.name
-            if _TEMP_NAME.match(name) or _BLOCK_TEMP_NAME.match(name) or name.startswith(".link-") or (
-                    _is_final_name(name) and name not in indexed):
-                self.ram.remove(name)
-                removed += 1
-        return removed
+        """Remove our leftover temporaries and unindexed files, and rows whose file is gone."""
+        return reconcile(self.slot_dir, self._index, self.ram, self.trim_ram)
 
     # -- model file identities (cached, so a 20 GB GGUF is not re-read at every start) ------------------------
 
@@ -713,63 +488,7 @@ class SnapshotStore:
         self._index.remember_identity(path, size, mtime_ns, identity)
 
 
-def shared_with(snapshot: Snapshot, saved: Sequence[Link], chain: Sequence[Link]) -> tuple[int, int] | None:
-    """`SnapshotStore.shared_prefix` for a snapshot whose recorded chain (`saved`) is already at hand."""
-    if not saved:
-        return None
-    shared = common_prefix(saved, chain)
-    if shared == len(saved):
-        return shared, snapshot.owed_tokens
-    if shared == 0:
-        return 0, 0
-    return shared, int(snapshot.owed_tokens * saved[shared - 1].chars / max(saved[-1].chars, 1))
-
-
-class _TokenMemo:
-    """Token lists by file name, the least recently used dropped past a total count. Thread-safe."""
-
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._lists: OrderedDict[str, Tokens] = OrderedDict()
-        self._total = 0
-        self._lock = threading.Lock()
-
-    def get(self, name: str) -> Tokens | None:
-        with self._lock:
-            tokens = self._lists.get(name)
-            if tokens is not None:
-                self._lists.move_to_end(name)
-            return tokens
-
-    def put(self, name: str, tokens: Tokens) -> None:
-        with self._lock:
-            old = self._lists.pop(name, None)
-            self._total -= 0 if old is None else old.size
-            self._lists[name] = tokens
-            self._total += tokens.size
-            while self._total > self._capacity and len(self._lists) > 1:
-                _, dropped = self._lists.popitem(last=False)
-                self._total -= dropped.size
-
-    def drop(self, name: str) -> None:
-        with self._lock:
-            old = self._lists.pop(name, None)
-            self._total -= 0 if old is None else old.size
-
-
-def _is_final_name(name: str) -> bool:
-    return bool(_FINAL_NAME.match(name))
-
-
 def _check_size(n_bytes: int, n_written: int | None) -> None:
     """A file of another size than the backend says it wrote is torn, and never indexed."""
     if n_written is not None and n_bytes != n_written:
         raise OSError(f"the file has {n_bytes} bytes but the backend wrote {n_written}")
-
-
-def _unindexed_own_file(name: str, indexed: set[str]) -> bool:
-    """A snapshot file of our naming, or its sidecar, that no index row names."""
-    base = name
-    for suffix in (*SIDECAR_SUFFIXES, TAIL_SUFFIX):
-        base = base.removesuffix(suffix)
-    return bool(_FINAL_NAME.match(base)) and base not in indexed
