@@ -79,7 +79,7 @@ class Settings:
     # Keep Claude Code's attribution line (x-anthropic-billing-header) in the system prompt; it changes between
     # requests, so keeping it means no reuse at all (dialects/anthropic/claudecode.py).
     keep_attribution_block: bool = False
-    # The longest a changed slot stays idle unsaved (a state that saves quickly is saved sooner: pool.py _idle_delay);
+    # The longest a changed slot stays idle unsaved (a state that saves quickly is saved sooner: idlesaves.py);
     # it is always saved before its slot is reused, and at shutdown.
     save_idle_seconds: float = 2.0
     # A restore that would reuse fewer tokens than this is skipped (a prefill that short is as cheap).

@@ -21,6 +21,7 @@ import pytest
 
 from slotkeeper.cache import store as store_mod
 from slotkeeper.cache.blockstore import TAIL_SUFFIX, BlockStore
+from slotkeeper.cache.operations import flush
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import SnapshotStore, file_checksum
@@ -109,7 +110,7 @@ async def test_a_session_back_before_its_commit_is_done_waits_and_gets_the_new_s
     await rig.turn(A)
     await rig.turn(B)  # saves A's first state
     await rig.turn(A)  # restores it; A's conversation grows
-    await rig.pool.settle()
+    await rig.pool.snapshots.settle()
     old = rig.store.get(A)
     assert old is not None
     gate.opened.clear()
@@ -136,7 +137,7 @@ async def test_a_commit_that_fails_keeps_the_previous_snapshot_and_the_turn_succ
     await rig.turn(A)
     await rig.turn(B)
     await rig.turn(A)  # restores A's first state; A grows
-    await rig.pool.settle()
+    await rig.pool.snapshots.settle()
     good = rig.store.get(A)
     assert good is not None
 
@@ -146,9 +147,9 @@ async def test_a_commit_that_fails_keeps_the_previous_snapshot_and_the_turn_succ
     monkeypatch.setattr(store_mod.os, "fsync", disk_full)  # the commit's first step fails
     b_turn = await rig.turn(B)  # the switch saves A's newer state: the backend writes it, the commit fails
     assert b_turn.lease.cache.outcome is CacheOutcome.RESTORED
-    await rig.pool.settle()
+    await rig.pool.snapshots.settle()
     monkeypatch.undo()
-    assert rig.pool.failed_saves == 1
+    assert rig.pool.snapshots.failed_saves == 1
     kept = rig.store.get(A)
     assert kept is not None and (kept.filename, kept.checksum) == (good.filename, good.checksum)
     assert file_checksum(rig.backend.slot_dir / good.filename) == good.checksum
@@ -164,7 +165,7 @@ async def test_shutdown_flush_waits_for_the_commits_still_running(rig: Rig, monk
     await rig.turn(A)
     gate.opened.clear()
     await rig.turn(B)  # A's commit is held
-    flushing = asyncio.create_task(rig.pool.flush())  # saves B, then waits for every commit
+    flushing = asyncio.create_task(flush(rig.pool))  # saves B, then waits for every commit
     await _until(lambda: gate.started == 2)
     await asyncio.sleep(0.2)
     assert not flushing.done()
@@ -174,7 +175,7 @@ async def test_shutdown_flush_waits_for_the_commits_still_running(rig: Rig, monk
     for key in (A, B):
         snap = rig.store.get(key)
         assert snap is not None and file_checksum(rig.backend.slot_dir / snap.filename) == snap.checksum
-    assert rig.pool.saves == 2 and rig.pool.failed_saves == 0
+    assert rig.pool.snapshots.saves == 2 and rig.pool.snapshots.failed_saves == 0
 
 
 @pytest.mark.parametrize("stored_as", ["file", "blocks"])

@@ -7,6 +7,7 @@ Each test asserts what a correct system must do; each failed on f5dbaf1 (defect 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import httpx
 import pytest
 from starlette.requests import Request
 
+from slotkeeper.cache.operations import flush, import_snapshot
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.slots import TurnEnd
 from slotkeeper.cache.snapshots import Snapshots
@@ -70,7 +72,7 @@ def pool_on(store: SnapshotStore, n_tokens: int = 42) -> SlotPool:
 def tier_on(pool: SlotPool, memory: MemoryStore, origin: str, fence: int | None) -> SharedTier:
     """The backend's uploader, as runtime.py and join_replicas set it up: one per backend, fenced by the replica's
     lease (every backend of a replica gets the same token), or not fenced without a directory."""
-    tier = SharedTier(memory, pool.snapshots, FP, origin, pool.import_snapshot)
+    tier = SharedTier(memory, pool.snapshots, FP, origin, functools.partial(import_snapshot, pool))
     pool.snapshots.on_commit = tier.committed
     if fence is not None:
         pool.snapshots.fence = lambda _key: fence
@@ -103,9 +105,9 @@ async def test_defect1_an_older_queued_upload_does_not_replace_a_sibling_backend
     tier_y = tier_on(pool_y, memory, "replica-1 backend y", fence)
 
     await run_turn(pool_x, S, chain_of("s1"))
-    await pool_x.flush()  # committed on X: its upload waits in X's queue
+    await flush(pool_x)  # committed on X: its upload waits in X's queue
     await run_turn(pool_y, S, chain_of("s1", "s2"))
-    await pool_y.flush()
+    await flush(pool_y)
     await upload_all(tier_y)
     newer = await pool_y.snapshots.get(S)
     assert newer is not None and manifest_of(memory, tier_y, S).meta.checksum == newer.checksum
@@ -153,18 +155,18 @@ async def moved_then_restored_as_prefix(stores: Callable[[str], SnapshotStore]
     group = BackendGroup(members, 1.25)  # type: ignore[arg-type]
     first = await group.owner_for(S)
     await run_turn(first.pool, S, chain_of("s1"))
-    await first.pool.flush()
+    await flush(first.pool)
     group.drain(first.url, True)
     second = await group.owner_for(S)
     assert second is not first
     await run_turn(second.pool, S, chain_of("s1", "s2"))
-    await second.pool.flush()
+    await flush(second.pool)
     await asyncio.sleep(0.01)  # a later moment, whatever the clock's resolution
     await run_turn(first.pool, OTHER, [])  # the slot goes to something else
     restored = await first.pool.acquire(NEIGHBOUR, chain_of("n1"))
     assert restored.cache.outcome is CacheOutcome.PREFIX and restored.cache.restored_from == S.session_id
     restored.release(TurnEnd.COMPLETED, 30)
-    await first.pool.settle()
+    await first.pool.snapshots.settle()
     stale, newest = await first.snapshots.get(S), await second.snapshots.get(S)
     assert stale is not None and newest is not None and stale.checksum != newest.checksum
     assert stale.last_used > newest.last_used  # the precondition of the defect: the stale copy "looks newest"
@@ -266,7 +268,7 @@ async def test_defect4_a_turn_during_a_background_commit_keeps_the_newer_local_s
     pool = pool_on(store)
     tier = tier_on(pool, memory, "host-a", None)
     await run_turn(pool, S, chain_of("s1"))
-    await pool.flush()
+    await flush(pool)
     await upload_all(tier)  # the store has turn 1
     edited = chain_of("s1 edited by the client", "s2")
     await run_turn(pool, S, edited)  # the client edited its history: turn 2 does not extend turn 1
@@ -291,7 +293,7 @@ async def test_defect4_a_turn_during_a_background_commit_keeps_the_newer_local_s
     finally:
         gate.set()
     brought = await bring
-    await pool.settle()
+    await pool.snapshots.settle()
     local = await pool.snapshots.get(S)
     assert local is not None
     kept = await pool.snapshots.chain(local)
@@ -492,13 +494,13 @@ async def test_defect9_while_the_directory_is_down_the_holders_saves_still_uploa
     pool = pool_on(stores("host"))
     tier = tier_on(pool, memory, "replica-1", 7)
     await run_turn(pool, S, chain_of("s1"))
-    await pool.flush()
+    await flush(pool)
     await upload_all(tier)
     assert manifest_of(memory, tier, S).version.fence == 7
     pool.snapshots.fence = lambda _key: None  # the directory does not answer
     for turn in ("s2", "s3"):
         await run_turn(pool, S, chain_of("s1", turn))
-        await pool.flush()
+        await flush(pool)
         await upload_all(tier)
         local = await pool.snapshots.get(S)
         assert local is not None and manifest_of(memory, tier, S).meta.checksum == local.checksum
@@ -515,14 +517,14 @@ async def test_defect10_a_damaged_download_does_not_take_away_a_manifest_rewritt
     pool_a, pool_b = pool_on(stores("a"), n_tokens=40), pool_on(stores("b"))
     tier_a, tier_b = tier_on(pool_a, memory, "host-a", None), tier_on(pool_b, memory, "host-b", None)
     await run_turn(pool_a, S, chain_of("s1"))
-    await pool_a.flush()
+    await flush(pool_a)
     await upload_all(tier_a)
     [blob] = memory.blobs()
     memory.objects[blob] = bytes(b ^ 0xFF for b in memory.objects[blob])  # damaged at rest
     # A saves and uploads turn 2 while B is downloading the damaged turn 1 (before B takes it away).
-    pool_a._client.save_tokens = 80  # type: ignore[attr-defined]
+    pool_a.client.save_tokens = 80  # type: ignore[attr-defined]
     await run_turn(pool_a, S, chain_of("s1", "s2"))
-    await pool_a.flush()
+    await flush(pool_a)
     turn2 = await pool_a.snapshots.get(S)
     assert turn2 is not None
     real_get_file = memory.get_file

@@ -181,7 +181,7 @@ async def test_a_slow_backend_keeps_its_slots_dirty_and_the_turn_is_saved_later(
     assert s.health.up
     assert s.pool.slots[0].occupant == A and s.pool.slots[0].dirty  # still its state, still to be saved
     await asyncio.sleep(0.2)
-    await s.pool.settle()
+    await s.pool.snapshots.settle()
     assert len(backend.actions("save")) == 1
     saved = store.get(A)
     assert saved is not None and saved.n_tokens == backend.save_tokens

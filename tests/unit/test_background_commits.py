@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 
 from slotkeeper.cache import store as store_mod
+from slotkeeper.cache.operations import flush
 from slotkeeper.cache.slots import TurnEnd
 from slotkeeper.cache.store import SnapshotStore, file_checksum
 from slotkeeper.config import Settings
 from slotkeeper.errors import UpstreamError
-from slotkeeper.types import CacheOutcome, SnapshotKind
+from slotkeeper.types import CacheOutcome, SessionKey, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult
 from slotkeeper.upstream.launcher import StartedBackend
 from slotkeeper.web.runtime import RunningBackend
@@ -75,13 +76,13 @@ async def test_the_next_turn_does_not_wait_for_the_commit(client: FakeClient, st
     lease = await asyncio.wait_for(pool.acquire(B), 1)  # A's commit is held: B got the slot anyway
     assert lease.cache.outcome is CacheOutcome.COLD and pool.slots[0].occupant == B
     await until(lambda: gate.started == 1)
-    assert store.get(A) is None and pool.saves == 0
-    assert not await pool.settle(timeout=0.05)
+    assert store.get(A) is None and pool.snapshots.saves == 0
+    assert not await pool.snapshots.settle(timeout=0.05)
     lease.release(TurnEnd.COMPLETED, 10)
     gate.open()
-    assert await pool.settle()
+    assert await pool.snapshots.settle()
     snap = store.get(A)
-    assert snap is not None and pool.saves == 1 and pool.failed_saves == 0
+    assert snap is not None and pool.snapshots.saves == 1 and pool.snapshots.failed_saves == 0
     assert store.checked_snapshot(A, FP) == snap
 
 
@@ -91,11 +92,11 @@ async def test_a_restore_waits_for_the_pending_commit_of_its_session(client: Fak
     gate.open()
     await turn(pool, A)
     await turn(pool, B)  # A's first snapshot
-    await pool.settle()
+    await pool.snapshots.settle()
     old = store.get(A)
     assert old is not None
     await turn(pool, A)  # restored, then a newer state of A in the slot
-    await pool.settle()  # B's save
+    await pool.snapshots.settle()  # B's save
     gate.opened.clear()
     await turn(pool, B)  # saves that newer state: its commit is held
     await until(lambda: gate.started == 3)  # A, B, A
@@ -134,11 +135,11 @@ async def test_a_commit_failing_in_the_background_keeps_the_previous_snapshot(
     pool = make_pool(client, store)
     await turn(pool, A)
     await turn(pool, B)
-    await pool.settle()
+    await pool.snapshots.settle()
     good = store.get(A)
     assert good is not None
     await turn(pool, A)  # restores the good snapshot; the slot then holds a newer state
-    await pool.settle()
+    await pool.snapshots.settle()
     if failure == "disk-full":
         def full(fd: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -149,10 +150,10 @@ async def test_a_commit_failing_in_the_background_keeps_the_previous_snapshot(
     lease = await pool.acquire(B)  # saving A's newer state fails in its commit: B's turn goes ahead
     assert lease.cache.outcome is CacheOutcome.RESTORED and lease.cache.save_ms > 0
     lease.release(TurnEnd.COMPLETED, 10)
-    await pool.settle()
+    await pool.snapshots.settle()
     monkeypatch.undo()
     client.vanish = False
-    assert pool.failed_saves == 1
+    assert pool.snapshots.failed_saves == 1
     kept = store.get(A)
     assert kept is not None and (kept.filename, kept.checksum, kept.n_tokens) == (good.filename, good.checksum,
                                                                                    good.n_tokens)
@@ -184,9 +185,9 @@ async def test_two_saves_of_one_session_land_in_order(client: FakeClient, store:
         assert newest is not None
         newest_sum = file_checksum(store.slot_dir / newest)
         gate.open()
-        await pool.settle()
+        await pool.snapshots.settle()
         snap = store.get(A)
-        assert snap is not None and snap.checksum == newest_sum and pool.saves == 2
+        assert snap is not None and snap.checksum == newest_sum and pool.snapshots.saves == 2
         assert [n for n in os.listdir(store.slot_dir) if n.endswith(".bin")] == [snap.filename]
     finally:
         await pool.aclose()
@@ -197,16 +198,16 @@ async def test_flush_and_close_wait_for_pending_commits(client: FakeClient, stor
     pool = make_pool(client, store)
     await turn(pool, A)
     await turn(pool, B)  # A's commit is held
-    flushing = asyncio.create_task(pool.flush())
+    flushing = asyncio.create_task(flush(pool))
     await until(lambda: gate.started == 2)  # A's, then B's (the flush saves B)
     await asyncio.sleep(0.05)
     assert not flushing.done()
     gate.open()
     assert await asyncio.wait_for(flushing, 2) == (1, 0)
-    assert store.get(A) is not None and store.get(B) is not None and pool.saves == 2
+    assert store.get(A) is not None and store.get(B) is not None and pool.snapshots.saves == 2
 
     await turn(pool, A)  # restores A (B was saved by the flush)
-    await pool.settle()
+    await pool.snapshots.settle()
     gate.opened.clear()
     await turn(pool, B)  # A's save is held
     closing = asyncio.create_task(pool.aclose())
@@ -214,7 +215,7 @@ async def test_flush_and_close_wait_for_pending_commits(client: FakeClient, stor
     assert not closing.done()
     gate.open()
     await asyncio.wait_for(closing, 2)
-    assert pool.saves == 3
+    assert pool.snapshots.saves == 3
 
 
 async def test_pin_and_settle_wait_for_the_sessions_commit(client: FakeClient, store: SnapshotStore,
@@ -222,16 +223,16 @@ async def test_pin_and_settle_wait_for_the_sessions_commit(client: FakeClient, s
     pool = make_pool(client, store)
     await turn(pool, A)
     await turn(pool, B)
-    assert not await pool.settle(A, timeout=0.05)
-    assert await pool.settle(B, timeout=0.05)  # nothing of B is pending
-    waiting = asyncio.create_task(pool.settle(A))
+    assert not await pool.snapshots.settle(A, timeout=0.05)
+    assert await pool.snapshots.settle(B, timeout=0.05)  # nothing of B is pending
+    waiting = asyncio.create_task(pool.snapshots.settle(A))
     await asyncio.sleep(0.05)
     assert not waiting.done()
     gate.open()
     assert await asyncio.wait_for(waiting, 2)
     snap = store.get(A)
     assert snap is not None
-    pinned = await pool.pin(snap)
+    pinned = await pool.snapshots.set_pinned(SessionKey(snap.model, snap.session_id), True, snap.kind)
     assert pinned is not None and pinned.pinned and pinned.kind is SnapshotKind.SESSION
 
 
@@ -248,8 +249,8 @@ async def test_a_cancelled_reader_does_not_cancel_the_commit(client: FakeClient,
         await back
     assert not pool.slots[0].busy
     gate.open()
-    assert await pool.settle()
-    assert store.get(A) is not None and store.get(B) is not None and pool.saves == 2
+    assert await pool.snapshots.settle()
+    assert store.get(A) is not None and store.get(B) is not None and pool.snapshots.saves == 2
 
 
 async def test_a_session_back_while_the_backend_still_writes_its_save_restores_that_save(
@@ -259,7 +260,7 @@ async def test_a_session_back_while_the_backend_still_writes_its_save_restores_t
     pool = make_pool(client, store, n_slots=2)
     try:
         await turn(pool, A)
-        await pool.flush()  # A's older snapshot
+        await flush(pool)  # A's older snapshot
         older = store.get(A)
         assert older is not None
         await turn(pool, A)  # A changes again, in slot 0
@@ -297,8 +298,9 @@ async def test_a_save_the_backend_refuses_keeps_the_order_of_the_sessions_commit
         await until(lambda: gate.started == 1)  # the first save's commit is held
         client.save_error = UpstreamError(500, b'{"error":{"message":"the backend refused"}}')
         await turn(pool, A, n_tokens=20)
-        await until(lambda: pool.failed_saves == 1)  # the second save, refused by the backend
-        assert not await pool.settle(A, timeout=0.05)  # the first commit is still running: readers wait for it
+        await until(lambda: pool.snapshots.failed_saves == 1)  # the second save, refused by the backend
+        # The first commit is still running: readers wait for it.
+        assert not await pool.snapshots.settle(A, timeout=0.05)
         client.save_error = None
         await turn(pool, A, n_tokens=30)
         await until(lambda: len(client.actions("save")) == 3)
@@ -308,10 +310,10 @@ async def test_a_save_the_backend_refuses_keeps_the_order_of_the_sessions_commit
         assert newest is not None
         newest_sum = file_checksum(store.slot_dir / newest)
         gate.open()
-        assert await pool.settle()
+        assert await pool.snapshots.settle()
         snap = store.get(A)
         assert snap is not None and snap.checksum == newest_sum
-        assert pool.saves == 2 and pool.failed_saves == 1
+        assert pool.snapshots.saves == 2 and pool.snapshots.failed_saves == 1
     finally:
         await pool.aclose()
 
@@ -352,6 +354,6 @@ async def test_shutdown_counts_the_saves_that_succeeded(slot_dir: Path, store: S
     backend = running_backend(pool, client, store, shutdown_timeout=30.0)
     with caplog.at_level(logging.INFO, logger="slotkeeper"):
         await asyncio.wait_for(backend.stop(), 10)
-    assert pool.failed_saves == 2
+    assert pool.snapshots.failed_saves == 2
     assert "shutdown: saved 0 changed slot(s)" in caplog.text
     assert "shutdown: saving 2 changed slot(s) failed" in caplog.text

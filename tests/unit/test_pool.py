@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from slotkeeper.cache.capability import Strategy
-from slotkeeper.cache.pool import IDLE_SAVE_FLOOR_SECONDS, SlotPool
+from slotkeeper.cache.idlesaves import IDLE_SAVE_FLOOR_SECONDS
+from slotkeeper.cache.operations import clear, clear_slot, flush
+from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.slots import TurnEnd
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore
@@ -124,11 +126,11 @@ async def test_switch_saves_and_restores(client: FakeClient, store: SnapshotStor
     lease_b = await pool.acquire(B)
     assert lease_b.cache.outcome is CacheOutcome.COLD
     assert [(c[0], c[1]) for c in client.calls] == [(0, "save")]
-    await pool.settle()  # A's save is committed in the background, after B got the slot
+    await pool.snapshots.settle()  # A's save is committed in the background, after B got the slot
     snap_a = store.get(A)
     assert snap_a is not None and snap_a.n_tokens == 42 and snap_a.hits == 0
     assert client.calls[0][2] is not None and client.calls[0][2].startswith(A.file_stem(FP))
-    assert pool.saves == 1
+    assert pool.snapshots.saves == 1
     lease_b.release(TurnEnd.COMPLETED, 10)
 
     client.calls.clear()
@@ -138,11 +140,11 @@ async def test_switch_saves_and_restores(client: FakeClient, store: SnapshotStor
     lease_a = await pool.acquire(A)
     assert [(c[0], c[1]) for c in client.calls] == [(0, "save"), (0, "restore")]
     assert client.calls[1][2] == snap_a.filename
-    await pool.settle()  # B's save is committed, and A's use recorded, in the background
+    await pool.snapshots.settle()  # B's save is committed, and A's use recorded, in the background
     assert store.get(B) is not None
     assert lease_a.cache.outcome is CacheOutcome.RESTORED
     assert lease_a.cache.restored_tokens == 33
-    assert pool.restores == 1
+    assert pool.restorer.restores == 1
     after = store.get(A)
     assert after is not None and after.hits == 1
     assert pool.slots[0].occupant == A and pool.slots[0].n_tokens == 33
@@ -162,7 +164,7 @@ async def test_default_session_never_saved_or_restored(client: FakeClient, store
     assert len(client.actions("save")) == 1
     assert client.actions("restore") == []
     assert store.get(default) is None
-    assert await pool.flush() == (0, 0)
+    assert await flush(pool) == (0, 0)
     assert len(client.actions("save")) == 1
 
 
@@ -174,7 +176,7 @@ async def test_a_file_the_backend_refuses_twice_is_quarantined(client: FakeClien
     pool = make_pool(client, store)
     await turn(pool, A)
     await turn(pool, B)
-    await pool.settle()
+    await pool.snapshots.settle()
     snap_a = store.get(A)
     assert snap_a is not None
     client.restore_error = UpstreamError(400, INVALID)
@@ -187,7 +189,7 @@ async def test_a_file_the_backend_refuses_twice_is_quarantined(client: FakeClien
     assert any(n.startswith(snap_a.filename) for n in os.listdir(slot_dir / QUARANTINE_DIR))
     assert pool.slots[0].occupant == A and pool.slots[0].busy
     lease.release(TurnEnd.COMPLETED, 5)
-    assert not pool.slots[0].busy and pool.failed_restores == 1
+    assert not pool.slots[0].busy and pool.restorer.failed_restores == 1
 
 
 async def test_a_file_refused_once_is_restored_on_the_second_attempt(client: FakeClient, store: SnapshotStore) -> None:
@@ -196,7 +198,7 @@ async def test_a_file_refused_once_is_restored_on_the_second_attempt(client: Fak
     pool = make_pool(client, store)
     await turn(pool, A)
     await turn(pool, B)
-    await pool.settle()
+    await pool.snapshots.settle()
     real = client.slot_action
     refused = [UpstreamError(400, INVALID)]
 
@@ -210,7 +212,7 @@ async def test_a_file_refused_once_is_restored_on_the_second_attempt(client: Fak
     lease = await pool.acquire(A)
     assert lease.cache.outcome is CacheOutcome.RESTORED and store.get(A) is not None
     lease.release(TurnEnd.COMPLETED, 5)
-    assert pool.failed_restores == 0
+    assert pool.restorer.failed_restores == 0
 
 
 @pytest.mark.parametrize("error", [
@@ -224,14 +226,14 @@ async def test_a_backend_error_on_restore_keeps_the_snapshot(client: FakeClient,
     pool = make_pool(client, store)
     await turn(pool, A)
     await turn(pool, B)
-    await pool.settle()
+    await pool.snapshots.settle()
     snap_a = store.get(A)
     client.restore_error = error
     lease = await pool.acquire(A)
     assert lease.cache.outcome is CacheOutcome.COLD and len(client.actions("restore")) == 1
     lease.release(TurnEnd.COMPLETED, 5)
     assert store.get(A) == snap_a and (slot_dir / snap_a.filename).exists()  # type: ignore[union-attr]
-    assert not (slot_dir / QUARANTINE_DIR).exists() and pool.failed_restores == 1
+    assert not (slot_dir / QUARANTINE_DIR).exists() and pool.restorer.failed_restores == 1
     client.restore_error = None
     await turn(pool, B)
     lease = await pool.acquire(A)
@@ -243,7 +245,7 @@ async def test_snapshot_larger_than_slot_not_restored(client: FakeClient, store:
     pool = make_pool(client, store, n_ctx_slot=40)  # the fake saves 42 tokens
     await turn(pool, A)
     await turn(pool, B)
-    await pool.settle()
+    await pool.snapshots.settle()
     assert store.get(A) is not None
     lease = await pool.acquire(A)
     assert lease.cache.outcome is CacheOutcome.COLD
@@ -261,7 +263,7 @@ async def test_release_failed_empties_slot(client: FakeClient, store: SnapshotSt
     assert slot.occupant is None and not slot.dirty and slot.n_tokens == 0
     await turn(pool, B)
     assert client.actions("save") == []
-    assert await pool.flush() == (1, 0)  # only B
+    assert await flush(pool) == (1, 0)  # only B
     assert store.get(A) is None and store.get(B) is not None
 
 
@@ -447,12 +449,12 @@ async def test_a_state_that_saves_quickly_is_saved_soon_after_its_turn(client: F
     try:
         await turn(pool, A)
         assert pool.saver.expected_seconds(10) is None  # no save yet: the full idle time
-        assert pool._idle_delay(pool.slots[0]) == 30
+        assert pool.idle_saves.delay(pool.slots[0]) == 30
         await turn(pool, B)  # the switch saves A, and the backend's write rate is known from then on
         assert len(client.actions("save")) == 1
         expected = pool.saver.expected_seconds(10)
         assert expected is not None and expected < IDLE_SAVE_FLOOR_SECONDS / 2
-        assert pool._idle_delay(pool.slots[0]) == IDLE_SAVE_FLOOR_SECONDS
+        assert pool.idle_saves.delay(pool.slots[0]) == IDLE_SAVE_FLOOR_SECONDS
         waited = await wait_saved(store, B, 10)
         assert waited is not None and waited >= IDLE_SAVE_FLOOR_SECONDS * 0.9
         assert not pool.slots[0].dirty
@@ -470,9 +472,9 @@ async def test_a_slow_save_waits_longer_and_never_past_the_idle_seconds(client: 
         client.save_delay, client.save_tokens = 0.2, 100
         await turn(pool, A, n_tokens=100)
         await turn(pool, B, n_tokens=100)  # the backend's write of 100 tokens took 0.2 s
-        assert pool._idle_delay(pool.slots[0]) == pytest.approx(0.4, abs=0.1)
+        assert pool.idle_saves.delay(pool.slots[0]) == pytest.approx(0.4, abs=0.1)
         pool.slots[0].n_tokens = 100_000  # 200 s expected: the idle seconds are the limit
-        assert pool._idle_delay(pool.slots[0]) == 30
+        assert pool.idle_saves.delay(pool.slots[0]) == 30
     finally:
         await pool.aclose()
 
@@ -489,7 +491,7 @@ async def test_no_early_save_while_another_slot_generates(client: FakeClient, st
         busy = await pool.acquire(D)  # takes B's slot (saved on the switch); it is generating from now on
         idle = next(s for s in pool.slots if s.slot_id != busy.slot_id)
         assert idle.occupant == C and idle.dirty
-        assert pool._idle_delay(idle) == IDLE_SAVE_FLOOR_SECONDS
+        assert pool.idle_saves.delay(idle) == IDLE_SAVE_FLOOR_SECONDS
         saves = len(client.actions("save"))
         await asyncio.sleep(0.8)
         assert len(client.actions("save")) == saves and store.get(C) is None  # past the floor, not saved
@@ -510,10 +512,10 @@ async def test_flush_saves_dirty_slots(client: FakeClient, store: SnapshotStore)
     la.release(TurnEnd.COMPLETED)
     lb.release(TurnEnd.COMPLETED)
     lc.release(TurnEnd.FAILED)
-    assert await pool.flush() == (2, 0)
+    assert await flush(pool) == (2, 0)
     assert store.get(A) is not None and store.get(B) is not None and store.get(C) is None
     assert all(not s.dirty and not s.busy for s in pool.slots)
-    assert await pool.flush() == (0, 0)
+    assert await flush(pool) == (0, 0)
     assert len(client.actions("save")) == 2
 
 
@@ -523,7 +525,7 @@ async def test_clear_saves_then_erases(client: FakeClient, store: SnapshotStore)
     lb = await pool.acquire(B)
     la.release(TurnEnd.COMPLETED)
     lb.release(TurnEnd.REJECTED)  # B not dirty
-    erased = await pool.clear()
+    erased = await clear(pool)
     assert erased == [0, 1]
     assert la.slot_id == 0
     assert [(c[0], c[1]) for c in client.calls] == [(0, "save"), (0, "erase"), (1, "erase")]
@@ -539,7 +541,7 @@ async def test_clear_slot_saves_and_erases_only_that_slot(client: FakeClient, st
     for k in (A, B, C):
         await turn(pool, k)
     assert [s.occupant for s in pool.slots] == [A, B, C]
-    assert await pool.clear_slot(1) == B
+    assert await clear_slot(pool, 1) == B
     assert [(c[0], c[1]) for c in client.calls] == [(1, "save"), (1, "erase")]
     assert store.get(B) is not None and store.get(A) is None and store.get(C) is None
     assert [s.occupant for s in pool.slots] == [A, None, C]
@@ -548,7 +550,7 @@ async def test_clear_slot_saves_and_erases_only_that_slot(client: FakeClient, st
     assert not any(s.busy for s in pool.slots)
     # An empty or saved slot is erased without a save; the next turn of B restores its snapshot.
     client.calls.clear()
-    assert await pool.clear_slot(1) is None
+    assert await clear_slot(pool, 1) is None
     assert client.calls == [(1, "erase", None)]
     lease = await pool.acquire(B)
     assert (lease.slot_id, lease.cache.outcome) == (1, CacheOutcome.RESTORED)
@@ -558,7 +560,7 @@ async def test_clear_slot_saves_and_erases_only_that_slot(client: FakeClient, st
 async def test_clear_slot_waits_for_the_running_turn(client: FakeClient, store: SnapshotStore) -> None:
     pool = make_pool(client, store, n_slots=2)
     running = await pool.acquire(A)
-    clearing = asyncio.create_task(pool.clear_slot(running.slot_id))
+    clearing = asyncio.create_task(clear_slot(pool, running.slot_id))
     await asyncio.sleep(0.05)
     assert not clearing.done() and client.calls == []
     # The other slot stays usable meanwhile.
@@ -576,7 +578,7 @@ async def test_a_session_deleted_while_its_slot_is_cleared_does_not_haunt_the_sl
     pool = make_pool(client, store)
     await turn(pool, A)
     client.save_delay = 0.1
-    clearing = asyncio.create_task(pool.clear_slot(0))
+    clearing = asyncio.create_task(clear_slot(pool, 0))
     await asyncio.sleep(0.03)  # the clear is saving A
     pool.forget(A)
     assert await asyncio.wait_for(clearing, 1) == A
@@ -598,18 +600,18 @@ async def test_clear_keeps_a_slot_whose_save_failed(client: FakeClient, store: S
     else:
         client.save_tokens = 0
     with pytest.raises(SlotkeeperError, match=r"saving slot 0 \(m/A\) failed, so it was not erased"):
-        await pool.clear_slot(0)
+        await clear_slot(pool, 0)
     assert client.actions("erase") == []
     assert pool.slots[0].occupant == A and pool.slots[0].dirty and not pool.slots[0].busy
     with pytest.raises(SlotkeeperError, match=r"slot\(s\) 0, 1 were not erased"):
-        await pool.clear()
+        await clear(pool)
     assert client.actions("erase") == []
     pool.slots[1].dirty = False  # as if B's state were on disk: only A's save is tried, and fails
     with pytest.raises(SlotkeeperError, match=r"slot\(s\) 0 were not erased.*; erased: 1$"):
-        await pool.clear()
+        await clear(pool)
     assert [c[0] for c in client.actions("erase")] == [1]
     client.save_error, client.save_tokens = None, 42
-    assert await pool.clear_slot(0) == A  # saved now, then erased
+    assert await clear_slot(pool, 0) == A  # saved now, then erased
     assert store.get(A) is not None and pool.slots[0].occupant is None
 
 
@@ -617,7 +619,7 @@ async def test_clear_slot_refuses_a_slot_that_does_not_exist(client: FakeClient,
     pool = make_pool(client, store, n_slots=2)
     for slot_id in (2, -1):
         with pytest.raises(NotFound, match=f"no slot {slot_id}: the backend has 2 slot"):
-            await pool.clear_slot(slot_id)
+            await clear_slot(pool, slot_id)
     assert client.calls == [] and len(pool._waiters) == 0
 
 
@@ -627,7 +629,7 @@ async def test_forget_stops_later_save(client: FakeClient, store: SnapshotStore)
     pool.forget(A)
     assert pool.slots[0].occupant is None and not pool.slots[0].dirty
     await turn(pool, B)
-    assert await pool.flush() == (1, 0)
+    assert await flush(pool) == (1, 0)
     assert store.get(A) is None
     assert next(c[2] for c in client.actions("save")).startswith(B.file_stem(FP))
 
@@ -661,9 +663,9 @@ async def test_save_failure_does_not_fail_acquire(
         client.save_tokens = 0
     with caplog.at_level(logging.ERROR, logger="slotkeeper.pool"):
         lease = await pool.acquire(B)
-        await pool.settle()  # a commit that fails does so in the background
+        await pool.snapshots.settle()  # a commit that fails does so in the background
     assert lease.cache.outcome is CacheOutcome.COLD
-    assert pool.failed_saves == 1 and pool.saves == 0
+    assert pool.snapshots.failed_saves == 1 and pool.snapshots.saves == 0
     assert store.get(A) is None
     assert [n for n in os.listdir(slot_dir) if ".tmp-" in n] == []
     assert any(r.levelno == logging.ERROR and "A" in r.getMessage() for r in caplog.records)
@@ -675,14 +677,14 @@ async def test_save_failure_keeps_previous_snapshot(client: FakeClient, store: S
     pool = make_pool(client, store)
     await turn(pool, A)
     await turn(pool, B)  # A saved
-    await pool.settle()
+    await pool.snapshots.settle()
     good = store.get(A)
     assert good is not None
     await turn(pool, A)  # A restored, B saved
     client.save_tokens = 0
     await turn(pool, B)  # saving A fails
-    await pool.settle()
-    assert pool.failed_saves == 1
+    await pool.snapshots.settle()
+    assert pool.snapshots.failed_saves == 1
     kept = store.get(A)
     assert kept is not None
     assert (kept.filename, kept.checksum, kept.n_tokens) == (good.filename, good.checksum, good.n_tokens)
@@ -695,10 +697,10 @@ async def test_idle_save_failure_counted(client: FakeClient, store: SnapshotStor
         client.save_error = UpstreamUnavailable("backend gone")
         await turn(pool, A)
         for _ in range(100):
-            if pool.failed_saves and not pool.slots[0].busy:
+            if pool.snapshots.failed_saves and not pool.slots[0].busy:
                 break
             await asyncio.sleep(0.01)
-        assert pool.failed_saves == 1
+        assert pool.snapshots.failed_saves == 1
         assert not pool.slots[0].busy
         lease = await asyncio.wait_for(pool.acquire(B), 1)
         lease.release(TurnEnd.REJECTED)
@@ -744,7 +746,7 @@ async def test_a_session_deleted_while_its_idle_save_runs_does_not_take_the_next
         assert lease.cache.outcome is CacheOutcome.COLD
         lease.release(TurnEnd.COMPLETED, 10)
         assert pool.slots[0].occupant == B and pool.slots[0].dirty
-        assert (await pool.flush()).saved == 1
+        assert (await flush(pool)).saved == 1
         assert store.get(B) is not None
     finally:
         await pool.aclose()
@@ -891,7 +893,7 @@ async def test_expected_reuse_is_the_shared_part(client: FakeClient, store: Snap
     client.save_tokens = 100
     (await pool.acquire(A, chain_of("a1", "a2", "a3"))).release(TurnEnd.COMPLETED, 100)
     (await pool.acquire(B, [])).release(TurnEnd.COMPLETED, 10)
-    await pool.settle()
+    await pool.snapshots.settle()
     client.restore_tokens = {store.get(A).filename: 100}  # type: ignore[union-attr]
     edited = await pool.acquire(A, chain_of("a1", "edited"))
     assert edited.cache.outcome == CacheOutcome.RESTORED and 0 < edited.cache.expected_reuse < 100
@@ -915,7 +917,7 @@ async def test_a_side_task_runs_in_its_own_conversations_slot(client: FakeClient
     another conversation (an agent that may be back at once), even when that one is already on disk."""
     pool = make_pool(client, store, n_slots=2)
     agent = await turn(pool, A)
-    await pool.flush()  # the agent's state is on disk: its slot is clean
+    await flush(pool)  # the agent's state is on disk: its slot is clean
     chat = await turn(pool, B)
     task = await pool.acquire(B, side=True)
     assert task.slot_id == chat.slot_id != agent.slot_id
@@ -1043,10 +1045,10 @@ async def test_prompt_end_saves_hold_the_prompt_and_the_next_turn_restores_them(
     client.save_tokens = 140
     await chat_turn(pool, B, chain_of("b1"))  # saves A: first back to its prompt's end
     assert client.replays[0]["max_tokens"] == 0 and client.replays[0]["stream"] is False
-    await pool.settle()
+    await pool.snapshots.settle()
     snap = store.get(A)
     assert snap is not None and snap.n_tokens == 100 and snap.at_prompt_end
-    assert (pool.prompt_end_steps, pool.prompt_end_tokens) == (1, 4)
+    assert (pool.saver.prompt_end_steps, pool.saver.prompt_end_tokens) == (1, 4)
     lease = await pool.acquire(A, chain_of("a1", "answer", "a2"))  # the next turn extends the prompt
     assert lease.cache.outcome is CacheOutcome.RESTORED and lease.cache.expected_reuse == 100
     lease.release(TurnEnd.COMPLETED, 150, cache_n=100, n_prompt=110)
@@ -1111,8 +1113,8 @@ async def test_a_new_system_part_is_cut_from_the_first_conversation_when_it_idle
     lease.replay = ("/v1/chat/completions", {"messages": [], "max_tokens": 8})
     client.save_tokens = 120
     lease.release(TurnEnd.COMPLETED, 120, cache_n=0, n_prompt=100)
-    assert await eventually(lambda: pool.cuts == 1)
-    await pool.settle()
+    assert await eventually(lambda: pool.warmups.cuts == 1)
+    await pool.snapshots.settle()
     saved = store.get(SessionKey("m", system.digest), SnapshotKind.SYSTEM)
     assert saved is not None and saved.n_tokens == 80 and store.get(A) is not None
     assert client.cuts[0]["prompt"] == "<system>shared</system><user>" and client.cuts[0]["n_predict"] == 0
@@ -1156,8 +1158,8 @@ async def test_keep_hot_never_restores_and_still_saves(store: SnapshotStore, slo
     assert lease.cache.outcome is CacheOutcome.COLD
     lease.release(TurnEnd.COMPLETED, 10)
     pool.slots[0].dirty = False  # as after its idle save
-    await pool._cut_held(pool.slots[0])  # what the idle save does next
-    assert pool.cuts == 0 and client.replays == []
+    await pool.warmups.cut_back(pool.slots[0])  # what the idle save does next
+    assert pool.warmups.cuts == 0 and client.replays == []
 
 
 async def test_a_file_with_checkpoints_switches_to_restoring(store: SnapshotStore, slot_dir: Path) -> None:
@@ -1179,7 +1181,7 @@ async def test_a_file_with_checkpoints_switches_to_restoring(store: SnapshotStor
     assert pool.policy.strategy is Strategy.PROMPT_END
     await chat_turn(pool, A, chain_of("a1"))
     await chat_turn(pool, B, chain_of("b1"))
-    await pool.settle()
+    await pool.snapshots.settle()
     await asyncio.sleep(0)  # the commit's thread hands what it learned to the loop
     assert pool.policy.capability.checkpoints_in_file is True and pool.policy.strategy is Strategy.RESTORE
 
@@ -1190,7 +1192,7 @@ async def test_a_rolled_back_save_without_checkpoints_says_the_build_has_none(st
     pool = strategy_pool(client, store, "recurrent", None)
     await chat_turn(pool, A, chain_of("a1"))
     await chat_turn(pool, B, chain_of("b1"))  # A's prompt-end step rolled back to a checkpoint; the file has none
-    await pool.settle()
+    await pool.snapshots.settle()
     await asyncio.sleep(0)
     assert pool.policy.capability.checkpoints_in_file is False and pool.policy.strategy is Strategy.PROMPT_END
 
@@ -1211,7 +1213,7 @@ async def test_a_small_request_that_shares_nothing_with_its_sessions_state_runs_
     one_off = await pool.acquire(A, title)
     assert one_off.side and one_off.cache.why == "side-task" and pool.slots[0].occupant is None
     one_off.release(TurnEnd.COMPLETED, 60, n_prompt=50)
-    await pool.settle()
+    await pool.snapshots.settle()
     saved = store.get(A)
     assert saved is not None and store.chain_of(saved) == conversation  # saved before the one-off, and kept
     back = await pool.acquire(A, [*conversation, *chain_of("a long task " + "x" * 4000, "ok", "next")[2:]])
@@ -1252,6 +1254,6 @@ async def test_hot_turns_keep_a_pending_cut_until_the_conversation_pauses(store:
         client.save_tokens = 120
         lease.release(TurnEnd.COMPLETED, 120, n_prompt=100)
         history += ["tool call", f"tool output {turn_number}"]
-    assert pool.cuts == 0
-    assert await eventually(lambda: pool.cuts == 1)
+    assert pool.warmups.cuts == 0
+    assert await eventually(lambda: pool.warmups.cuts == 1)
     await pool.aclose()

@@ -5,12 +5,14 @@ file per session, conditional manifest writes racing another host, a store that 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import pytest
 
+from slotkeeper.cache.operations import flush, import_snapshot
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.fleet.shared import Manifest, SharedTier
@@ -84,7 +86,7 @@ class MemoryStore:
 
 
 def tier_of(pool: SlotPool, memory: MemoryStore) -> SharedTier:
-    tier = SharedTier(memory, pool.snapshots, FP, "host-a", pool.import_snapshot)
+    tier = SharedTier(memory, pool.snapshots, FP, "host-a", functools.partial(import_snapshot, pool))
     pool.snapshots.on_commit = tier.committed
     return tier
 
@@ -106,7 +108,7 @@ async def test_a_commit_is_uploaded_and_a_new_version_replaces_the_old_file(pool
     memory = MemoryStore()
     tier = tier_of(pool, memory)
     await turn(pool, A)
-    await pool.flush()
+    await flush(pool)
     await upload_all(tier)
     [first] = memory.blobs()
     manifest = Manifest.from_json(json.loads(memory.objects[tier.manifest_key(A, SnapshotKind.SESSION)]))
@@ -114,7 +116,7 @@ async def test_a_commit_is_uploaded_and_a_new_version_replaces_the_old_file(pool
     assert first_local is not None and manifest.version == first_local.version
     assert manifest.origin == "host-a" and first == tier.blob_key(manifest.meta.checksum)
     await turn(pool, A, n_tokens=20)
-    await pool.flush()
+    await flush(pool)
     await upload_all(tier)
     [second] = memory.blobs()
     assert second != first  # one file per session: the replaced version's went
@@ -131,7 +133,7 @@ async def test_a_manifest_written_by_another_host_meanwhile_is_read_again_not_ov
     memory = MemoryStore()
     tier = tier_of(pool, memory)
     await turn(pool, A)
-    await pool.flush()
+    await flush(pool)
     key = tier.manifest_key(A, SnapshotKind.SESSION)
 
     def other_host_writes() -> None:  # an older version lands between this host's read and its conditional write
@@ -154,13 +156,13 @@ async def test_a_store_that_is_down_fails_no_turn_and_the_next_save_uploads(pool
     tier = tier_of(pool, memory)
     memory.down = True
     await turn(pool, A)
-    await pool.flush()
+    await flush(pool)
     await upload_all(tier)
     assert tier.failed_uploads == 1 and tier.uploads == 0
     assert await tier.bring(A, SnapshotKind.SESSION) is None  # a look-up that fails brings nothing, raises nothing
     memory.down = False
     await turn(pool, A, n_tokens=30)
-    await pool.flush()
+    await flush(pool)
     await upload_all(tier)
     assert tier.uploads == 1 and len(memory.blobs()) == 1
 
@@ -170,7 +172,7 @@ async def test_a_local_copy_newer_than_the_store_is_kept(pool: SlotPool) -> None
     memory = MemoryStore()
     tier = tier_of(pool, memory)
     await turn(pool, A)
-    await pool.flush()
+    await flush(pool)
     assert await tier.bring(A, SnapshotKind.SESSION) is None
     assert "get_file" not in memory.calls
     # An older version of it in the store (another host's, from before this host's save) is not brought in either.
@@ -194,7 +196,7 @@ async def test_a_damaged_download_is_fetched_again_then_removed(slot_dir: Path, 
     pool_a = make_pool(FakeClient(slot_dir), store)
     tier_a = tier_of(pool_a, memory)
     await turn(pool_a, A)
-    await pool_a.flush()
+    await flush(pool_a)
     await upload_all(tier_a)
     b_slots = tmp_path / "b-slots"
     store_b = SnapshotStore(b_slots, tmp_path / "b-index" / "index.db")
@@ -211,7 +213,7 @@ async def test_a_damaged_download_is_fetched_again_then_removed(slot_dir: Path, 
         assert await pool_b.snapshots.get(A) is None  # nothing damaged reached B's index
         # The owner's next save uploads it again, and B then brings it in.
         await turn(pool_a, A, n_tokens=12)
-        await pool_a.flush()
+        await flush(pool_a)
         await upload_all(tier_a)
         brought = await tier_b.bring(A, SnapshotKind.SESSION)
         on_a = await pool_a.snapshots.get(A)
@@ -226,7 +228,7 @@ async def test_a_store_that_does_not_answer_holds_a_turn_back_once_then_is_skipp
         pool: SlotPool, monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from slotkeeper.cache import shared
+    from slotkeeper.fleet import shared
 
     monkeypatch.setattr(shared, "LOOKUP_TIMEOUT_SECONDS", 0.2)
     memory = MemoryStore()
@@ -247,7 +249,7 @@ async def test_the_budget_removes_the_least_recently_saved_and_files_no_manifest
     tier = tier_of(pool, memory)
     for k in (A, B, C):
         await turn(pool, k)
-    await pool.flush()
+    await flush(pool)
     await upload_all(tier)
     assert len(memory.blobs()) == 3
     memory._put("blobs/stray", b"x" * 100)  # a file whose manifest was never written
@@ -278,20 +280,20 @@ async def test_a_save_made_under_an_older_lease_is_refused(slot_dir: Path, store
         pool_a.snapshots.fence = lambda key: 1
         pool_b.snapshots.fence = lambda key: 2
         await turn(pool_b, A, n_tokens=14)
-        await pool_b.flush()
+        await flush(pool_b)
         await upload_all(tier_b)
         key = tier_b.manifest_key(A, SnapshotKind.SESSION)
         written = Manifest.from_json(json.loads(memory.objects[key]))
         assert written.version.fence == 2
         await turn(pool_a, A, n_tokens=30)  # the stale holder's late save
-        await pool_a.flush()
+        await flush(pool_a)
         await upload_all(tier_a)
         assert tier_a.refused_older == 1 and tier_a.uploads == 0
         assert Manifest.from_json(json.loads(memory.objects[key])) == written
         assert memory.blobs() == [tier_b.blob_key(written.meta.checksum)]  # A's file went
         pool_a.snapshots.fence = lambda key: 3  # A holds the lease again, under a newer token
         await turn(pool_a, A, n_tokens=40)
-        await pool_a.flush()
+        await flush(pool_a)
         await upload_all(tier_a)
         assert tier_a.uploads == 1
         assert Manifest.from_json(json.loads(memory.objects[key])).version.fence == 3

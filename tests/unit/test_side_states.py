@@ -65,7 +65,7 @@ async def test_a_follow_up_task_starts_from_the_last_ones_state(client: FakeClie
     assert held is not None and is_side_key(held.session_id) and p.slots[0].kind is SnapshotKind.SIDE
     assert p.slots[0].dirty
     await chat_turn(p, client)
-    await p.settle()
+    await p.snapshots.settle()
     saved = store.get(held, SnapshotKind.SIDE)
     assert saved is not None and saved.n_tokens == len(TEMPLATE + HISTORY)
     # The next follow-up quotes the same history and more: it starts from the first one's state, found by tokens.
@@ -94,7 +94,7 @@ async def test_side_states_past_the_last_few_are_evicted(client: FakeClient, sto
     for i in range(KEPT + 2):
         await side_task(p, client, [i, *HISTORY], f"task {i}")
         await chat_turn(p, client)
-    await p.settle()
+    await p.snapshots.settle()
     kept = store.list(kind=SnapshotKind.SIDE)
     assert len(kept) == KEPT and all(is_side_key(s.session_id) for s in kept)
 
@@ -103,7 +103,7 @@ async def test_side_states_are_found_after_a_restart(client: FakeClient, store: 
     first = pool(client, store)
     await side_task(first, client, TEMPLATE + HISTORY)
     await chat_turn(first, client)
-    await first.settle()
+    await first.snapshots.settle()
     # The next run knows them from the index alone (nothing else is kept).
     again = pool(client, store)
     follow_up = await side_task(again, client, TEMPLATE + HISTORY + [1, 2, 3] * 30, "next")

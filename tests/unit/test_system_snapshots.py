@@ -76,7 +76,7 @@ def system_rows(store: SnapshotStore) -> list[Any]:
 async def idle(turns: TurnService) -> None:
     """Let the slot idle long enough for its save and cut, and every commit land."""
     await asyncio.sleep(0.2)
-    await turns.pool.settle()
+    await turns.pool.snapshots.settle()
 
 
 async def test_a_new_system_prompt_is_cut_from_the_first_turn_and_saved_once(client: ChatClient,
@@ -100,7 +100,7 @@ async def test_a_new_system_prompt_is_cut_from_the_first_turn_and_saved_once(cli
     assert client.actions("restore")[-1][2] == rows[0].filename
     await idle(turns)
     assert len(client.warm_ups()) == 1 and len(system_rows(store)) == 1  # never cut again
-    assert turns.pool.cuts == 1 and turns.pool.failed_warm_ups == 0
+    assert turns.pool.warmups.cuts == 1 and turns.pool.warmups.failed_warm_ups == 0
 
 
 async def test_a_failed_cut_saves_no_system_state_and_the_turn_ran_as_it_would(client: ChatClient,
@@ -112,7 +112,7 @@ async def test_a_failed_cut_saves_no_system_state_and_the_turn_ran_as_it_would(c
     await idle(turns)
     assert system_rows(store) == []
     assert store.get(key("a")) is not None  # the conversation's own state was saved all the same
-    assert (turns.pool.cuts, turns.pool.failed_warm_ups) == (0, 1)
+    assert (turns.pool.warmups.cuts, turns.pool.warmups.failed_warm_ups) == (0, 1)
     assert turns.pool.slots[0].occupant is None and turns.pool.slots[0].chain == []  # its content is not known
 
 
@@ -145,7 +145,7 @@ async def test_prewarm_saves_once_then_finds_the_snapshot(client: ChatClient, st
     assert (first.status, first.n_tokens) == ("saved", 900)
     assert second.status == "exists"
     assert len(client.warm_ups()) == 1 and len(system_rows(store)) == 1
-    assert turns.pool.warm_ups == 1  # finding the snapshot is not a warm-up
+    assert turns.pool.warmups.warm_ups == 1  # finding the snapshot is not a warm-up
     # The slot still holds the warmed-up prompt: the next conversation on it needs no restore.
     _, record = await turns.unary("t", key("new"), "/v1/chat/completions", builder("hello"))
     assert record.lease.cache.outcome is CacheOutcome.COLD and client.actions("restore") == []

@@ -613,7 +613,7 @@ def test_bad_new_spec_raises(tmp_path: pathlib.Path, spec: TinyModelSpec, messag
 
 
 def test_cli_writes_the_same_bytes_as_the_api(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from slotkeeper import cli
+    from slotkeeper.cli import commandline as cli
 
     out = tmp_path / "cli.gguf"
     assert cli.main(["tiny-model", str(out), "--arch", "lfm2", "--template", "qwen3", "--seed", "7"]) == 0

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from slotkeeper.cache.bundle import BundleMeta, write_bundle
+from slotkeeper.cache.operations import flush
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.errors import SlotkeeperError
@@ -79,7 +80,7 @@ async def test_export_while_the_snapshot_changes_under_it(client: FakeClient, st
     old file is removed) or the disk budget evicts it: the export answers the new snapshot, or a 404, never a 500."""
     pool = make_pool(client, store)
     await turn(pool, A)
-    await pool.flush()
+    await flush(pool)
     real = store.checked_snapshot
     new_sum: list[str] = []
 
@@ -130,10 +131,10 @@ async def test_an_idle_save_that_starts_during_an_import_does_not_land_over_it(
         async with http(app_for(pool, client, store)) as web:
             response = await web.post("/api/sessions/import", params={"replace": "true"}, content=upload())
         assert response.status_code == 200, response.text
-        assert await pool.settle()
+        assert await pool.snapshots.settle()
         snap = store.get(A)
         assert snap is not None and snap.checksum == meta.checksum and snap.n_tokens == 60
-        assert pool.saves == 1  # the idle save was committed, before the import
+        assert pool.snapshots.saves == 1  # the idle save was committed, before the import
         assert pool.slots[0].occupant is None
     finally:
         await pool.aclose()

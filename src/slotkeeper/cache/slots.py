@@ -1,5 +1,6 @@
 """What the pool knows about each slot, and what it hands out: the slot's state, a lease of it for one turn, and
-the record of what the cache did for that turn. Plain data; the pool (pool.py) is the one that changes it."""
+the record of what the cache did for that turn. Plain data; the pool (pool.py) changes it, and
+the work it hands a leased or held slot to (bringing.py, idlesaves.py, warmups.py, operations.py)."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from slotkeeper.cache.chain import Link
+from slotkeeper.cache.operations import import_snapshot, save_session
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.systemprompt import SystemPrompt, system_prompt_of
@@ -167,7 +168,7 @@ class BackendGroup:
         previous = self._by_name.get(choice.previous) if choice.previous is not None else None
         if previous is not None and previous is not dest and previous.service.health.up:
             try:
-                await asyncio.wait_for(previous.pool.save_session(key), MOVE_SAVE_SECONDS)
+                await asyncio.wait_for(save_session(previous.pool, key), MOVE_SAVE_SECONDS)
             except (TimeoutError, SlotkeeperError) as exc:
                 log.warning("session %s: saving its latest turn on %s before it moves did not finish (%s); it moves "
                             "with its last saved state", key.session_id, previous.backend.url,
@@ -295,8 +296,8 @@ async def copy_snapshot(source: Member, dest: Member, key: SessionKey,
     except BaseException:
         await dest.snapshots.discard_upload(temp)
         raise
-    return await dest.pool.import_snapshot(key, temp, snapshot.n_tokens, chain, snapshot.n_bytes, kind,
-                                           snapshot.n_prompt, snapshot.version)
+    return await import_snapshot(dest.pool, key, temp, snapshot.n_tokens, chain, snapshot.n_bytes, kind,
+                                 snapshot.n_prompt, snapshot.version)
 
 
 def _copy(handle: Any, path: Any) -> None:

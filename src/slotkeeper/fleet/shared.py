@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -34,13 +33,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any
 
 from slotkeeper.cache.blockstore import DamagedState
 from slotkeeper.cache.bundle import BundleMeta, meta_of
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.errors import BadRequest, OlderVersion, SlotkeeperError
 from slotkeeper.files import file_checksum, unlink_quietly
+from slotkeeper.fleet.objectstore import ObjectStore
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 from slotkeeper.version import UNVERSIONED, Version, newer
 
@@ -56,18 +56,6 @@ UNREACHABLE_PAUSE_SECONDS = 30.0
 SWEEP_SECONDS = 300.0
 STRAY_SECONDS = 600.0
 _BLOCK_KEY = re.compile(r"[0-9a-f]{32}")
-
-
-class ObjectStore(Protocol):
-    """The object-store calls the tier makes (blocking; run in worker threads). `S3Store` is the real one."""
-
-    def get_json(self, key: str) -> tuple[dict[str, Any], str] | None: ...
-    def put_json(self, key: str, data: dict[str, Any], etag: str | None) -> bool: ...
-    def exists(self, key: str) -> bool: ...
-    def put_file(self, key: str, handle: BinaryIO, n_bytes: int) -> None: ...
-    def get_file(self, key: str, path: Path) -> int: ...
-    def delete(self, key: str) -> None: ...
-    def listing(self, prefix: str) -> list[tuple[str, int, float]]: ...
 
 
 @dataclass(frozen=True)
@@ -126,7 +114,7 @@ class SharedTier:
         self._snapshots = snapshots
         self._fingerprint = fingerprint
         self._origin = origin
-        self._import = import_snapshot  # SlotPool.import_snapshot
+        self._import = import_snapshot  # cache/operations.py import_snapshot, on this backend's pool
         # What is waiting for its upload (the newest committed version of each, when it runs).
         self._queued: dict[tuple[SessionKey, SnapshotKind], None] = {}
         self.refused_older = 0  # uploads refused: the store's manifest holds a newer version (version.py)
@@ -313,9 +301,9 @@ class SharedTier:
         quarantines it) or missing. Returns the snapshot imported, or None when nothing was brought in."""
         if time.monotonic() < self._unreachable_until:
             return None
+        name = self.manifest_key(key, kind)
         try:
-            current = await asyncio.wait_for(
-                asyncio.to_thread(self._store.get_json, self.manifest_key(key, kind)), LOOKUP_TIMEOUT_SECONDS)
+            current = await asyncio.wait_for(asyncio.to_thread(self._store.get_json, name), LOOKUP_TIMEOUT_SECONDS)
         except Exception as exc:  # down, refusing, or slower than a turn should wait
             self._unreachable_until = time.monotonic() + UNREACHABLE_PAUSE_SECONDS
             log.warning("the shared store cannot be read (%s): %s starts from what this host has, and look-ups pause "
@@ -332,10 +320,14 @@ class SharedTier:
         meta = manifest.meta
         if meta.fingerprint != self._fingerprint or manifest.withdrawn:
             return None
-        local = await self._snapshots.checked(key, kind)  # waits for the commits of it still running here
+        # What the snapshots are asked, in one go: a name for the download should one be needed (a name only:
+        # nothing is written under it until then), and this host's own version, once its commits still running are
+        # done.
+        staged = await self._snapshots.stage_upload(key, kind)
+        local = await self._snapshots.checked(key, kind)
         if local is not None and (local.checksum == meta.checksum or not newer(meta.version, local.version)):
             return None  # this host's is the store's, or newer than it
-        return await self._download(key, kind, manifest, current[1])
+        return await self._download(key, kind, manifest, (name, current[1]), staged)
 
     async def _put_blocks(self, keys: tuple[str, ...]) -> None:
         """Upload the blocks the store lacks (each looked up: a block the store lost is put again)."""
@@ -386,11 +378,15 @@ class SharedTier:
             for temp in temps:
                 unlink_quietly(temp)
 
-    async def _download(self, key: SessionKey, kind: SnapshotKind, manifest: Manifest, etag: str) -> Snapshot | None:
+    async def _download(self, key: SessionKey, kind: SnapshotKind, manifest: Manifest, read: tuple[str, str],
+                        staged: tuple[str, Path]) -> Snapshot | None:
+        """Download the snapshot `manifest` describes into the staged file and import it, fetching it once more if
+        what came was damaged. `read` is the manifest's object key and the ETag it was read at."""
+        name, etag = read
         for attempt in (1, 2):
             held: list[str] = []  # blocks fetched for it: never collected before its commit names them
             try:
-                found = await self._download_once(key, kind, manifest, held, attempt)
+                found = await self._download_once(key, kind, manifest, held, attempt, staged)
             finally:
                 await asyncio.to_thread(self._snapshots.blocks.release, held)
             if not isinstance(found, bool):
@@ -398,18 +394,19 @@ class SharedTier:
         # Damaged at rest: withdraw the manifest, only if it is still the one read (a conditional write: a version
         # written since stands), and remove the file, so that the next save of it (on any host) writes it again.
         withdrawn = dataclasses.replace(manifest, withdrawn=True)
-        if await asyncio.to_thread(self._store.put_json, self.manifest_key(key, kind), withdrawn.to_json(), etag):
+        if await asyncio.to_thread(self._store.put_json, name, withdrawn.to_json(), etag):
             await asyncio.to_thread(self._store.delete, manifest.object_key)
             log.warning("withdrew the damaged snapshot of %s from the shared store: its next save uploads it again",
                         key)
         return None
 
     async def _download_once(self, key: SessionKey, kind: SnapshotKind, manifest: Manifest, held: list[str],
-                             attempt: int) -> Snapshot | bool | None:
-        """One download: the snapshot imported; None when it cannot be had now (the store failed, or a newer one
-        was committed here); False when what came was damaged."""
+                             attempt: int, staged: tuple[str, Path]) -> Snapshot | bool | None:
+        """One download into the staged file: the snapshot imported; None when it cannot be had now (the store
+        failed, or a newer one was committed here); False when what came was damaged (the file is discarded, so a
+        second attempt starts afresh under the same name)."""
         meta = manifest.meta
-        temp, path = await self._snapshots.stage_upload(key, kind)
+        temp, path = staged
         try:
             if manifest.kv:
                 n_bytes, checksum = await asyncio.to_thread(self._fetch_blocks, manifest, path, held)
@@ -444,74 +441,3 @@ class SharedTier:
 
 def _message(exc: BaseException) -> str:
     return exc.message if isinstance(exc, SlotkeeperError) else f"{type(exc).__name__}: {exc}"
-
-
-class S3Store:
-    """An S3-compatible bucket (AWS, MinIO, Ceph RGW, R2, ...) through boto3, under `s3://BUCKET/PREFIX`.
-    Credentials come from boto3's usual sources (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile, a role)."""
-
-    def __init__(self, url: str, endpoint: str | None = None, region: str | None = None) -> None:
-        import boto3
-        from botocore.config import Config
-
-        parsed = urllib.parse.urlparse(url)
-        if parsed.scheme != "s3" or not parsed.netloc:
-            raise ValueError(f"the shared store must look like s3://BUCKET/PREFIX, not {url!r}")
-        self.bucket = parsed.netloc
-        self.prefix = parsed.path.strip("/") + "/" if parsed.path.strip("/") else ""
-        self._client = boto3.client(
-            "s3", endpoint_url=endpoint, region_name=region or "us-east-1",
-            config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60,
-                          s3={"addressing_style": "path"}))
-
-    def _error_code(self, exc: Exception) -> str:
-        response = getattr(exc, "response", None) or {}
-        return str((response.get("Error") or {}).get("Code") or "")
-
-    def get_json(self, key: str) -> tuple[dict[str, Any], str] | None:
-        try:
-            answer = self._client.get_object(Bucket=self.bucket, Key=self.prefix + key)
-        except self._client.exceptions.NoSuchKey:
-            return None
-        data = json.loads(answer["Body"].read())
-        return (data if isinstance(data, dict) else {}), str(answer["ETag"])
-
-    def put_json(self, key: str, data: dict[str, Any], etag: str | None) -> bool:
-        condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
-        try:
-            self._client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=json.dumps(data).encode(),
-                                    ContentType="application/json", **condition)
-        except Exception as exc:
-            if self._error_code(exc) in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
-                return False
-            raise
-        return True
-
-    def exists(self, key: str) -> bool:
-        try:
-            self._client.head_object(Bucket=self.bucket, Key=self.prefix + key)
-        except Exception as exc:
-            if self._error_code(exc) in ("404", "NoSuchKey", "NotFound"):
-                return False
-            raise
-        return True
-
-    def put_file(self, key: str, handle: BinaryIO, n_bytes: int) -> None:
-        self._client.upload_fileobj(handle, self.bucket, self.prefix + key)
-
-    def get_file(self, key: str, path: Path) -> int:
-        with path.open("wb") as out:
-            self._client.download_fileobj(self.bucket, self.prefix + key, out)
-        return path.stat().st_size
-
-    def delete(self, key: str) -> None:
-        self._client.delete_object(Bucket=self.bucket, Key=self.prefix + key)
-
-    def listing(self, prefix: str) -> list[tuple[str, int, float]]:
-        found = []
-        for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
-                                                                          Prefix=self.prefix + prefix):
-            for item in page.get("Contents", []):
-                found.append((str(item["Key"])[len(self.prefix):], int(item["Size"]),
-                              item["LastModified"].timestamp()))
-        return found

@@ -209,7 +209,7 @@ def is_side_task(headers: Mapping[str, str], messages: object, stream: bool) -> 
 
     They are recognised by OpenWebUI's task header (a connection header `X-OpenWebUI-Task: {{TASK}}`), or by their
     shape: not streamed, one user message starting with `### Task:`; or a system prompt that starts like one of
-    SIDE_SYSTEM_PREFIXES. (A one-off request no rule knows is told by its tokens: cache/pool.py.)
+    SIDE_SYSTEM_PREFIXES. (A one-off request no rule knows is told by its tokens: cache/bringing.py.)
     """
     if (headers.get(TASK_HEADER) or "").strip():
         return True

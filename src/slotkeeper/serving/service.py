@@ -181,12 +181,20 @@ class TurnService:
         if self.shared is not None and not side:
             await self._bring_shared(key, system)
 
+        # A way back up, on purpose: the request's exact tokens cost the backend a render and a tokenization, and
+        # only the pool's planning knows whether the chains leave open which state shares the most (most turns never
+        # ask). So the pool gets a way to ask, instead of the tokens up front.
         async def tokens() -> Tokens | None:
             return await request_tokens(self.client, body) if isinstance(messages, list) else None
 
         lease = await self.pool.acquire(key, chain, side=side, system=system, tokens=tokens)
-        if lease.cache.changed_at is not None and isinstance(messages, list):
-            lease.cache.detail = _with_role(lease.cache.detail, lease.cache.changed_at, messages)
+        changed = lease.cache.changed_at
+        if changed is not None and isinstance(messages, list) and changed < len(messages):
+            # The changed message's role, as the client sent it: `message 3 (user) differs ...`.
+            role = messages[changed].get("role") if isinstance(messages[changed], dict) else None
+            if isinstance(role, str):
+                lease.cache.detail = lease.cache.detail.replace(f"message {changed + 1} ",
+                                                                f"message {changed + 1} ({role}) ", 1)
         return lease
 
     async def _bring_shared(self, key: SessionKey, system: SystemPrompt | None) -> None:
@@ -225,7 +233,8 @@ class TurnService:
             return Prewarm(system.digest, "too-short", self.pool.slots[held.slot_id].n_tokens, 0, False,
                            _ms_since(started))
         if pin:
-            snapshot = await self.pool.pin(snapshot) or snapshot
+            key = SessionKey(snapshot.model, snapshot.session_id)
+            snapshot = await self.pool.snapshots.set_pinned(key, True, snapshot.kind) or snapshot
         status = "exists" if held.existing is not None else "saved"
         return Prewarm(system.digest, status, snapshot.n_tokens, snapshot.n_bytes, snapshot.pinned,
                        _ms_since(started))
@@ -241,13 +250,13 @@ class TurnService:
         try:
             n_tokens = await self._run_warm_up(lease.slot_id, system, progress)
         except SlotkeeperError as exc:
-            self.pool.warm_up_failed(lease)
+            self.pool.warmups.failed(lease)
             log.warning("warming up system prompt %s in slot %d failed, so no system snapshot was saved: %s",
                         system.short_id, lease.slot_id, exc.message)
             raise
         finally:
             lease.cache.warm_ms = _ms_since(started)
-        snapshot = await self.pool.save_system(lease, n_tokens, wait=wait)
+        snapshot = await self.pool.warmups.save_system(lease, n_tokens, wait=wait)
         log.info("system prompt %s warmed up in slot %d: %d tokens in %.0f ms%s", system.short_id, lease.slot_id,
                  n_tokens, lease.cache.warm_ms, ", saved" if snapshot is not None else "")
         return snapshot
@@ -404,12 +413,3 @@ def _float(value: Any) -> float | None:
 def header_safe(value: str) -> str:
     """Header values must be latin-1; percent-encode anything else."""
     return value if value.isascii() and value.isprintable() else urllib.parse.quote(value, safe="")
-
-
-def _with_role(detail: str, index: int, messages: list[Any]) -> str:
-    """A rewritten history's detail with the changed message's role, as the client sent it: `message 3 (user)`."""
-    message = messages[index] if index < len(messages) else None
-    role = message.get("role") if isinstance(message, dict) else None
-    if not isinstance(role, str):
-        return detail
-    return detail.replace(f"message {index + 1} ", f"message {index + 1} ({role}) ", 1)

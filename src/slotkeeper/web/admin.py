@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from slotkeeper.cache.operations import clear, clear_slot
 from slotkeeper.errors import BadRequest, NotFound
 from slotkeeper.serving.identity import session_group
 from slotkeeper.types import IdSource, SessionKey, Snapshot, SnapshotKind
@@ -49,7 +50,7 @@ async def current_session(request: Request) -> dict[str, Any]:
     ]
     first = state.pool.slots[0].occupant
     snapshot = await state.snapshots.get(first) if first is not None else None
-    pool = state.pool
+    pool, snapshots = state.pool, state.snapshots
     policy = pool.policy
     return {
         "model": state.backend.model_id,
@@ -57,12 +58,12 @@ async def current_session(request: Request) -> dict[str, Any]:
         "snapshot": _snapshot_json(snapshot, 0) if snapshot is not None else None,
         "slots": slots,
         "queue": pool.queue_length,
-        "saves": pool.saves,
-        "failed_saves": pool.failed_saves,
-        "restores": pool.restores,
-        "warm_ups": pool.warm_ups,
-        "failed_warm_ups": pool.failed_warm_ups,
-        "evictions": pool.evictions,
+        "saves": snapshots.saves,
+        "failed_saves": snapshots.failed_saves,
+        "restores": pool.restorer.restores,
+        "warm_ups": pool.warmups.warm_ups,
+        "failed_warm_ups": pool.warmups.failed_warm_ups,
+        "evictions": snapshots.evictions,
         "restore_effective": policy.effective_now,
         "restores_effective": policy.effective,
         "restores_ineffective": policy.ineffective,
@@ -73,9 +74,9 @@ async def current_session(request: Request) -> dict[str, Any]:
             "checkpoints_in_file": policy.capability.checkpoints_in_file,
             "build": state.backend.build_info,
             "reason": policy.reason(),
-            "prompt_end_steps": pool.prompt_end_steps,
-            "prompt_end_tokens": pool.prompt_end_tokens,
-            "prompt_end_ms": round(pool.prompt_end_ms, 1),
+            "prompt_end_steps": pool.saver.prompt_end_steps,
+            "prompt_end_tokens": pool.saver.prompt_end_tokens,
+            "prompt_end_ms": round(pool.saver.prompt_end_ms, 1),
         },
     }
 
@@ -86,7 +87,7 @@ async def disk(request: Request) -> dict[str, Any]:
     state = app_state(request, request.query_params.get("model"))
     usage = await state.snapshots.usage()
     disk = await state.snapshots.disk()
-    budget = state.pool.budget
+    budget = state.snapshots.budget
     return {
         "slot_dir": disk["slot_dir"],
         "ram": disk["ram"],
@@ -97,7 +98,7 @@ async def disk(request: Request) -> dict[str, Any]:
         "snapshots": usage,
         "budget": {"max_bytes": budget.max_bytes, "max_age_seconds": budget.max_age_seconds,
                    "max_system_snapshots": budget.max_system_snapshots},
-        "evictions": state.pool.evictions,
+        "evictions": state.snapshots.evictions,
         "disk_free_bytes": disk["free_bytes"],
     }
 
@@ -129,10 +130,10 @@ async def clear_slots(request: Request) -> dict[str, Any]:
     state = app_state(request, request.query_params.get("model"))
     slot = request.query_params.get("slot")
     if slot is None:
-        erased = await state.pool.clear()
+        erased = await clear(state.pool)
         return {"erased_slots": erased, "session": "default"}
     slot_id = _slot_number(slot)
-    held = await state.pool.clear_slot(slot_id)
+    held = await clear_slot(state.pool, slot_id)
     return {"erased_slots": [slot_id], "session": "default", "held": held.session_id if held is not None else None}
 
 

@@ -1,6 +1,7 @@
 """Prometheus metrics at `/metrics`: request outcomes and token counts as they happen, cache state read at scrape.
 
-Each app has its own registry. Counters of the pool and the store are read from them when scraped, never copied.
+Each app has its own registry. Counters are read where they are counted (the snapshots; the pool's saver, restorer,
+bringer and warm-ups) when scraped, never copied.
 With several backends every per-backend series carries a `model` label (the backend's model name), and a `backend`
 label (its URL) too when a model runs on several; with one, the series have no such label, as before there could be
 several.
@@ -164,32 +165,34 @@ class _Reading:
 
 # The series read at scrape time, one per backend: (name, help, value).
 _COUNTERS: list[tuple[str, str, Callable[[_Reading], float]]] = [
-    ("slotkeeper_saves", "Slot states saved to disk.", lambda r: r.state.pool.saves),
+    ("slotkeeper_saves", "Slot states saved to disk.", lambda r: r.state.snapshots.saves),
     ("slotkeeper_failed_saves", "Saves that failed (the previous snapshot was kept).",
-     lambda r: r.state.pool.failed_saves),
-    ("slotkeeper_restores", "Snapshots restored into a slot.", lambda r: r.state.pool.restores),
+     lambda r: r.state.snapshots.failed_saves),
+    ("slotkeeper_restores", "Snapshots restored into a slot.", lambda r: r.state.pool.restorer.restores),
     ("slotkeeper_failed_restores", "Restores the backend refused or broke off (the turn ran without the snapshot).",
-     lambda r: r.state.pool.failed_restores),
+     lambda r: r.state.pool.restorer.failed_restores),
     ("slotkeeper_restores_effective", "Restores whose next response reused (timings.cache_n) what the request "
      "shared with the restored state.", lambda r: r.state.pool.policy.effective),
     ("slotkeeper_restores_ineffective", "Restores whose next response reused less than the request shared with "
      "the restored state (see docs/architectures.md).", lambda r: r.state.pool.policy.ineffective),
     ("slotkeeper_prompt_end_steps", "Slots brought back to their last prompt's end before a save (recurrent and "
-     "hybrid models on builds without checkpoints in slot files).", lambda r: r.state.pool.prompt_end_steps),
+     "hybrid models on builds without checkpoints in slot files).", lambda r: r.state.pool.saver.prompt_end_steps),
     ("slotkeeper_prompt_end_tokens", "Tokens the backend processed for those steps.",
-     lambda r: r.state.pool.prompt_end_tokens),
+     lambda r: r.state.pool.saver.prompt_end_tokens),
     ("slotkeeper_evictions", "Snapshots the disk budget evicted since slotkeeper started.",
-     lambda r: r.state.pool.evictions),
+     lambda r: r.state.snapshots.evictions),
     ("slotkeeper_warm_ups", "System prompts evaluated into an empty slot ahead of time (an operator's pre-warm).",
-     lambda r: r.state.pool.warm_ups),
+     lambda r: r.state.pool.warmups.warm_ups),
     ("slotkeeper_system_cuts", "Slots cut back to their system part once their conversation was saved and idle, "
-     "that part then saved as a system state (a new system prompt, met by a turn).", lambda r: r.state.pool.cuts),
+     "that part then saved as a system state (a new system prompt, met by a turn).",
+     lambda r: r.state.pool.warmups.cuts),
     ("slotkeeper_failed_warm_ups", "Pre-warms and cuts the backend refused or broke off (nothing was saved).",
-     lambda r: r.state.pool.failed_warm_ups),
+     lambda r: r.state.pool.warmups.failed_warm_ups),
     ("slotkeeper_token_lookups", "Requests whose tokens slotkeeper asked the backend for, because the message "
-     "chains could not tell which saved state shares the most with them.", lambda r: r.state.pool.token_lookups),
+     "chains could not tell which saved state shares the most with them.",
+     lambda r: r.state.pool.bringer.token_lookups),
     ("slotkeeper_token_lookup_seconds", "Time spent asking the backend for those tokens.",
-     lambda r: r.state.pool.token_lookup_ms / 1000),
+     lambda r: r.state.pool.bringer.token_lookup_ms / 1000),
     ("slotkeeper_sessions_moved_in", "Sessions of a model on several backends that moved to this one (their owner "
      "was down or overloaded), their snapshot copied here.",
      lambda r: r.state.group.moved_in.get(r.state.backend.url, 0) if r.state.group is not None else 0),
@@ -203,7 +206,7 @@ _COUNTERS: list[tuple[str, str, Callable[[_Reading], float]]] = [
     ("slotkeeper_shared_refused_older_uploads", "Saves not uploaded because the store's manifest holds a newer version "
      "of the state (it went on on another backend or replica).", lambda r: _shared(r, "refused_older")),
     ("slotkeeper_refused_older_copies", "Copies of a saved state brought in (shared store, another backend, a move) "
-     "that were not newer than the one here: refused.", lambda r: r.state.pool.snapshots.refused_older),
+     "that were not newer than the one here: refused.", lambda r: r.state.snapshots.refused_older),
 ]
 
 
@@ -234,7 +237,7 @@ _GAUGES: list[tuple[str, str, Callable[[_Reading], float]]] = [
     ("slotkeeper_pinned_snapshots", "Snapshots of either kind pinned (never evicted by the disk budget).",
      lambda r: sum(u.get("pinned", 0) for u in r.usage.values())),
     ("slotkeeper_disk_budget_bytes", "The disk budget's total size limit (0: none).",
-     lambda r: r.state.pool.budget.max_bytes),
+     lambda r: r.state.snapshots.budget.max_bytes),
     ("slotkeeper_stored_bytes", "Bytes the saved states take on disk: whole files, tails, each KV block once.",
      lambda r: r.state.snapshots.stored_bytes_now()),
     ("slotkeeper_kv_blocks", "KV blocks in the block store, each stored once however many states share it.",
@@ -275,7 +278,7 @@ class _DirectoryCollector(Collector):
 
 
 class _StateCollector(Collector):
-    """Reads each backend's pool counters, slots and snapshot index when scraped."""
+    """Reads each backend's counters, slots and snapshot index when scraped."""
 
     def __init__(self, states: Sequence[AppState], several: tuple[str, ...]) -> None:
         self._states = list(states)

@@ -4,6 +4,7 @@ watch, supervisor and housekeeping tasks. slotkeeper runs one of these per model
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 from slotkeeper.cache.budget import DiskBudget
+from slotkeeper.cache.operations import flush, import_snapshot
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.ramdir import RamDir
 from slotkeeper.cache.sidestates import KEPT as SIDE_STATES_KEPT
@@ -20,7 +22,8 @@ from slotkeeper.config import Settings
 from slotkeeper.errors import SlotkeeperError
 from slotkeeper.files import make_private_dir
 from slotkeeper.fleet.group import BackendGroup
-from slotkeeper.fleet.shared import S3Store, SharedTier
+from slotkeeper.fleet.objectstore import S3Store
+from slotkeeper.fleet.shared import SharedTier
 from slotkeeper.serving.backend import capability_of, discover
 from slotkeeper.serving.service import TurnService
 from slotkeeper.serving.watch import BackendWatch
@@ -73,7 +76,7 @@ class RunningBackend:
                                                               settings.max_system_snapshots, SIDE_STATES_KEPT),
                         capability, health, settings.side_task_hold_seconds)
         await asyncio.to_thread(pool.learn_from_disk)
-        await pool.enforce_budget()
+        await snapshots.enforce_budget()
         service = TurnService(client, pool, health, settings.backend_wait_seconds)
         shared, uploader = None, None
         if settings.shared_store is not None:
@@ -85,7 +88,7 @@ class RunningBackend:
         log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
                  backend.model_id, started.url, backend.n_slots, backend.n_ctx_slot, backend.fingerprint, slot_dir)
         log.info("restores (%s strategy): %s", pool.policy.strategy, pool.policy.capability.reason())
-        tasks = [asyncio.create_task(watch.run()), asyncio.create_task(_keep_budget(pool)),
+        tasks = [asyncio.create_task(watch.run()), asyncio.create_task(_keep_budget(snapshots)),
                  asyncio.create_task(_index_old_states(snapshots))]
         if supervisor is not None:
             tasks.append(asyncio.create_task(supervisor.run()))
@@ -101,7 +104,7 @@ class RunningBackend:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget.saving
         try:
-            flushed = await asyncio.wait_for(state.pool.flush(), budget.saving)
+            flushed = await asyncio.wait_for(flush(state.pool), budget.saving)
             log.info("shutdown: saved %d changed slot(s)", flushed.saved)
             if flushed.failed:
                 log.warning("shutdown: saving %d changed slot(s) failed; they lose their latest turns (see the "
@@ -158,8 +161,9 @@ def _shared_tier(settings: Settings, snapshots: Snapshots, pool: SlotPool, finge
         store = S3Store(settings.shared_store, settings.shared_endpoint)
     except ImportError:
         raise SlotkeeperError("the shared store needs boto3: pip install 'slotkeeper[shared]'") from None
-    tier = SharedTier(store, snapshots, fingerprint, f"{socket.gethostname()} {url}", pool.import_snapshot,
-                      settings.shared_budget)
+    # What the tier brings in is imported as an operator's import is: the slots stop attributing the session first.
+    tier = SharedTier(store, snapshots, fingerprint, f"{socket.gethostname()} {url}",
+                      functools.partial(import_snapshot, pool), settings.shared_budget)
     snapshots.on_commit = tier.committed
     log.info("shared store %s%s: saves are uploaded after their commit, and a session or system prompt this host "
              "lacks is brought from there", settings.shared_store,
@@ -200,11 +204,11 @@ async def _index_old_states(snapshots: Snapshots) -> None:
         log.info("indexed the tokens of %d state(s) saved by an earlier version", done)
 
 
-async def _keep_budget(pool: SlotPool, interval: float = 60.0) -> None:
+async def _keep_budget(snapshots: Snapshots, interval: float = 60.0) -> None:
     """Saves enforce the disk budget as they happen; this catches snapshots that age out while nothing is saved."""
     while True:
         await asyncio.sleep(interval)
-        await pool.enforce_budget()
+        await snapshots.enforce_budget()
 
 
 def _supervisor(started: StartedBackend, health: BackendHealth, pool: SlotPool,

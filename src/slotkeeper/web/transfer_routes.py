@@ -12,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool
 
 from slotkeeper.cache.bundle import BundleReader, meta_of, write_bundle
+from slotkeeper.cache.operations import import_snapshot
 from slotkeeper.errors import BadRequest, NotFound
 from slotkeeper.serving.identity import checked_session_id
 from slotkeeper.types import SessionKey
@@ -64,7 +65,7 @@ async def import_bundle(request: Request) -> dict[str, Any]:
         await state.snapshots.discard_upload(temp)
         raise
     # In order with the session's saves (one may have started during the upload), and no slot saves it after.
-    snapshot = await state.pool.import_snapshot(key, temp, meta.n_tokens, meta.chain, meta.n_bytes, meta.kind,
-                                                meta.n_prompt)
+    snapshot = await import_snapshot(state.pool, key, temp, meta.n_tokens, meta.chain, meta.n_bytes, meta.kind,
+                                     meta.n_prompt)
     return {"imported": session, "model": snapshot.model, "kind": str(snapshot.kind), "tokens": snapshot.n_tokens,
             "bytes": snapshot.n_bytes, "file": snapshot.filename}
