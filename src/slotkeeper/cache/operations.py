@@ -115,7 +115,7 @@ async def import_snapshot(pool: SlotPool, key: SessionKey, temp: str, n_tokens: 
     if kind is SnapshotKind.SESSION:
         pool.forget(key)
     pool.evidence.saving()  # the imported file is inspected as a saved one is: it may tell about the build
-    return await pool.snapshots.commit_import(key, temp, n_tokens, chain, n_bytes, kind, n_prompt, version)
+    return await pool.snapshots.transfers.commit_import(key, temp, n_tokens, chain, n_bytes, kind, n_prompt, version)
 
 
 def _ids(slot_ids: Sequence[int]) -> str:

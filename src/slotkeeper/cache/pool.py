@@ -7,7 +7,9 @@ except a save's commit, which need not hold the slot (snapshots.py). See docs/de
 The pool keeps the slots, their queue and their leases. What a leased slot starts from is decided and brought in by
 bringing.py; what happens to a slot between leases has owners of its own, which the pool holds too: the idle saves
 (idlesaves.py) and the system states (warmups.py). An operator's actions on the slots go through the pool's queue
-(operations.py). Counters are read where they are counted: the snapshots (saves, evictions), the saver (prompt-end
+(operations.py). A slot is changed only by whoever holds it: a turn's lease, or a slot marked busy in one
+synchronous step (an idle save, a cut, an operator's take through the queue), given back through the pool. Counters
+are read where they are counted: the snapshots (saves, evictions), the saver (prompt-end
 steps), the restorer, the bringer (token look-ups) and the warm-ups.
 """
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from slotkeeper.cache.bringing import SIDE_MIN_TOKENS, Bringer, SessionNotes, TokenSource
 from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.capability import ArchKind, Capability, Strategy
-from slotkeeper.cache.chain import Link
+from slotkeeper.cache.chain import Link, common_prefix
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.evidence import CheckpointEvidence
 from slotkeeper.cache.idlesaves import IdleSaves
@@ -392,5 +394,4 @@ def _extends(in_slot: Sequence[Link], chain: Sequence[Link], own: bool) -> bool:
     taken as doing so when the slot is the session's own)."""
     if not in_slot or not chain:
         return own
-    # A message's hash covers every message before it: equal hashes position by position are a shared prefix.
-    return len(chain) >= len(in_slot) and all(x.digest == y.digest for x, y in zip(in_slot, chain, strict=False))
+    return common_prefix(in_slot, chain) == len(in_slot)

@@ -33,7 +33,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from slotkeeper.cache import tails
 from slotkeeper.cache.blockstore import BlockStore
@@ -50,11 +50,10 @@ from slotkeeper.cache.quarantine import count as count_quarantined
 from slotkeeper.cache.ramdir import RamDir
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.cache.tokens import Tokens
-from slotkeeper.cache.transfers import Transfers, Upload
+from slotkeeper.cache.transfers import Transfers
 from slotkeeper.errors import SnapshotError, UpstreamError, UpstreamUnavailable
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult, UpstreamClient
-from slotkeeper.version import Version
 
 log = logging.getLogger("slotkeeper.pool")
 
@@ -73,7 +72,9 @@ class Snapshots:
         self._store = store
         self._writes = PendingWrites()
         self._lookups = Lookups(store, self._writes, self._evicted)
-        self._transfers = Transfers(store, self._writes)
+        # Snapshots brought in and handed out (imports, exports, the shared tier's transfers): a part of its own,
+        # which waits for the pending writes it needs as every method here does.
+        self.transfers = Transfers(store, self._writes)
         self._client: UpstreamClient | None = None
         self._fingerprint = ""
         self.budget = DiskBudget()
@@ -116,7 +117,7 @@ class Snapshots:
         self._client, self._fingerprint = client, fingerprint
         self.budget, self.events, self._occupants, self._inspect = budget, events, occupants, inspect
         self._lookups.attach(fingerprint)
-        self._transfers.attach(fingerprint, inspect)
+        self.transfers.attach(fingerprint, inspect)
 
     async def close(self, drop_ram_copies: bool = False) -> None:
         """Close the index (after the pool's `aclose`); `drop_ram_copies` once every save is committed and the
@@ -250,35 +251,7 @@ class Snapshots:
         self.failed_saves += 1
         log.error("saving slot %d as %s failed: %s", slot_id, key, reason)
 
-    # -- importing and exporting (transfers.py) ---------------------------------------------------------------
-
-    @property
-    def refused_older(self) -> int:
-        """Copies brought in that were not newer than the state here: refused."""
-        return self._transfers.refused_older
-
-    async def stage_upload(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> tuple[str, Path]:
-        return await self._transfers.stage_upload(key, kind)
-
-    async def checksum(self, path: Path) -> str:
-        return await self._transfers.checksum(path)
-
-    async def discard_upload(self, temp: str) -> None:
-        await self._transfers.discard_upload(temp)
-
-    async def commit_import(self, key: SessionKey, temp: str, n_tokens: int, chain: Sequence[Link], n_bytes: int,
-                            kind: SnapshotKind, n_prompt: int, version: Version | None) -> Snapshot:
-        return await self._transfers.commit_import(key, temp, n_tokens, chain, n_bytes, kind, n_prompt, version)
-
-    async def open_for_export(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION
-                              ) -> tuple[Snapshot, builtins.list[Link], BinaryIO] | None:
-        return await self._transfers.open_for_export(key, kind)
-
-    async def open_for_upload(self, key: SessionKey, kind: SnapshotKind) -> Upload | None:
-        return await self._transfers.open_for_upload(key, kind)
-
-    def finish_upload(self, upload: Upload) -> None:
-        self._transfers.finish_upload(upload)
+    # -- the block store, for the shared tier ----------------------------------------------------------------
 
     def block_file(self, key: str) -> Path:
         """Where the block store keeps a block (for an upload of it)."""

@@ -283,18 +283,18 @@ async def copy_snapshot(source: Member, dest: Member, key: SessionKey,
                         kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
     """Copy `key`'s checked snapshot of `kind` from `source`'s slot dir into `dest`'s and import it there (replacing
     dest's own). None when source has none any more."""
-    found = await source.snapshots.open_for_export(key, kind)
+    found = await source.snapshots.transfers.open_for_export(key, kind)
     if found is None:
         return None
     snapshot, chain, handle = found
-    temp, path = await dest.snapshots.stage_upload(key, kind)
+    temp, path = await dest.snapshots.transfers.stage_upload(key, kind)
     try:
         with handle:
             await asyncio.to_thread(_copy, handle, path)
-        if await dest.snapshots.checksum(path) != snapshot.checksum:
+        if await dest.snapshots.transfers.checksum(path) != snapshot.checksum:
             raise SlotkeeperError(f"the copy of {snapshot.filename} does not match its checksum")
     except BaseException:
-        await dest.snapshots.discard_upload(temp)
+        await dest.snapshots.transfers.discard_upload(temp)
         raise
     return await import_snapshot(dest.pool, key, temp, snapshot.n_tokens, chain, snapshot.n_bytes, kind,
                                  snapshot.n_prompt, snapshot.version)

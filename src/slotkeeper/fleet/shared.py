@@ -233,7 +233,7 @@ class SharedTier:
         return True
 
     async def _upload(self, key: SessionKey, kind: SnapshotKind) -> None:
-        upload = await self._snapshots.open_for_upload(key, kind)
+        upload = await self._snapshots.transfers.open_for_upload(key, kind)
         if upload is None:
             return  # evicted or replaced meanwhile: a newer save is queued, or there is nothing to upload
         snapshot, chain = upload.snapshot, upload.chain
@@ -249,7 +249,7 @@ class SharedTier:
                 await asyncio.to_thread(self._store.put_file, blob, upload.handle, size)
                 self.uploaded_bytes += size
         finally:
-            await asyncio.to_thread(self._snapshots.finish_upload, upload)
+            await asyncio.to_thread(self._snapshots.transfers.finish_upload, upload)
         meta = meta_of(snapshot, chain)
         replaced: str | None = None  # the object of the version this upload replaced
         for _ in range(MANIFEST_ATTEMPTS):
@@ -323,7 +323,7 @@ class SharedTier:
         # What the snapshots are asked, in one go: a name for the download should one be needed (a name only:
         # nothing is written under it until then), and this host's own version, once its commits still running are
         # done.
-        staged = await self._snapshots.stage_upload(key, kind)
+        staged = await self._snapshots.transfers.stage_upload(key, kind)
         local = await self._snapshots.checked(key, kind)
         if local is not None and (local.checksum == meta.checksum or not newer(meta.version, local.version)):
             return None  # this host's is the store's, or newer than it
@@ -414,7 +414,7 @@ class SharedTier:
                 n_bytes = await asyncio.to_thread(self._store.get_file, self.blob_key(meta.checksum), path)
                 checksum = await asyncio.to_thread(file_checksum, path) if n_bytes == meta.n_bytes else None
         except Exception as exc:
-            await self._snapshots.discard_upload(temp)
+            await self._snapshots.transfers.discard_upload(temp)
             log.warning("downloading the snapshot of %s from the shared store failed (%s): the turn prefills",
                         key, _message(exc))
             return None
@@ -425,13 +425,13 @@ class SharedTier:
             except OlderVersion:  # a newer one was committed here meanwhile: it stands
                 return None
             except BaseException:
-                await self._snapshots.discard_upload(temp)
+                await self._snapshots.transfers.discard_upload(temp)
                 raise
             self.downloads += 1
             log.info("brought the %s snapshot of %s from the shared store (version %s, saved by %s): %d tokens",
                      kind, key, manifest.version, manifest.origin or "another host", meta.n_tokens)
             return snapshot
-        await self._snapshots.discard_upload(temp)
+        await self._snapshots.transfers.discard_upload(temp)
         self.refused_downloads += 1
         log.warning("the shared store's snapshot of %s is damaged (%d bytes, expected %d; checksum %s): refused%s",
                     key, n_bytes, meta.n_bytes, "mismatch" if n_bytes == meta.n_bytes else "not taken",

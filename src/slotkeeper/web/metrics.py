@@ -206,7 +206,7 @@ _COUNTERS: list[tuple[str, str, Callable[[_Reading], float]]] = [
     ("slotkeeper_shared_refused_older_uploads", "Saves not uploaded because the store's manifest holds a newer version "
      "of the state (it went on on another backend or replica).", lambda r: _shared(r, "refused_older")),
     ("slotkeeper_refused_older_copies", "Copies of a saved state brought in (shared store, another backend, a move) "
-     "that were not newer than the one here: refused.", lambda r: r.state.snapshots.refused_older),
+     "that were not newer than the one here: refused.", lambda r: r.state.snapshots.transfers.refused_older),
 ]
 
 

@@ -30,7 +30,7 @@ async def export(session_id: str, request: Request) -> Response:
     state = app_state(request, request.query_params.get("model"))
     kind = one_kind(request)
     key = SessionKey(state.backend.model_id, session_id)
-    found = await state.snapshots.open_for_export(key, kind)
+    found = await state.snapshots.transfers.open_for_export(key, kind)
     if found is None:
         raise NotFound(f"no {kind} snapshot '{session_id}' to export")
     snapshot, chain, slot_file = found
@@ -56,13 +56,13 @@ async def import_bundle(request: Request) -> dict[str, Any]:
     if not replace and await state.snapshots.get(key, meta.kind) is not None:
         raise BadRequest(f"a {meta.kind} snapshot '{session}' exists already; import with replace=true (the CLI's "
                          "--replace) to overwrite it, or as=ID (--as) to give it another id")
-    temp, path = await state.snapshots.stage_upload(key, meta.kind)
+    temp, path = await state.snapshots.transfers.stage_upload(key, meta.kind)
     try:
         await reader.copy_file_to(path, meta.n_bytes)
-        if await state.snapshots.checksum(path) != meta.checksum:
+        if await state.snapshots.transfers.checksum(path) != meta.checksum:
             raise BadRequest("the bundle's snapshot.bin does not match its checksum (damaged on the way?)")
     except BaseException:
-        await state.snapshots.discard_upload(temp)
+        await state.snapshots.transfers.discard_upload(temp)
         raise
     # In order with the session's saves (one may have started during the upload), and no slot saves it after.
     snapshot = await import_snapshot(state.pool, key, temp, meta.n_tokens, meta.chain, meta.n_bytes, meta.kind,
