@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import Backend, Slotkeeper, llama_server_binary, saved_state_names, words
+from tests.support import Backend, Slotkeeper, llama_server_binary, saved_state_names, wait_until, words
 
 pytestmark = pytest.mark.backend
 
@@ -104,6 +104,11 @@ def test_requests_go_to_the_model_they_name_and_sessions_stay_apart(two_models: 
         anthropic.Anthropic(base_url=keeper.url, api_key="unused", max_retries=0).messages.create(
             model="gamma", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
 
+    def sessions(name: str) -> set[tuple[str, str]]:
+        return {(r["model"], r["session_id"]) for r in rows(index_of(cache, name)) if r["kind"] == "session"}
+
+    # The last displaced sessions' saves commit in the background.
+    assert wait_until(lambda: all((m, "other") in sessions(m) for m in ("alpha", "beta")), timeout=30)
     alpha_rows, beta_rows = rows(index_of(cache, "alpha")), rows(index_of(cache, "beta"))
     assert {(r["model"], r["session_id"]) for r in alpha_rows if r["kind"] == "session"} == {
         ("alpha", "shared"), ("alpha", "other")}
@@ -122,7 +127,12 @@ def test_a_file_of_one_model_is_never_restored_into_the_other(two_models: Any) -
     with httpx.Client(base_url=keeper.url, timeout=120) as client:
         ask(client, "alpha", "crossed", messages)
         ask(client, "alpha", "other", [{"role": "user", "content": words(100, 9)}])  # saves "crossed"
-        [row] = [r for r in rows(index_of(cache, "alpha")) if r["session_id"] == "crossed"]
+
+        def crossed() -> list[dict[str, Any]]:
+            return [r for r in rows(index_of(cache, "alpha")) if r["session_id"] == "crossed"]
+
+        assert wait_until(crossed, timeout=30), keeper.log_text()[-3000:]  # the save commits in the background
+        [row] = crossed()
         # Someone copies alpha's snapshot, file and row, into beta's slot dir and index under beta's name. The two
         # models have the same shapes, so llama-server itself would restore it without a word.
         beta_slots = next((cache / "backends").glob("beta-*")) / "slots" / "launch"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slotkeeper.cache.chain import Link, common_prefix, message_chain
+from slotkeeper.cache.chain import Link, common_messages, message_chain
 from slotkeeper.cache.matching import PrefixMatch
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.types import IdSource, SessionKey
@@ -28,13 +28,13 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
     ([{"role": "system", "content": "rules", "cache_control": {"type": "ephemeral"}}, U1], [SYS, U1], 2),
     ([{"content": "rules", "role": "system"}, U1], [SYS, U1], 2),  # key order does not matter
 ], ids=["same", "shorter", "edited-third", "other-system", "empty", "cache-control-ignored", "key-order"])
-def test_common_prefix(a: list[dict[str, str]], b: list[dict[str, str]], expected: int) -> None:
-    assert common_prefix(message_chain(a), message_chain(b)) == expected
+def test_common_messages(a: list[dict[str, str]], b: list[dict[str, str]], expected: int) -> None:
+    assert common_messages(message_chain(a), message_chain(b)) == expected
 
 
 def test_tools_are_part_of_every_link() -> None:
-    assert common_prefix(message_chain([SYS, U1], TOOLS), message_chain([SYS, U1])) == 0
-    assert common_prefix(message_chain([SYS, U1], TOOLS), message_chain([SYS, U1], TOOLS)) == 2
+    assert common_messages(message_chain([SYS, U1], TOOLS), message_chain([SYS, U1])) == 0
+    assert common_messages(message_chain([SYS, U1], TOOLS), message_chain([SYS, U1], TOOLS)) == 2
 
 
 def test_chars_grow_and_digests_are_hex() -> None:

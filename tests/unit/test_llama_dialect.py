@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from slotkeeper.cache.chain import common_prefix, infill_chain, message_chain
+from slotkeeper.cache.chain import common_messages, infill_chain, message_chain
 from slotkeeper.dialects import llama
 from slotkeeper.errors import BadRequest, NotFound, Overloaded, UpstreamError, UpstreamUnavailable
 from slotkeeper.web.errors import Dialect, dialect_of, error_body
@@ -119,12 +119,12 @@ def test_infill_chain_follows_the_prompt_layout() -> None:
     base = {"input_extra": extra, "input_prefix": "def f():\n", "prompt": "    ret", "input_suffix": "\n"}
     chain = infill_chain(base)
     assert len(chain) == 4 and chain == infill_chain(dict(base))
-    assert common_prefix(chain, infill_chain({**base, "prompt": "    retu"})) == 2  # typing on the line
-    assert common_prefix(chain, infill_chain({**base, "input_suffix": "x"})) == 3
-    assert common_prefix(chain, infill_chain({**base, "input_prefix": "class A:\n"})) == 1  # another place
+    assert common_messages(chain, infill_chain({**base, "prompt": "    retu"})) == 2  # typing on the line
+    assert common_messages(chain, infill_chain({**base, "input_suffix": "x"})) == 3
+    assert common_messages(chain, infill_chain({**base, "input_prefix": "class A:\n"})) == 1  # another place
     warm_up = infill_chain({"input_extra": extra, "input_prefix": "", "input_suffix": "", "prompt": ""})
-    assert common_prefix(chain, warm_up) == 1
-    assert common_prefix(chain, infill_chain({**base, "input_extra": []})) == 0
+    assert common_messages(chain, warm_up) == 1
+    assert common_messages(chain, infill_chain({**base, "input_extra": []})) == 0
     assert chain[-1].chars > chain[0].chars
     # Never the chain of a chat, whatever its messages hold.
     assert not {link.digest for link in chain} & {link.digest for link in message_chain([extra, "def f():\n"])}

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from slotkeeper.cache.chain import Link, common_prefix, message_chain
+from slotkeeper.cache.chain import Link, common_messages, message_chain
 from slotkeeper.cache.systemprompt import SystemPrompt, system_prompt_of
 from slotkeeper.dialects import openai
 
@@ -70,13 +70,13 @@ def test_each_item_is_its_own_chain_position_after_the_instructions() -> None:
 def test_a_further_codex_turn_extends_the_chain(turn: int) -> None:
     before, after = chain(BODIES[turn - 1]), chain(BODIES[turn])
     assert len(after) > len(before)
-    assert common_prefix(before, after) == len(before)
+    assert common_messages(before, after) == len(before)
 
 
 def test_a_new_turn_on_a_hand_made_history_extends_it() -> None:
     before = chain(body(HISTORY))
     after = chain(body([*HISTORY, REASONING, CALL, OUTPUT]))
-    assert common_prefix(before, after) == len(before) and len(after) == len(before) + 3
+    assert common_messages(before, after) == len(before) and len(after) == len(before) + 3
 
 
 @pytest.mark.parametrize(("index", "edited"), [
@@ -90,13 +90,13 @@ def test_an_edited_item_changes_the_chain_from_that_item_on(index: int, edited: 
     items = copy.deepcopy(HISTORY)
     items[index] = edited
     original, changed = chain(body(HISTORY)), chain(body(items))
-    assert common_prefix(original, changed) == 1 + index  # the instructions and the items before the edit
+    assert common_messages(original, changed) == 1 + index  # the instructions and the items before the edit
     assert all(a.digest != b.digest for a, b in zip(original[1 + index:], changed[1 + index:], strict=True))
 
 
 def test_other_instructions_or_tools_change_every_position() -> None:
-    assert common_prefix(chain(body(HISTORY)), chain({**body(HISTORY), "instructions": "Other."})) == 0
-    assert common_prefix(chain(body(HISTORY)), chain({**body(HISTORY), "tools": []})) == 0
+    assert common_messages(chain(body(HISTORY)), chain({**body(HISTORY), "instructions": "Other."})) == 0
+    assert common_messages(chain(body(HISTORY)), chain({**body(HISTORY), "tools": []})) == 0
 
 
 def test_instructions_and_tools_are_the_system_part_in_every_turn() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slotkeeper.cache.chain import common_prefix, message_chain
+from slotkeeper.cache.chain import common_messages, message_chain
 from slotkeeper.cache.systemprompt import system_prompt_of
 from slotkeeper.dialects import anthropic
 
@@ -85,7 +85,7 @@ def test_the_warm_up_evaluates_only_the_system_part() -> None:
     assert warm["messages"] == [SYSTEM, {"role": "user", "content": ""}] and warm["tools"] == TOOLS
     assert part.warmup_body(0, progress=True)["return_progress"] is True
     # The warm-up's chain shares the system message with the conversation's.
-    assert common_prefix(part.chain(), message_chain(body["messages"], body["tools"])) == 1
+    assert common_messages(part.chain(), message_chain(body["messages"], body["tools"])) == 1
 
 
 def test_the_warm_up_prompt_is_what_every_conversation_on_the_system_part_starts_with() -> None:

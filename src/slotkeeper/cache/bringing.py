@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from slotkeeper.cache.capability import Strategy
-from slotkeeper.cache.chain import Link, common_prefix
+from slotkeeper.cache.chain import Link, common_messages
 from slotkeeper.cache.evidence import CheckpointEvidence
 from slotkeeper.cache.planner import InSlot, Plan, Request, Rules, plan
 from slotkeeper.cache.proof import RestorePolicy
@@ -26,8 +26,7 @@ from slotkeeper.cache.sidestates import side_key
 from slotkeeper.cache.slots import SlotLease, SlotState
 from slotkeeper.cache.snapshots import Found, Snapshots
 from slotkeeper.cache.systemprompt import SystemPrompt
-from slotkeeper.cache.tokens import Tokens
-from slotkeeper.cache.tokens import common_prefix as common_tokens
+from slotkeeper.cache.tokens import Tokens, common_tokens
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot
 
 # The least a side task's prompt must have for its state to be kept for the next one (the tasks' template alone, a
@@ -99,7 +98,7 @@ class Bringer:
         key = lease.key
         known = self._notes.known(key, lease.side)
         chain = lease.chain
-        kept = common_prefix(in_slot, chain)  # what the slot's current content already gives for free
+        kept = common_messages(in_slot, chain)  # what the slot's current content already gives for free
         if kept < len(in_slot) and self._policy.capability.needs_checkpoints:
             # A recurrent, hybrid or SWA slot rolls back only to its checkpoints (at the last user message and the
             # prompt's end): a request that leaves the slot's messages earlier than that reuses nothing of it.

@@ -13,14 +13,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from slotkeeper.cache.budget import SnapshotId
-from slotkeeper.cache.chain import Link, common_prefix
+from slotkeeper.cache.chain import Link, common_messages
 from slotkeeper.cache.matching import shared_with
 from slotkeeper.cache.pending import PendingWrites, key_of, snapshot_id
 from slotkeeper.cache.planner import NEAR_TIE_TOKENS, Candidate, Tier
 from slotkeeper.cache.reasons import Reason
 from slotkeeper.cache.store import SnapshotStore
-from slotkeeper.cache.tokens import Tokens
-from slotkeeper.cache.tokens import common_prefix as common_tokens
+from slotkeeper.cache.tokens import Tokens, common_tokens
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 
 
@@ -94,7 +93,7 @@ class Lookups:
                 snapshot = token_match.snapshot
                 if snapshot.filename in found:
                     continue
-                messages = common_prefix(self._store.chain_of(snapshot), chain) if chain else 0
+                messages = common_messages(self._store.chain_of(snapshot), chain) if chain else 0
                 saved = self._store.tokens_of(snapshot)
                 whole = saved is not None and token_match.tokens >= saved.size
                 found[snapshot.filename] = Candidate(snapshot, messages, token_match.tokens, whole, exact=True,

@@ -55,8 +55,8 @@ def infill_chain(body: Mapping[str, Any]) -> list[Link]:
     return _links(hashlib.sha256(b"slotkeeper-infill-v1\0"), parts)
 
 
-def common_prefix(a: Sequence[Link], b: Sequence[Link]) -> int:
-    """How many leading positions two chains share."""
+def common_messages(a: Sequence[Link], b: Sequence[Link]) -> int:
+    """How many leading links (messages) two chains share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x.digest != y.digest:

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slotkeeper.cache.blockstore import BlockStore
-from slotkeeper.cache.chain import Link, common_prefix
+from slotkeeper.cache.chain import Link, common_messages
 from slotkeeper.cache.index import SnapshotIndex
 from slotkeeper.cache.ramdir import RamDir
-from slotkeeper.cache.tokens import Tokens, block_hashes, read_tokens
-from slotkeeper.cache.tokens import common_prefix as common_tokens
+from slotkeeper.cache.tokens import Tokens, block_hashes, common_tokens, read_tokens
 from slotkeeper.types import Snapshot
 
 # Token lists of saved states kept in memory for exact comparisons (4 bytes a token): about 32 MiB.
@@ -142,7 +141,7 @@ def shared_with(snapshot: Snapshot, saved: Sequence[Link], chain: Sequence[Link]
     """`Matching.shared_prefix` for a snapshot whose recorded chain (`saved`) is already at hand."""
     if not saved:
         return None
-    shared = common_prefix(saved, chain)
+    shared = common_messages(saved, chain)
     if shared == len(saved):
         return shared, snapshot.owed_tokens
     if shared == 0:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 from slotkeeper.cache.budget import SnapshotId
-from slotkeeper.cache.chain import Link, common_prefix
+from slotkeeper.cache.chain import Link, common_messages
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 
 log = logging.getLogger("slotkeeper.pool")
@@ -83,7 +83,7 @@ class PendingWrites:
     def sharing(self, chain: Sequence[Link], min_messages: int) -> list[SnapshotId]:
         """The states with a pending commit whose chain shares at least `min_messages` leading messages
         with `chain`: the ones a prefix lookup for it could find once they are committed."""
-        return [s for s, pending in self._chains.items() if common_prefix(pending, chain) >= min_messages]
+        return [s for s, pending in self._chains.items() if common_messages(pending, chain) >= min_messages]
 
     async def wait(self, snapshots: Iterable[SnapshotId] | None = None, timeout: float | None = None) -> bool:
         """Wait for the writes of `snapshots` (every snapshot's, with None) started so far; True when they all

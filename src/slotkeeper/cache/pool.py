@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from slotkeeper.cache.bringing import SIDE_MIN_TOKENS, Bringer, SessionNotes, TokenSource
 from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.capability import ArchKind, Capability, Strategy
-from slotkeeper.cache.chain import Link, common_prefix
+from slotkeeper.cache.chain import Link, common_messages
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.evidence import CheckpointEvidence
 from slotkeeper.cache.idlesaves import IdleSaves
@@ -394,4 +394,4 @@ def _extends(in_slot: Sequence[Link], chain: Sequence[Link], own: bool) -> bool:
     taken as doing so when the slot is the session's own)."""
     if not in_slot or not chain:
         return own
-    return common_prefix(in_slot, chain) == len(in_slot)
+    return common_messages(in_slot, chain) == len(in_slot)

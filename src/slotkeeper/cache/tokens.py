@@ -87,7 +87,7 @@ def block_hashes(tokens: Tokens) -> list[int]:
     return out
 
 
-def common_prefix(a: Tokens, b: Tokens) -> int:
+def common_tokens(a: Tokens, b: Tokens) -> int:
     """How many leading tokens two token lists share."""
     n = min(a.size, b.size)
     if n == 0:
