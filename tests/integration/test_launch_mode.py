@@ -229,17 +229,20 @@ def test_llama_swap_stop_sequence_saves_then_leaves_nothing(launch, tiny_model: 
 # -- (c) llama-server killed: restarted, requests in flight get a clean error ------------------------------------------
 
 
+# Greedy decoding: a random model that samples may draw its end-of-text token within a few dozen tokens, and the
+# request would end before the kill (the tiny model's greedy answer to "go on" runs the full 3,000 tokens).
 def _openai(n: int) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "go on"}], "max_tokens": n, "temperature": 0}
 
 
 def _anthropic(n: int) -> dict[str, Any]:
-    return {"model": "tiny", "max_tokens": n, "messages": [{"role": "user", "content": "go on"}]}
+    return {"model": "tiny", "max_tokens": n, "messages": [{"role": "user", "content": "go on"}], "temperature": 0,
+            "ignore_eos": True}
 
 
 def _ollama(n: int) -> dict[str, Any]:
     return {"model": "tiny", "stream": False, "messages": [{"role": "user", "content": "go on"}],
-            "options": {"num_predict": n}}
+            "options": {"num_predict": n, "temperature": 0}}
 
 
 # dialect, path, body of n tokens, "is this that dialect's error shape?"
