@@ -110,10 +110,8 @@ def test_requests_go_to_the_model_they_name_and_sessions_stay_apart(two_models: 
     # The last displaced sessions' saves commit in the background.
     assert wait_until(lambda: all((m, "other") in sessions(m) for m in ("alpha", "beta")), timeout=30)
     alpha_rows, beta_rows = rows(index_of(cache, "alpha")), rows(index_of(cache, "beta"))
-    assert {(r["model"], r["session_id"]) for r in alpha_rows if r["kind"] == "session"} == {
-        ("alpha", "shared"), ("alpha", "other")}
-    assert {(r["model"], r["session_id"]) for r in beta_rows if r["kind"] == "session"} == {
-        ("beta", "shared"), ("beta", "other")}
+    assert sessions("alpha") == {("alpha", "shared"), ("alpha", "other")}
+    assert sessions("beta") == {("beta", "shared"), ("beta", "other")}
     assert {r["fingerprint"] for r in alpha_rows}.isdisjoint({r["fingerprint"] for r in beta_rows})
     beta_slots = next((cache / "backends").glob("beta-*")) / "slots" / "launch"
     assert {r["filename"] for r in beta_rows} <= saved_state_names(beta_slots)
