@@ -1237,6 +1237,48 @@ async def test_a_first_small_request_then_the_conversation_keeps_the_conversatio
     main.release(TurnEnd.COMPLETED, 1200, n_prompt=1150)
 
 
+async def test_a_request_that_takes_the_slot_while_a_cut_looks_up_the_index_is_left_alone(
+        store: SnapshotStore, slot_dir: Path) -> None:
+    """The cut of an idle slot first asks the index whether its system part is saved already; a request may lease
+    the slot while it waits for the answer. The cut then leaves the slot to the request: it neither cuts nor saves
+    the request's state as the system state, nor frees the slot under the request (a CI run saw both: the system
+    state saved with the request's 504 tokens, and the request's turn never saved)."""
+    from slotkeeper.cache.systemprompt import system_prompt_of
+
+    system = system_prompt_of({"messages": [SYS_MSG, {"role": "user", "content": "hello"}]})
+    assert system is not None
+    client = CutClient(slot_dir)
+    pool = SlotPool(1, client, Snapshots(store), FP, 4096, save_idle_seconds=-1)  # type: ignore[arg-type]
+    lease = await pool.acquire(A, chain_of("a1"), system=system)
+    assert lease.cut_system
+    lease.release(TurnEnd.COMPLETED, 120, n_prompt=100)
+    slot = pool.slots[0]
+    slot.dirty = False  # as after its idle save, which hands the slot to the cut next
+    assert slot.cut is system
+
+    answer = asyncio.Event()
+    looked_up = asyncio.Event()
+    lookup = pool.snapshots.get
+
+    async def slow_get(key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> object:
+        looked_up.set()
+        await answer.wait()
+        return await lookup(key, kind)
+
+    pool.snapshots.get = slow_get  # type: ignore[method-assign]
+    cut = asyncio.create_task(pool.warmups.cut_back(slot))
+    await looked_up.wait()
+    taken = await pool.acquire(B, chain_of("b1"))
+    answer.set()
+    await cut
+    assert client.cuts == [] and pool.warmups.cuts == 0
+    assert slot.busy and slot.occupant == B  # still the request's
+    assert store.get(SessionKey("m", system.digest), SnapshotKind.SYSTEM) is None
+    taken.release(TurnEnd.COMPLETED, 60, n_prompt=50)
+    assert not slot.busy and slot.dirty  # B's turn is there to be saved
+    await pool.aclose()
+
+
 async def test_hot_turns_keep_a_pending_cut_until_the_conversation_pauses(store: SnapshotStore,
                                                                            slot_dir: Path) -> None:
     """An agent's tool loop: turn after turn comes back hot before the slot idles; the system part is cut once it

@@ -82,18 +82,26 @@ class WarmUps:
         state back to that part (cutting.py) and save it as a system state, which every later conversation on it
         starts from, as does this one's next turn after restoring its own state. Off the requests' path; a failure
         costs only the system state."""
-        system, key = slot.cut, slot.occupant
+        system, key, generation = slot.cut, slot.occupant, slot.generation
+
+        def still_idle() -> bool:
+            """Whether the slot is still free and holds the saved conversation: each wait below lets a request
+            lease it, and a cut then would change that request's state under it."""
+            return not slot.busy and not slot.dirty and slot.occupant == key and slot.generation == generation
+
         slot.cut = None
-        if system is None or key is None or slot.busy or slot.dirty:
+        if system is None or key is None or not still_idle():
             return
         if self._policy.strategy is Strategy.KEEP_HOT:
             # The file just saved may tell that this build keeps checkpoints in its files (then restores help).
             await self._snapshots.settle(key)
-            if self._policy.strategy is Strategy.KEEP_HOT or slot.busy or slot.occupant != key or slot.dirty:
+            if self._policy.strategy is Strategy.KEEP_HOT or not still_idle():
                 return  # under keep-hot no state is restored: a system state could never help
         if await self._snapshots.get(SessionKey(key.model, system.digest), SnapshotKind.SYSTEM) is not None:
             return  # another slot's cut saved it meanwhile
-        slot.busy = True
+        if not still_idle():
+            return  # a request took the slot meanwhile; a later turn on this system part is marked for the cut again
+        slot.busy = True  # taken with no wait since the check above
         started = time.perf_counter()
         try:
             prefix = await system_prefix(self._client, system)
