@@ -49,6 +49,17 @@ def test_a_signed_forward_counts_and_anything_else_does_not() -> None:
     assert not_listed.forwarding("POST", "/v1/chat/completions", signed, now=NOW) is None
 
 
+def test_a_forwards_signature_covers_its_body() -> None:
+    """Likely at 99614b5: the signature covered method, target, hops, time and sender, so a captured forward's
+    headers made any other body count as forwarded within 30 s. Now another body does not check."""
+    one, two = Peers(SECRET, ONE, [TWO]), Peers(SECRET, TWO, [ONE])
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    signed = headers_of(one.signed("POST", "/v1/chat/completions", 1, now=NOW, body=body))
+    assert two.forwarding("POST", "/v1/chat/completions", signed, now=NOW + 1, body=body) is not None
+    assert two.forwarding("POST", "/v1/chat/completions", signed, now=NOW + 1, body=body + b" ") is None
+    assert two.forwarding("POST", "/v1/chat/completions", signed, now=NOW + 1) is None
+
+
 def test_the_allow_list_takes_base_urls_only() -> None:
     peers = Peers(SECRET, ONE, ["http://gpu-2:11434", "http://10.0.0.*:11434"])
     assert peers.allows(ONE) and peers.allows("http://GPU-2:11434") and peers.allows("http://10.0.0.7:11434")
@@ -108,7 +119,8 @@ async def test_a_forward_is_signed_and_passes_on_none_of_the_clients_forwarding_
         assert answer is not None and len(sent) == 1
         headers = sent[0].headers
         assert headers["authorization"] == "Bearer k" and "x-slotkeeper-anything" in headers
-        got = Peers(SECRET, ONE, [TWO]).forwarding("POST", "/v1/chat/completions", dict(headers))
+        got = Peers(SECRET, ONE, [TWO]).forwarding("POST", "/v1/chat/completions", dict(headers),
+                                                   body=sent[0].content)
         assert got is not None and (got.sender, got.hops) == (TWO, 1)  # this replica's signature, not the client's
         assert [v for k, v in headers.multi_items() if k in HEADERS and k != SIGNATURE] == [TWO, "1", headers[SENT_AT]]
         # A replica the allow-list does not name (a URL someone wrote into Redis) gets nothing: the client's

@@ -1,7 +1,10 @@
 """Which other slotkeeper replicas this one trusts, and how it knows a request came from one of them.
 
 Replicas of one set share a secret (`--replica-secret`). A replica that forwards a request signs it: an HMAC-SHA256,
-keyed by the secret, over the request's method and target, the hop count, the time it was sent and the sender. Only
+keyed by the secret, over the request's method and target, a SHA-256 of its body, the hop count, the time it was
+sent and the sender. A captured forward can be sent again within SKEW_SECONDS, but only as it was: the same body to
+the same route, which is the client's own request run once more (the forwarding itself only keeps a request from
+being forwarded further), never another body under its signature. Only
 a request whose signature checks (and was sent within SKEW_SECONDS) counts as forwarded; from anyone else the
 forwarding headers are ignored and never passed on, so a client that sends them is served exactly as one that does
 not. Numbers in them are read strictly (ASCII digits, bounded), never by `int()` on whatever came.
@@ -59,19 +62,21 @@ class Peers:
         low = url.lower()
         return low == self.own.lower() or any(fnmatch.fnmatchcase(low, p) for p in self._allowed)
 
-    def _sign(self, method: str, target: str, hops: int, sent_at: int, sender: str) -> str:
-        message = "\n".join((method.upper(), target, str(hops), str(sent_at), sender)).encode()
+    def _sign(self, method: str, target: str, body: bytes, hops: int, sent_at: int, sender: str) -> str:
+        message = "\n".join((method.upper(), target, hashlib.sha256(body).hexdigest(), str(hops), str(sent_at),
+                             sender)).encode()
         return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
-    def signed(self, method: str, target: str, hops: int, now: float | None = None) -> list[tuple[bytes, bytes]]:
+    def signed(self, method: str, target: str, hops: int, now: float | None = None,
+               body: bytes = b"") -> list[tuple[bytes, bytes]]:
         """The headers of a request this replica forwards (`hops`: its count after this forward)."""
         sent_at = int(time.time() if now is None else now)
         return [(FORWARDED.encode(), self.own.encode()), (HOPS.encode(), str(hops).encode()),
                 (SENT_AT.encode(), str(sent_at).encode()),
-                (SIGNATURE.encode(), self._sign(method, target, hops, sent_at, self.own).encode())]
+                (SIGNATURE.encode(), self._sign(method, target, body, hops, sent_at, self.own).encode())]
 
     def forwarding(self, method: str, target: str, headers: Mapping[str, str],
-                   now: float | None = None) -> Forwarding | None:
+                   now: float | None = None, body: bytes = b"") -> Forwarding | None:
         """The request's forwarding, when another replica of the set sent it (the signature checks, in time, from an
         allowed replica); None for anything else: a client's request, with or without such headers."""
         sender, hops, sent_at, signature = (headers.get(FORWARDED), headers.get(HOPS), headers.get(SENT_AT),
@@ -83,7 +88,7 @@ class Peers:
             return None
         if abs((time.time() if now is None else now) - int(sent_at)) > SKEW_SECONDS:
             return None
-        expected = self._sign(method, target, int(hops), int(sent_at), sender)
+        expected = self._sign(method, target, body, int(hops), int(sent_at), sender)
         if not hmac.compare_digest(expected, signature):
             return None
         return Forwarding(sender, int(hops))

@@ -89,7 +89,7 @@ async def turns_for(request: Request, state: AppState, key: SessionKey, side: bo
     if replicas is None:
         return state.turns
     directory = replicas.directory
-    hops = hops_of(request, replicas.peers)
+    hops = hops_of(request, replicas.peers, await request.body())
     route = await directory.route(key.model, key.session_id, ring_key(key), side=side, local_only=hops >= MAX_HOPS)
     if route is not None and not route.local:
         answer = await _forward(request, replicas, route.replica, hops)
@@ -108,10 +108,11 @@ async def turns_for(request: Request, state: AppState, key: SessionKey, side: bo
     return state.group.pinned(route.backend, reroute)
 
 
-def hops_of(request: Request, peers: Peers) -> int:
+def hops_of(request: Request, peers: Peers, body: bytes = b"") -> int:
     """How many times the request was forwarded before it reached this replica: the signed count of a request
-    another replica of the set forwarded, else 0 (a client's request, whatever headers it sent)."""
-    forwarding = peers.forwarding(request.method, _target(request), request.headers)
+    another replica of the set forwarded (its `body` among what is signed), else 0 (a client's request, whatever
+    headers it sent)."""
+    forwarding = peers.forwarding(request.method, _target(request), request.headers, body=body)
     return 0 if forwarding is None else forwarding.hops
 
 
@@ -152,9 +153,9 @@ async def _forward(request: Request, replicas: Replicas, replica: str, hops: int
         return None
     target = _target(request)
     headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _HOP]
-    headers += replicas.peers.signed(request.method, target, hops + 1)
-    sent = replicas.http.build_request(request.method, replica + target, headers=headers,
-                                       content=await request.body())
+    body = await request.body()
+    headers += replicas.peers.signed(request.method, target, hops + 1, body=body)
+    sent = replicas.http.build_request(request.method, replica + target, headers=headers, content=body)
     try:
         answer = await replicas.http.send(sent, stream=True)
     except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
