@@ -304,3 +304,72 @@ def test_a_state_saved_whole_before_the_block_store_restores_and_its_next_save_i
     new = after.row("a")
     assert new is not None and new["tail_bytes"] > 0
     assert not (backend.slot_dir / old["filename"]).exists() and _blocks(backend.slot_dir)
+
+
+def test_two_hosts_whose_saves_of_one_prefix_differ_by_float_noise_both_move_through_the_store(
+        tmp_path: Path, backend_kind: str, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Confirmed at 99614b5: a block was named by its tokens, and an upload put it only when that name was missing,
+    whatever bytes were stored under it; the manifest named it with this host's checksum. A's state holds the KV of
+    its generated tokens as decoding wrote it (one token at a time); B prefilled the same tokens in one batch, which
+    rounds otherwise. B's manifest then named A's bytes with B's checksum: the first host to bring B's state found a
+    mismatch, took it for damage and deleted the block, and neither state could be brought anywhere. Now each host's
+    bytes are their own objects, named by their digests, and each state comes back intact on the other host."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    store = ObjectStoreServer(tmp_path / "s3.log").start()
+    started: list[tuple[Backend, Slotkeeper]] = []
+    try:
+        for name in ("a", "b"):
+            backend = Backend(backend_kind, tiny_model, tmp_path / f"{name}-slots",
+                              tmp_path / f"{name}-backend.log").start()
+            keeper = Slotkeeper(tmp_path / f"{name}-cache", tmp_path / f"{name}.log", upstream=backend, extra_args=(
+                "--shared-store", f"s3://{store.bucket}/{PREFIX}", "--shared-endpoint", store.url,
+                "--save-idle-seconds", "0.3", "--block-tokens", str(BLOCK_TOKENS)))
+            started.append((backend, keeper.start(timeout=120)))
+        (backend_a, keeper_a), (_, keeper_b) = started
+        on_a = httpx.Client(base_url=keeper_a.url, timeout=120)
+        on_b = httpx.Client(base_url=keeper_b.url, timeout=120)
+
+        def complete(client: httpx.Client, session: str, prompt: list[int], n_predict: int) -> dict[str, Any]:
+            response = client.post("/completion", headers={"X-Session-Id": session}, json={
+                "prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True,
+                "return_tokens": True})
+            assert response.status_code == 200, response.text
+            return response.json()  # type: ignore[no-any-return]
+
+        def uploaded(session: str, n_tokens: int) -> dict[str, Any] | None:
+            manifest = _manifest(store, session)
+            return manifest if manifest is not None and manifest["tokens"] >= n_tokens else None
+
+        prompt = [1 + (i * 31) % 500 for i in range(100)]
+        generated = complete(on_a, "decoded", prompt, 40)["tokens"]
+        history = [*prompt, *generated]  # the slot holds all but the last token generated
+        assert wait_until(lambda: uploaded("decoded", len(history) - 1) is not None, timeout=30)
+        # B prefills A's tokens (and a few more) in one batch, as a client that sends A's history would have it.
+        asked = [*history, *[7 + i for i in range(20)]]
+        first_b = complete(on_b, "prefilled", asked, 1)
+        assert first_b["timings"]["cache_n"] == 0
+        assert wait_until(lambda: uploaded("prefilled", len(asked)) is not None, timeout=30)
+        decoded, prefilled = uploaded("decoded", len(history) - 1), uploaded("prefilled", len(asked))
+        assert decoded is not None and prefilled is not None
+        # Each host brings the other's state and restores it whole.
+        on_a_again = complete(on_a, "prefilled", [*asked, 9, 10, 11], 1)
+        assert on_a_again["timings"]["cache_n"] >= len(asked) - 1, on_a_again["timings"]
+        on_b_again = complete(on_b, "decoded", [*history, 12, 13, 14], 1)
+        assert on_b_again["timings"]["cache_n"] >= len(history) - 2, on_b_again["timings"]
+        # The two saves named the prompt's blocks alike (one copy) and the decoded tokens' blocks by other bytes.
+        full = (len(history) - 1) // BLOCK_TOKENS
+        ours, theirs = [n[:32] for n in decoded["kv"][:full]], [n[:32] for n in prefilled["kv"][:full]]
+        assert ours[:len(prompt) // BLOCK_TOKENS] == theirs[:len(prompt) // BLOCK_TOKENS]
+        assert ours != theirs, "the decoded tokens' KV should differ from a batch prefill's in its last bits"
+        kept = set(_kv_objects(store))
+        assert {f"{PREFIX}/kv/{n}" for n in (*decoded["kv"], *prefilled["kv"])} <= kept  # nothing deleted
+        assert "is damaged" not in keeper_a.log_text() + keeper_b.log_text()
+        assert backend_a.alive()
+        on_a.close()
+        on_b.close()
+    finally:
+        for backend, keeper in started:
+            keeper.stop()
+            backend.stop()
+        store.stop()

@@ -5,7 +5,10 @@ given."""
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slotkeeper.cache import blockstore as blockstore_module
-from slotkeeper.cache.blocks import Cut, block_keys, block_payload, place_block, place_tail, plan_cut, tail_pieces
+from slotkeeper.cache.blocks import Cut, block_payload, block_prefixes, place_block, place_tail, plan_cut, tail_pieces
 from slotkeeper.cache.blockstore import TAIL_SUFFIX, BlockStore, DamagedState
 from slotkeeper.cache.slotformat import SlotLayout, TokenRegion
 from slotkeeper.cache.store import SnapshotStore
@@ -75,14 +78,19 @@ def test_cutting_and_placing_back_gives_the_same_bytes(n_cells: int, block: int,
     assert out.tobytes() == data
 
 
-def test_keys_chain_every_token_and_the_fingerprint() -> None:
+def test_prefixes_chain_every_token_the_fingerprint_and_the_kv_types() -> None:
     _, layout, _ = _file(8, [(1, 2)])
-    a = block_keys(as_tokens(range(256)), 2, 128, FINGERPRINT, layout)
-    b = block_keys(as_tokens([*range(255), 9999]), 2, 128, FINGERPRINT, layout)
-    c = block_keys(as_tokens([7, *range(1, 256)]), 2, 128, FINGERPRINT, layout)
+    a = block_prefixes(as_tokens(range(256)), 2, 128, FINGERPRINT, layout)
+    b = block_prefixes(as_tokens([*range(255), 9999]), 2, 128, FINGERPRINT, layout)
+    c = block_prefixes(as_tokens([7, *range(1, 256)]), 2, 128, FINGERPRINT, layout)
     assert a[0] == b[0] and a[1] != b[1]  # the same first block; the second differs in its last token
-    assert a[0] != c[0] and a[1] != c[1]  # a change in block 0 changes every later key
-    assert block_keys(as_tokens(range(256)), 2, 128, "other", layout) != a
+    assert a[0] != c[0] and a[1] != c[1]  # a change in block 0 changes every later prefix
+    assert block_prefixes(as_tokens(range(256)), 2, 128, "other", layout) != a
+    # f16 (type 1) and bf16 (type 30) rows are of one size: the types alone tell them apart.
+    f16 = SlotLayout(8, (TokenRegion(10, 1, 2, 1),), 100)
+    bf16 = SlotLayout(8, (TokenRegion(10, 1, 2, 30),), 100)
+    assert block_prefixes(as_tokens(range(256)), 2, 128, FINGERPRINT, f16) != \
+        block_prefixes(as_tokens(range(256)), 2, 128, FINGERPRINT, bf16)
 
 
 @pytest.fixture()
@@ -102,8 +110,8 @@ def test_a_split_state_assembles_byte_for_byte(store: BlockStore, tmp_path: Path
     _use_layout(monkeypatch, {"a.bin.src": layout})
     split = store.split(store.slot_dir / "a.bin.src", "a.bin", toks, FINGERPRINT)
     assert split is not None and split.exact
-    store.release(split.keys)
-    assert len(split.keys) == 100 // 16 and split.new_block_bytes == 6 * 16 * (8 + 6 + 8)
+    store.release(split.digests)
+    assert len(split.digests) == 100 // 16 and split.new_block_bytes == 6 * 16 * (8 + 6 + 8)
     assert split.tail_bytes == len(data) - split.new_block_bytes
     n, checksum = store.assemble("a.bin", tmp_path / "out.bin")
     assert (tmp_path / "out.bin").read_bytes() == data and n == len(data) and checksum == split.checksum
@@ -121,7 +129,8 @@ def test_a_shared_prefix_is_stored_once(store: BlockStore, tmp_path: Path, monke
     a = store.split(store.slot_dir / "a.src", "a.bin", as_tokens(toks_a), FINGERPRINT)
     b = store.split(store.slot_dir / "b.src", "b.bin", as_tokens([*toks_a[:100].tolist(), *range(60)]), FINGERPRINT)
     assert a is not None and b is not None
-    assert a.keys[:6] == b.keys[:6] and a.keys[6:] != b.keys[6:]  # 100 shared tokens: 6 whole blocks of 16
+    assert a.prefixes[:6] == b.prefixes[:6] and a.prefixes[6:] != b.prefixes[6:]  # 100 shared tokens: 6 blocks
+    assert a.digests[:6] == b.digests[:6] and a.digests[6:] != b.digests[6:]
     assert b.new_block_bytes == (10 - 6) * 16 * (8 + 8) and b.exact
     store.assemble("b.bin", tmp_path / "b.out")
     assert (tmp_path / "b.out").read_bytes() == second
@@ -135,13 +144,13 @@ def test_damage_is_caught_before_any_byte_is_used(store: BlockStore, tmp_path: P
     _use_layout(monkeypatch, {"a.src": layout})
     split = store.split(store.slot_dir / "a.src", "a.bin", toks, FINGERPRINT)
     assert split is not None
-    block = store.block_path(split.keys[1])
+    block = store.block_path(split.digests[1])
     good = block.read_bytes()
     # A flipped byte in a block.
     block.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
     with pytest.raises(DamagedState) as caught:
         store.assemble("a.bin", tmp_path / "out.bin")
-    assert caught.value.block == split.keys[1] and not (tmp_path / "out.bin").exists()
+    assert caught.value.block == split.digests[1] and not (tmp_path / "out.bin").exists()
     # A truncated block; a missing block.
     block.write_bytes(good[:-5])
     with pytest.raises(DamagedState):
@@ -172,10 +181,10 @@ def test_blocks_in_flight_or_named_are_never_collected(store: BlockStore, monkey
     split = store.split(store.slot_dir / "a.src", "a.bin", toks, FINGERPRINT)
     assert split is not None
     # Not released yet: in flight, so not collected though nothing names them.
-    assert store.collect(split.keys, lambda keys: set()) == 0
-    store.release(split.keys)
-    assert store.collect(split.keys, lambda keys: {split.keys[0]}) == 1
-    assert store.block_path(split.keys[0]).exists() and not store.block_path(split.keys[1]).exists()
+    assert store.collect(split.digests, lambda digests: set()) == 0
+    store.release(split.digests)
+    assert store.collect(split.digests, lambda digests: {split.digests[0]}) == 1
+    assert store.block_path(split.digests[0]).exists() and not store.block_path(split.digests[1]).exists()
 
 
 # -- through the snapshot store ---------------------------------------------------------------------------------
@@ -247,8 +256,9 @@ def test_a_crash_between_the_blocks_and_the_commit_leaves_nothing_named_and_the_
                                toks2, FINGERPRINT)
     assert split is not None
     # And a block write cut short (a temporary of the block's shape, which must not pass for a block).
-    torn = store.blocks.block_path(split.keys[0]).with_name(f".tmp-0badc0de-{split.keys[0]}.blk")
+    torn = store.blocks.block_path(split.digests[0]).with_name(f".tmp-0badc0de-{split.digests[0]}.blk")
     torn.write_bytes(b"torn")
+    os.utime(torn, (time.time() - 60, time.time() - 60))  # written before the crash, a minute ago
     store.close()
     again = SnapshotStore(tmp_path / "slots", tmp_path / "index.db", block_tokens=16)
     again.reconcile()
@@ -369,3 +379,118 @@ def test_a_full_disk_during_a_save_keeps_the_previous_state_and_leaves_no_block_
     assert not list(store.slot_dir.glob(".tmp-*")) and not list(store.slot_dir.glob("*.tmp-*"))
     checked = store.checked_snapshot(key, FINGERPRINT)
     assert checked is not None and store.materialize(checked)
+
+
+# -- issue 37: what a block's name says, and what is alive ------------------------------------------------------
+
+
+def test_two_saves_of_one_prefix_with_other_float_noise_name_the_first_block_and_assemble_intact(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first, layout, toks = _file(64, [(1, 8)], seed=20)
+    noisy, _, _ = _file(64, [(1, 8)], seed=21, tokens=toks.tolist())  # the same tokens, other bytes
+    a, b = SessionKey("m", "a"), SessionKey("m", "b")
+    store = _snapshot_store(tmp_path, monkeypatch, {a.file_stem(FINGERPRINT, _kind()): layout,
+                                                    b.file_stem(FINGERPRINT, _kind()): layout})
+    store.commit(a, _save(store, a, first), FINGERPRINT, 64)
+    snap_b = store.commit(b, _save(store, b, noisy), FINGERPRINT, 64)
+    assert store.blocks.usage()[0] == 4  # b names a's blocks by their prefixes: its own noise is not stored
+    with store.open_whole(snap_b) as fh:
+        assembled = fh.read()
+    # a's KV for those tokens (b's own header and metadata), every byte checked on the way.
+    assert [r.tobytes() for r in _regions_of(assembled, layout)] == [r.tobytes() for r in _regions_of(first, layout)]
+    assert snap_b.checksum != store.get(a).checksum  # type: ignore[union-attr]
+
+
+def test_an_imported_states_blocks_are_never_offered_to_another_state(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from slotkeeper.version import Version
+
+    foreign, layout, toks = _file(64, [(1, 8)], seed=22)
+    own, _, _ = _file(64, [(1, 8)], seed=23, tokens=toks.tolist())
+    imported, local = SessionKey("m", "imported"), SessionKey("m", "local")
+    store = _snapshot_store(tmp_path, monkeypatch, {imported.file_stem(FINGERPRINT, _kind()): layout,
+                                                    local.file_stem(FINGERPRINT, _kind()): layout})
+    store.commit(imported, _save(store, imported, foreign), FINGERPRINT, 64, version=Version(1, 1))
+    snap = store.commit(local, _save(store, local, own), FINGERPRINT, 64)
+    assert store.blocks.usage()[0] == 8  # this host's save stored its own bytes beside the import's
+    with store.open_whole(snap) as fh:
+        assert fh.read() == own
+
+
+def test_a_collection_cannot_delete_the_blocks_of_a_commit_that_lands_while_it_reads_the_index(
+        store: BlockStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Confirmed at 99614b5: `collect` read which blocks are named before it took the lock, so a commit (its rows
+    written, then its hold released) in between lost its blocks."""
+    data, layout, toks = _file(32, [(1, 4)])
+    store.slot_dir.mkdir(parents=True)
+    (store.slot_dir / "a.src").write_bytes(data)
+    _use_layout(monkeypatch, {"a.src": layout})
+    split = store.split(store.slot_dir / "a.src", "a.bin", toks, FINGERPRINT)
+    assert split is not None
+    named: set[str] = set()
+
+    def commit() -> None:  # the save's commit: its rows, then the release of its hold
+        named.update(split.digests)
+        store.release(split.digests)
+
+    committer = threading.Thread(target=commit)
+
+    def stale_read(digests: object) -> set[str]:
+        seen = set(named)  # what the index holds when the collection reads it: not the commit yet
+        committer.start()
+        committer.join(timeout=0.5)  # the commit lands now, if nothing holds it back
+        return seen
+
+    store.collect(split.digests, stale_read)
+    committer.join()
+    assert all(store.block_path(d).exists() for d in split.digests)
+
+
+def test_the_start_sweep_leaves_temporaries_a_live_save_or_download_is_writing(tmp_path: Path) -> None:
+    """Confirmed at 99614b5: the sweep of blocks no state names, which runs while requests are served, removed every
+    `.tmp-*` under `blocks/`, a save's and a download's in flight among them."""
+    store = SnapshotStore(tmp_path / "slots", tmp_path / "index.db", block_tokens=16)
+    live_download = store.blocks.temp_path("block")
+    live_download.write_bytes(b"half a download")
+    live_block = store.blocks.root / "ab" / f".tmp-00000000-{'ab' * 16}.blk"
+    live_block.parent.mkdir(parents=True)
+    live_block.write_bytes(b"half a block")
+    crashed = store.blocks.root / "ab" / f".tmp-11111111-{'ab' * 16}.blk"
+    crashed.write_bytes(b"left by a crash")
+    os.utime(crashed, (time.time() - 3600, time.time() - 3600))
+    store.sweep_blocks()
+    assert live_download.exists() and live_block.exists() and not crashed.exists()
+
+
+def test_a_damaged_block_costs_a_prefill_once_and_the_next_save_writes_it_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Confirmed at 99614b5: a damaged stored block made every later save of its prefix raise (DamagedState was not
+    caught), leaving its temporaries behind."""
+    first, layout, toks = _file(64, [(1, 8)], seed=24)
+    noisy, _, _ = _file(64, [(1, 8)], seed=25, tokens=toks.tolist())
+    a, b, c = SessionKey("m", "a"), SessionKey("m", "b"), SessionKey("m", "c")
+    store = _snapshot_store(tmp_path, monkeypatch, {k.file_stem(FINGERPRINT, _kind()): layout for k in (a, b, c)})
+    snap_a = store.commit(a, _save(store, a, first), FINGERPRINT, 64)
+    damaged = store.blocks.manifest(snap_a.filename).digests[1]
+    path = store.blocks.block_path(damaged)
+    good = path.read_bytes()
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    # A save of the same tokens with other noise is offered the damaged block: it stores its own instead.
+    snap_b = store.commit(b, _save(store, b, noisy), FINGERPRINT, 64)
+    assert not list(store.slot_dir.rglob(".tmp-*")) and not list(store.slot_dir.glob("*.tmp-*"))
+    assert not path.exists()  # quarantined
+    with store.open_whole(snap_b) as fh:
+        assembled = fh.read()
+    assert _regions_of(assembled, layout)[0][:, 16 * 8:32 * 8].tobytes() == \
+        _regions_of(noisy, layout)[0][:, 16 * 8:32 * 8].tobytes()  # b's own bytes where a's block was damaged
+    checked = store.checked_snapshot(b, FINGERPRINT)
+    assert checked is not None and store.materialize(checked)
+    store.restored(checked)
+    # a named the damaged block: its restore fails once (a cold prefill), and it is quarantined.
+    checked_a = store.checked_snapshot(a, FINGERPRINT)
+    assert checked_a is not None and not store.materialize(checked_a)
+    assert store.get(a) is None
+    # A later save of those tokens names intact blocks only.
+    store.commit(c, _save(store, c, first), FINGERPRINT, 64)
+    checked_c = store.checked_snapshot(c, FINGERPRINT)
+    assert checked_c is not None and store.materialize(checked_c)

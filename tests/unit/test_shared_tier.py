@@ -118,8 +118,13 @@ async def test_a_commit_is_uploaded_and_a_new_version_replaces_the_old_file(pool
     await turn(pool, A, n_tokens=20)
     await flush(pool)
     await upload_all(tier)
+    # The replaced version's file is not deleted with the manifest (another manifest may name it): a sweep marks
+    # it, and a later sweep past the grace period removes it.
+    assert first in memory.blobs() and len(memory.blobs()) == 2
+    assert tier.collect_garbage() == 0 and f"gc/{first}" in memory.objects
+    assert tier.collect_garbage() == 1
     [second] = memory.blobs()
-    assert second != first  # one file per session: the replaced version's went
+    assert second != first and not [k for k in memory.objects if k.startswith("gc/")]
     again = Manifest.from_json(json.loads(memory.objects[tier.manifest_key(A, SnapshotKind.SESSION)]))
     local = await pool.snapshots.get(A)
     assert local is not None
@@ -258,10 +263,12 @@ async def test_the_budget_removes_the_least_recently_saved_and_files_no_manifest
     first = min((k for k in memory.objects if k.startswith("manifests/")), key=lambda k: int(memory.etags[k][1:-1]))
     oldest = Manifest.from_json(json.loads(memory.objects[first])).meta.session_id
     tier.budget = 2 * one
-    assert tier.enforce_budget() == 1
+    assert tier.collect_garbage() == 0  # the oldest manifest goes; its file and the stray are marked
     left = [Manifest.from_json(json.loads(v)).meta.session_id for k, v in memory.objects.items()
             if k.startswith("manifests/")]
     assert oldest not in left and len(left) == 2
+    assert len(memory.blobs()) == 4 and "gc/blobs/stray" in memory.objects
+    assert tier.collect_garbage() == 2  # a grace period later, both go
     assert "blobs/stray" not in memory.objects and len(memory.blobs()) == 2
 
 
@@ -290,7 +297,9 @@ async def test_a_save_made_under_an_older_lease_is_refused(slot_dir: Path, store
         await upload_all(tier_a)
         assert tier_a.refused_older == 1 and tier_a.uploads == 0
         assert Manifest.from_json(json.loads(memory.objects[key])) == written
-        assert memory.blobs() == [tier_b.blob_key(written.meta.checksum)]  # A's file went
+        tier_a.collect_garbage()
+        tier_a.collect_garbage()
+        assert memory.blobs() == [tier_b.blob_key(written.meta.checksum)]  # A's file went with the sweeps
         pool_a.snapshots.fence = lambda key: 3  # A holds the lease again, under a newer token
         await turn(pool_a, A, n_tokens=40)
         await flush(pool_a)
@@ -299,3 +308,57 @@ async def test_a_save_made_under_an_older_lease_is_refused(slot_dir: Path, store
         assert Manifest.from_json(json.loads(memory.objects[key])).version.fence == 3
     finally:
         store_b.close()
+
+
+async def test_an_upload_that_reuses_an_object_marked_for_removal_puts_it_again_under_a_fresh_name(
+        pool: SlotPool) -> None:
+    """Likely at 99614b5 and so: a sweep deleted what no manifest named at that moment, and an upload that had found
+    the object stored and was about to name it lost it. Now the upload's last look before its manifest sees the
+    mark, and names a fresh copy that no mark covers."""
+    memory = MemoryStore()
+    tier = tier_of(pool, memory)
+    await turn(pool, A)
+    await flush(pool)
+    await upload_all(tier)
+    [stored] = memory.blobs()
+    del memory.objects[tier.manifest_key(A, SnapshotKind.SESSION)]  # its manifest went (a budget, another host)
+    tier.collect_garbage()
+    assert f"gc/{stored}" in memory.objects
+    tier.committed(A, SnapshotKind.SESSION)  # the same state uploaded again: its file is in the store, marked
+    await upload_all(tier)
+    manifest = Manifest.from_json(json.loads(memory.objects[tier.manifest_key(A, SnapshotKind.SESSION)]))
+    assert manifest.object and manifest.object_key != stored and manifest.object_key in memory.objects
+    assert manifest.object.startswith(manifest.meta.checksum + ".")
+    tier.collect_garbage()  # the marked object goes; the one the manifest names stays
+    assert stored not in memory.objects and manifest.object_key in memory.objects
+    assert tier.collect_garbage() == 0 and manifest.object_key in memory.objects
+
+
+async def test_a_sweep_between_an_uploads_look_up_and_its_manifest_cannot_remove_what_it_names(
+        pool: SlotPool) -> None:
+    """The upload found its file stored (unmarked) and skipped putting it; two sweeps then run before its manifest
+    write (its last look comes after them): the object it names is there when the manifest lands."""
+    memory = MemoryStore()
+    tier = tier_of(pool, memory)
+    await turn(pool, A)
+    await flush(pool)
+    await upload_all(tier)
+    [stored] = memory.blobs()
+    del memory.objects[tier.manifest_key(A, SnapshotKind.SESSION)]
+    real_exists = memory.exists
+    looked = []
+
+    def exists_then_sweep(key: str) -> bool:
+        found = real_exists(key)
+        if key == stored and not looked:
+            looked.append(key)
+            tier.collect_garbage()  # marks it
+            tier.collect_garbage()  # and removes it, the grace period having passed
+        return found
+
+    memory.exists = exists_then_sweep  # type: ignore[method-assign]
+    tier.committed(A, SnapshotKind.SESSION)
+    await upload_all(tier)
+    manifest = Manifest.from_json(json.loads(memory.objects[tier.manifest_key(A, SnapshotKind.SESSION)]))
+    assert looked and stored not in memory.objects
+    assert manifest.object_key in memory.objects  # put again under a fresh name

@@ -2,10 +2,13 @@
 
 A slot file's attention KV is per token: in each region (slotformat.py) every run holds one cell after another, and
 cell i is position i. Block b of B tokens is, for every run of every region in file order, the bytes of cells
-[b*B, (b+1)*B): it depends only on the tokens up to its end (and the model), so it is keyed by a chained hash of
-those tokens and the backend's fingerprint, and two states that share a prefix share its blocks. The tail is the file
-with every full block's bytes taken out: the header and token list, the cell metadata, recurrent and sliding-window
-states, the checkpoint appendix, and the cells after the last full block.
+[b*B, (b+1)*B): they depend only on the tokens up to its end and on everything the backend's fingerprint covers
+(model, build, K/V types and layout, rope, adapters: fingerprint.py). So each block has a *prefix*: a chained hash
+of those tokens, the fingerprint and the shape and types of the KV it holds. A prefix says which KV a block stands
+for, never which bytes it is: a block is stored and named by a digest of its bytes (blockstore.py), and two saves
+of one prefix with other float noise are two blocks. The tail is the file with every full block's bytes taken out:
+the header and token list, the cell metadata, recurrent and sliding-window states, the checkpoint appendix, and the
+cells after the last full block.
 
 Pure functions over arrays and bytes (numpy views of an mmap for multi-gigabyte files); the files are blockstore.py's.
 """
@@ -49,11 +52,13 @@ def plan_cut(layout: SlotLayout | None, n_tokens: int, block_tokens: int) -> Cut
     return Cut(layout, block_tokens, n_blocks) if n_blocks > 0 else None
 
 
-def block_keys(tokens: Tokens, n_blocks: int, block_tokens: int, fingerprint: str, layout: SlotLayout) -> list[str]:
-    """The key of each full block: a chained xxh3-128 over the fingerprint, the shape of the KV (so a block is never
-    read into another layout) and every token up to the block's end."""
-    shape = ";".join(f"{r.n_outer}x{r.cell_bytes}" for r in layout.regions)
-    running = xxhash.xxh3_128_digest(f"slotkeeper-kv1|{fingerprint}|{block_tokens}|{shape}".encode())
+def block_prefixes(tokens: Tokens, n_blocks: int, block_tokens: int, fingerprint: str,
+                   layout: SlotLayout) -> list[str]:
+    """The prefix of each full block: a chained xxh3-128 over the fingerprint, the shape and ggml types of the KV (so
+    a block is never read into another layout or type, whatever the fingerprint missed) and every token up to the
+    block's end."""
+    shape = ";".join(f"{r.n_outer}x{r.cell_bytes}:{r.type_id}" for r in layout.regions)
+    running = xxhash.xxh3_128_digest(f"slotkeeper-kv2|{fingerprint}|{block_tokens}|{shape}".encode())
     data = np.ascontiguousarray(tokens, dtype="<i4")
     keys = []
     for b in range(n_blocks):
@@ -177,17 +182,18 @@ def layout_to_json(cut: Cut) -> dict[str, object]:
     return {
         "block_tokens": cut.block_tokens, "n_blocks": cut.n_blocks, "n_cells": cut.layout.n_cells,
         "file_size": cut.layout.file_size,
-        "regions": [[r.offset, r.n_outer, r.cell_bytes] for r in cut.layout.regions],
+        "regions": [[r.offset, r.n_outer, r.cell_bytes, r.type_id] for r in cut.layout.regions],
     }
 
 
 def layout_from_json(data: dict[str, object]) -> Cut:
     """The cut a manifest records; ValueError when it is not a consistent one (a manifest is checked before use)."""
     try:
-        regions = tuple(TokenRegion(int(o), int(k), int(c)) for o, k, c in data["regions"])  # type: ignore[attr-defined]
+        regions = tuple(TokenRegion(int(o), int(k), int(c), int(t))
+                        for o, k, c, t in data["regions"])  # type: ignore[attr-defined]
         layout = SlotLayout(int(data["n_cells"]), regions, int(data["file_size"]))  # type: ignore[call-overload]
         cut = Cut(layout, int(data["block_tokens"]), int(data["n_blocks"]))  # type: ignore[call-overload]
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a block layout: {exc}") from exc
     _check(cut)
     return cut

@@ -1,18 +1,24 @@
 """The block store's files: KV blocks under `blocks/` in the slot dir, and each saved state's tail beside its name.
 
-- `blocks/<2 hex>/<key>.blk`: one block of B tokens' KV (blocks.py says which bytes), named by its key (a chained
-  hash of the tokens up to its end and the backend's fingerprint). A 32-byte header (magic, payload length,
-  xxh3-128 of the payload) comes first, so every read checks size and checksum before the bytes are used. Written
-  once (temp name, fsync, rename); a block that exists is never rewritten.
+- `blocks/<2 hex>/<digest>.blk`: one block of B tokens' KV (blocks.py says which bytes), named by its *digest*, the
+  xxh3-128 of its bytes. A name is its content: a block is written once (temp name, fsync, rename) and never
+  rewritten, and a block whose bytes do not hash to its name is damaged, whoever wrote it. A 32-byte header (magic,
+  payload length, the digest again) comes first, so every read checks size and digest before the bytes are used.
 - `<the state's file name>.tail` (`<40 hex>-<8 hex>.bin.tail`): the tail of the state's file (its bytes outside
   every full block, in file order: it starts with the slot file's header and token list, so the tokens are read
-  from it as from a whole file), then a manifest (the cut, the block keys with their checksums, the tail's
-  checksum), then a trailer (the manifest's length and checksum, a magic). Written once, after every block it
-  names is durable.
+  from it as from a whole file), then a manifest (the cut, each block's prefix and digest, the tail's checksum),
+  then a trailer (the manifest's length and checksum, a magic). Written once, after every block it names is durable.
 
-A state is committed to the index only after its tail is durable, so no state ever names a missing block; blocks
-no state names (a save that crashed before its commit, a state evicted) are removed by `collect`. A block being
-written or named by a save not yet committed is "in flight" and never collected.
+A block's *prefix* (blocks.py: its tokens, the fingerprint, the KV's shape and types) says which KV it stands for.
+The index keeps, for the states this host saved itself, which digest each prefix was stored as: a later save of that
+prefix names that block rather than storing its own float noise again (`split`'s `reuse`). States brought from
+elsewhere (an import, the shared tier) name their blocks by digest only, and their blocks are offered to no other
+state: a block shared by prefix is always one this host's backend wrote.
+
+What is alive is decided in one place, under one lock: the blocks named by committed states (the index's rows) and
+the blocks held by work in flight (a save between its split and its commit, an upload, a download before its
+import). `collect` reads the rows and removes blocks under that lock, and `release` takes it too, after the commit:
+so a block a commit names is either still held or already named when a collection looks at it.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import os
 import secrets
 import struct
 import threading
+import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +41,8 @@ import xxhash
 
 from slotkeeper.cache.blocks import (
     Cut,
-    block_keys,
     block_payload,
+    block_prefixes,
     block_writes,
     layout_from_json,
     layout_to_json,
@@ -46,6 +53,7 @@ from slotkeeper.cache.blocks import (
     tail_pieces,
     tail_writes,
 )
+from slotkeeper.cache.quarantine import move_aside
 from slotkeeper.cache.slotformat import parse_layout
 from slotkeeper.cache.tokens import Tokens
 from slotkeeper.files import fsync_dir, make_private_dir, unlink_quietly
@@ -54,14 +62,26 @@ log = logging.getLogger("slotkeeper.store")
 
 BLOCKS_DIR = "blocks"
 TAIL_SUFFIX = ".tail"
-_BLOCK_MAGIC = b"SKKVBLK1"
+_BLOCK_MAGIC = b"SKKVBLK2"
 _BLOCK_HEADER = struct.Struct("<8sQ16s")
 BLOCK_HEADER_BYTES = _BLOCK_HEADER.size
-_TAIL_MAGIC = b"SKTAIL01"
+_TAIL_MAGIC = b"SKTAIL02"
 _TRAILER = struct.Struct("<Q16s8s")
 _MANIFEST_MAX = 64 << 20
+_HEX32 = frozenset("0123456789abcdef")
 # Threads writing a save's new blocks.
 WRITERS = 8
+# The start's sweep removes only temporaries older than this before the store was opened: a save of this process
+# writes its temporaries after that (file times run up to a clock tick behind the wall clock).
+TEMP_MARGIN_SECONDS = 5.0
+
+# Which digest each prefix is stored as, for the prefixes asked (the index's, for this host's own saves).
+Reuse = Callable[[Sequence[str]], Mapping[str, str]]
+
+
+def is_digest(text: str) -> bool:
+    """Whether `text` is a block digest (or a prefix): 32 lowercase hex digits."""
+    return len(text) == 32 and _HEX32.issuperset(text)
 
 
 class DamagedState(Exception):
@@ -73,21 +93,24 @@ class DamagedState(Exception):
 
 
 class SplitFailed(OSError):
-    """Writing a save's blocks or tail failed (a full disk): the blocks it wrote are the caller's to collect."""
+    """Storing a save's blocks or tail failed (a full disk, a block that went bad under it): the blocks it wrote are
+    the caller's to collect."""
 
-    def __init__(self, cause: OSError, keys: tuple[str, ...]) -> None:
-        super().__init__(cause.errno, cause.strerror or str(cause))
-        self.keys = keys
+    def __init__(self, cause: Exception, digests: tuple[str, ...]) -> None:
+        errno = cause.errno if isinstance(cause, OSError) else None
+        super().__init__(errno, (cause.strerror if isinstance(cause, OSError) else None) or str(cause))
+        self.digests = digests
 
 
 @dataclass(frozen=True, slots=True)
 class Split:
-    """What a save stored: its cut, its blocks' keys, the bytes written, and the checksum of the file its blocks and
-    tail assemble into (the saved file's own, unless a block already stored came from another state with other
-    float noise)."""
+    """What a save stored: its cut, each block's prefix and digest, the bytes written, and the checksum of the file
+    its blocks and tail assemble into (the saved file's own, unless a block stored for a prefix earlier holds other
+    float noise). Its digests are held until the caller's `release`."""
 
     cut: Cut
-    keys: tuple[str, ...]
+    prefixes: tuple[str, ...]
+    digests: tuple[str, ...]
     tail_bytes: int
     new_block_bytes: int
     checksum: str
@@ -97,15 +120,15 @@ class Split:
 @dataclass(frozen=True, slots=True)
 class Manifest:
     cut: Cut
-    keys: tuple[str, ...]
-    sums: tuple[str, ...]
+    prefixes: tuple[str, ...]
+    digests: tuple[str, ...]
     tail_checksum: str
     checksum: str
 
 
 class BlockStore:
-    """Blocks and tails under one slot dir. Thread-safe: the in-flight set has its own lock; files are written under
-    fresh temporary names and renamed."""
+    """Blocks and tails under one slot dir. Thread-safe: what is alive has one lock; files are written under fresh
+    temporary names and renamed."""
 
     def __init__(self, slot_dir: Path, block_tokens: int) -> None:
         self.slot_dir = slot_dir
@@ -113,121 +136,143 @@ class BlockStore:
         self.block_tokens = block_tokens
         self._lock = threading.Lock()
         self._in_flight: Counter[str] = Counter()
+        self._opened_ns = time.time_ns()
 
-    def block_path(self, key: str) -> Path:
-        return self.root / key[:2] / f"{key}.blk"
+    def block_path(self, digest: str) -> Path:
+        return self.root / digest[:2] / f"{digest}.blk"
 
     def tail_path(self, filename: str) -> Path:
         return self.slot_dir / (filename + TAIL_SUFFIX)
 
     # -- saving -----------------------------------------------------------------------------------------------
 
-    def split(self, source: Path, filename: str, tokens: Tokens | None, fingerprint: str) -> Split | None:
+    def split(self, source: Path, filename: str, tokens: Tokens | None, fingerprint: str,
+              reuse: Reuse | None = None) -> Split | None:
         """Store the slot file `source` as blocks (those the store lacks) and the tail `<filename>.tail`; None when
-        the file cannot be cut (an unknown layout, no full block): then it is kept whole. The keys are in flight
-        until `release`."""
+        the file cannot be cut (an unknown layout, no full block): then it is kept whole. A prefix `reuse` offers a
+        stored digest for is named by that block instead of this file's own bytes, if that block is intact. The
+        digests are held until `release`."""
         if self.block_tokens <= 0 or tokens is None:
             return None
         cut = plan_cut(parse_layout(source), int(tokens.size), self.block_tokens)
         if cut is None:
             return None
-        keys = tuple(block_keys(tokens, cut.n_blocks, cut.block_tokens, fingerprint, cut.layout))
-        self.hold(keys)
+        prefixes = tuple(block_prefixes(tokens, cut.n_blocks, cut.block_tokens, fingerprint, cut.layout))
+        offered = dict(reuse(prefixes)) if reuse is not None else {}
+        held: list[str] = []
         try:
-            return self._split(source, filename, cut, keys)
-        except OSError as exc:
-            self.release(keys)
-            raise SplitFailed(exc, keys) from exc
+            return self._split(source, filename, cut, prefixes, offered, held)
+        except Exception as exc:
+            self.release(held)
+            raise SplitFailed(exc, tuple(held)) from exc
         except BaseException:
-            self.release(keys)
+            self.release(held)
             raise
 
-    def _split(self, source: Path, filename: str, cut: Cut, keys: tuple[str, ...]) -> Split:
+    def _split(self, source: Path, filename: str, cut: Cut, prefixes: tuple[str, ...], offered: Mapping[str, str],
+               held: list[str]) -> Split:
         # A numpy map of the file (not an mmap closed by hand: views of it may outlive an error's traceback), read
         # through a plain array view of it, which slices without the memmap subclass's per-slice bookkeeping.
         buffer = np.memmap(source, dtype=np.uint8, mode="r").view(np.ndarray)
         if buffer.size != cut.layout.file_size:
             raise OSError(f"{source} changed while it was cut")
-        sums, new_bytes, differs = self._store_blocks(buffer, cut, keys)
+        digests, new_bytes, differs = self._store_blocks(buffer, cut, prefixes, offered, held)
         pieces = list(tail_pieces(buffer, cut))
         tail_checksum = xxhash.xxh3_128_hexdigest(b"".join(pieces))
-        manifest = Manifest(cut, keys, sums, tail_checksum, "")
-        # A block came from another state (other float noise): the file its blocks make is then not the saved one
+        manifest = Manifest(cut, prefixes, digests, tail_checksum, "")
+        # A block stored for a prefix earlier (other float noise): the file its blocks make is then not the saved one
         # byte for byte, and its checksum is the assembled file's.
         checksum = self._assembled_checksum(manifest, pieces) if differs else xxhash.xxh3_128_hexdigest(buffer.data)
-        manifest = Manifest(cut, keys, sums, tail_checksum, checksum)
+        manifest = Manifest(cut, prefixes, digests, tail_checksum, checksum)
         self._write_tail(filename, pieces, manifest)
-        return Split(cut, keys, cut.tail_size, new_bytes, checksum, not differs)
+        return Split(cut, prefixes, digests, cut.tail_size, new_bytes, checksum, not differs)
 
-    def _store_blocks(self, buffer: np.ndarray, cut: Cut, keys: Sequence[str]) -> tuple[tuple[str, ...], int, bool]:
-        """Write the blocks the store lacks; returns every block's stored checksum, the bytes written, and whether a
-        stored block differs from this file's."""
-        sums, new_bytes, differs, dirs = [], 0, False, set()
+    def _store_blocks(self, buffer: np.ndarray, cut: Cut, prefixes: Sequence[str], offered: Mapping[str, str],
+                      held: list[str]) -> tuple[tuple[str, ...], int, bool]:
+        """Write the blocks the store lacks, each held before it is looked for; returns every block's digest, the
+        bytes written, and whether a block stored for a prefix earlier was named instead of this file's bytes."""
+        digests, new_bytes, differs, dirs = [], 0, False, set()
         # Several writers: the file system commits their fsyncs together (measured here: 21 blocks in 5 ms instead of
         # 15), and a commit sooner is a state the next request finds. At most 2 x WRITERS payloads wait in memory.
         with ThreadPoolExecutor(max_workers=WRITERS) as writers:
             pending: deque[Future[None]] = deque()
-            for b, key in enumerate(keys):
+            for b, prefix in enumerate(prefixes):
                 payload = block_payload(buffer, cut, b).data
                 own = xxhash.xxh3_128_digest(payload)
-                stored = self._stored_sum(key)
-                if stored is None:
-                    pending.append(writers.submit(self._write_block, key, payload, own))
+                other = offered.get(prefix)
+                if other is not None and other != own.hex() and self._usable(other, held):
+                    digests.append(other)
+                    differs = True
+                    continue
+                digest = own.hex()
+                self.hold((digest,))
+                held.append(digest)
+                if not self._present(digest, len(payload)):
+                    pending.append(writers.submit(self._write_block, digest, payload, own))
                     if len(pending) >= 2 * WRITERS:
                         pending.popleft().result()
-                    dirs.add(self.block_path(key).parent)
+                    dirs.add(self.block_path(digest).parent)
                     new_bytes += len(payload)
-                    stored = own
-                differs |= stored != own
-                sums.append(stored.hex())
+                digests.append(digest)
             for future in pending:
                 future.result()
         for directory in dirs:
             fsync_dir(directory)
-        return tuple(sums), new_bytes, differs
+        return tuple(digests), new_bytes, differs
+
+    def _usable(self, digest: str, held: list[str]) -> bool:
+        """Hold the block `digest` and read it whole: True when it is intact (a damaged one is moved aside, and the
+        save stores its own bytes instead)."""
+        self.hold((digest,))
+        held.append(digest)
+        try:
+            self.read_block(digest)
+        except DamagedState:
+            self.forget_damaged(digest)
+            return False
+        return True
+
+    def _present(self, digest: str, payload_bytes: int) -> bool:
+        """Whether the block is stored, by its size (its bytes are checked against its name on every read)."""
+        try:
+            size = self.block_path(digest).stat().st_size
+        except OSError:
+            return False
+        return size == _BLOCK_HEADER.size + payload_bytes
 
     def _assembled_checksum(self, manifest: Manifest, pieces: Sequence[bytes | memoryview]) -> str:
         out = np.empty(manifest.cut.layout.file_size, dtype=np.uint8)
         place_tail(out, manifest.cut, b"".join(pieces))
-        for b, (key, digest) in enumerate(zip(manifest.keys, manifest.sums, strict=True)):
-            place_block(out, manifest.cut, b, self.read_block(key, digest))
+        for b, digest in enumerate(manifest.digests):
+            place_block(out, manifest.cut, b, self.read_block(digest))
         return xxhash.xxh3_128_hexdigest(out.data)
 
-    def _stored_sum(self, key: str) -> bytes | None:
-        """The checksum in a stored block's header; None when there is none (or it is not one of ours)."""
-        try:
-            with self.block_path(key).open("rb") as fh:
-                header = fh.read(_BLOCK_HEADER.size)
-        except OSError:
-            return None
-        if len(header) != _BLOCK_HEADER.size:
-            return None
-        magic, _, digest = _BLOCK_HEADER.unpack(header)
-        return digest if magic == _BLOCK_MAGIC else None
-
-    def _write_block(self, key: str, payload: memoryview, digest: bytes) -> None:
-        path = self.block_path(key)
+    def _write_block(self, digest: str, payload: memoryview, raw: bytes) -> None:
+        path = self.block_path(digest)
         make_private_dir(path.parent)
-        _write_atomically(path, [_BLOCK_HEADER.pack(_BLOCK_MAGIC, len(payload), digest), payload])
+        _write_atomically(path, [_BLOCK_HEADER.pack(_BLOCK_MAGIC, len(payload), raw), payload])
 
     def _write_tail(self, filename: str, pieces: Sequence[bytes | memoryview], manifest: Manifest) -> None:
         body = json.dumps({
-            "cut": layout_to_json(manifest.cut), "keys": list(manifest.keys), "sums": list(manifest.sums),
-            "tail_checksum": manifest.tail_checksum, "checksum": manifest.checksum,
+            "cut": layout_to_json(manifest.cut), "prefixes": list(manifest.prefixes),
+            "digests": list(manifest.digests), "tail_checksum": manifest.tail_checksum,
+            "checksum": manifest.checksum,
         }, separators=(",", ":")).encode()
         trailer = _TRAILER.pack(len(body), xxhash.xxh3_128_digest(body), _TAIL_MAGIC)
         path = self.tail_path(filename)
         _write_atomically(path, [*pieces, body, trailer])
         fsync_dir(path.parent)
 
-    def hold(self, keys: Iterable[str]) -> None:
+    def hold(self, digests: Iterable[str]) -> None:
+        """Keep these blocks alive (never collected) until `release`: work in flight names them."""
         with self._lock:
-            self._in_flight.update(keys)
+            self._in_flight.update(digests)
 
-    def release(self, keys: Iterable[str]) -> None:
+    def release(self, digests: Iterable[str]) -> None:
+        """End a `hold`; a commit's blocks are released only once its rows name them."""
         with self._lock:
-            self._in_flight.subtract(keys)
-            self._in_flight += Counter()  # drops the keys no save holds any more
+            self._in_flight.subtract(digests)
+            self._in_flight += Counter()  # drops the digests no work holds any more
 
     # -- reading ----------------------------------------------------------------------------------------------
 
@@ -246,7 +291,7 @@ class BlockStore:
                 fh.seek(size - _TRAILER.size)
                 length, digest, magic = _TRAILER.unpack(fh.read(_TRAILER.size))
                 if magic != _TAIL_MAGIC or length > min(_MANIFEST_MAX, size - _TRAILER.size):
-                    raise DamagedState("its tail has no manifest")
+                    raise DamagedState("its tail has no manifest this code reads")
                 fh.seek(size - _TRAILER.size - length)
                 body = fh.read(length)
         except FileNotFoundError as exc:
@@ -258,30 +303,38 @@ class BlockStore:
         try:
             data = json.loads(body)
             cut = layout_from_json(data["cut"])
-            keys, sums = tuple(map(str, data["keys"])), tuple(map(str, data["sums"]))
-            manifest = Manifest(cut, keys, sums, str(data["tail_checksum"]), str(data["checksum"]))
+            prefixes, digests = tuple(map(str, data["prefixes"])), tuple(map(str, data["digests"]))
+            manifest = Manifest(cut, prefixes, digests, str(data["tail_checksum"]), str(data["checksum"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise DamagedState(f"its manifest is not one this code reads: {exc}") from exc
-        if len(keys) != cut.n_blocks or len(sums) != cut.n_blocks or cut.tail_size != size - _TRAILER.size - length:
+        if len(prefixes) != cut.n_blocks or len(digests) != cut.n_blocks or \
+                cut.tail_size != size - _TRAILER.size - length or not all(map(is_digest, (*prefixes, *digests))):
             raise DamagedState("its manifest does not match its tail")
         return manifest
 
-    def read_block(self, key: str, digest_hex: str) -> bytes:
-        """A block's payload, checked against its header and the checksum the state recorded."""
-        return _checked_block(self.block_path(key), key, digest_hex)
+    def read_block(self, digest: str) -> bytes:
+        """A block's payload, checked against its name."""
+        return _checked_block(self.block_path(digest), digest)
 
-    def has_block(self, key: str, digest_hex: str) -> bool:
-        """Whether the store holds the block with this checksum (by its header; its bytes are checked on use)."""
-        stored = self._stored_sum(key)
-        return stored is not None and stored.hex() == digest_hex
-
-    def adopt_block(self, key: str, digest_hex: str, source: Path) -> bool:
-        """Take a downloaded block file into the store once it is checked (DamagedState if it is not); False when
-        the store holds another block of that key (float noise of another state): `source` is left for the caller."""
-        _checked_block(source, key, digest_hex)
-        if self._stored_sum(key) is not None:
+    def has_block(self, digest: str) -> bool:
+        """Whether the store holds the block (by its header; its bytes are checked on use)."""
+        try:
+            with self.block_path(digest).open("rb") as fh:
+                header = fh.read(_BLOCK_HEADER.size)
+        except OSError:
             return False
-        path = self.block_path(key)
+        if len(header) != _BLOCK_HEADER.size:
+            return False
+        magic, _, raw = _BLOCK_HEADER.unpack(header)
+        return bool(magic == _BLOCK_MAGIC and raw.hex() == digest)
+
+    def adopt_block(self, digest: str, source: Path) -> bool:
+        """Take a downloaded block file into the store once its bytes are checked against its name (DamagedState if
+        they are not); False when the store holds it already (`source` is then left for the caller)."""
+        _checked_block(source, digest)
+        if self.has_block(digest):
+            return False
+        path = self.block_path(digest)
         make_private_dir(path.parent)
         with source.open("rb") as fh:
             os.fsync(fh.fileno())
@@ -313,9 +366,8 @@ class BlockStore:
         missing or damaged (nothing is left at `target` then)."""
         return self.assemble_from(self.tail_path(filename), target)
 
-    def assemble_from(self, tail_path: Path, target: Path, blocks: dict[str, Path] | None = None) -> tuple[int, str]:
-        """`assemble` from the tail at `tail_path`, reading the blocks named in `blocks` from those files instead of
-        the store (a download whose block differs from the one stored here by float noise)."""
+    def assemble_from(self, tail_path: Path, target: Path) -> tuple[int, str]:
+        """`assemble` from the tail at `tail_path` (one here, or one downloaded)."""
         manifest = self.manifest_at(tail_path)
         try:
             tail = self.read_tail_at(manifest, tail_path)
@@ -336,9 +388,8 @@ class BlockStore:
                     place_tail(out, cut, tail)
                 else:
                     _pwrite_all(fd, tail_writes(cut, tail))
-                for b, (key, digest) in enumerate(zip(manifest.keys, manifest.sums, strict=True)):
-                    source = (blocks or {}).get(key)
-                    payload = self.read_block(key, digest) if source is None else _checked_block(source, key, digest)
+                for b, digest in enumerate(manifest.digests):
+                    payload = self.read_block(digest)
                     _pwrite_all(fd, block_writes(cut, b, payload))
                     if out is not None:
                         place_block_runs(out, cut, b, payload)
@@ -356,57 +407,77 @@ class BlockStore:
     def remove_tail(self, filename: str) -> None:
         unlink_quietly(self.tail_path(filename))
 
-    def collect(self, keys: Iterable[str], referenced: Callable[[Sequence[str]], set[str]]) -> int:
-        """Remove the blocks among `keys` that no state names (`referenced` says which are named) and no save holds;
-        returns how many went."""
-        candidates = sorted(set(keys))
+    def collect(self, digests: Iterable[str], referenced: Callable[[Sequence[str]], set[str]]) -> int:
+        """Remove the blocks among `digests` that no committed state names (`referenced` says which are named) and
+        no work in flight holds; returns how many went. Both are read under the one lock `release` takes, so a
+        commit that names a block cannot slip between them."""
+        candidates = sorted(set(digests))
         if not candidates:
             return 0
-        named = referenced(candidates)
         removed = 0
-        with self._lock:  # a save that holds a key before it looks for its block keeps it
-            for key in candidates:
-                if key not in named and not self._in_flight.get(key):
-                    unlink_quietly(self.block_path(key))
+        with self._lock:
+            named = referenced(candidates)
+            for digest in candidates:
+                if digest not in named and not self._in_flight.get(digest):
+                    unlink_quietly(self.block_path(digest))
                     removed += 1
         return removed
 
-    def forget_damaged(self, key: str) -> None:
-        """A damaged block goes, so that the next save of those tokens writes it again."""
-        unlink_quietly(self.block_path(key))
+    def forget_damaged(self, digest: str) -> None:
+        """A block found damaged is moved into the quarantine (if it is still damaged: never a good block another
+        save wrote since), so that the next save of those tokens writes it again. A missing one needs nothing."""
+        path = self.block_path(digest)
+        try:
+            _checked_block(path, digest)
+        except DamagedState:
+            if path.exists():
+                move_aside(self.slot_dir, path, f"{digest}.blk")
+                log.warning("block %s was damaged: it is quarantined, and the next save of its tokens writes it again",
+                            digest)
 
-    def stored_keys(self) -> set[str]:
-        """Every block key on disk (for the start's sweep of blocks no state names)."""
+    def stored_digests(self) -> set[str]:
+        """Every block on disk (for the start's sweep of blocks no state names)."""
         found: set[str] = set()
+        for directory in self._block_dirs():
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    if entry.name.endswith(".blk") and is_digest(entry.name[:-4]):
+                        found.add(entry.name[:-4])
+        return found
+
+    def sweep_temporaries(self) -> int:
+        """Remove the temporaries a crash left (block writes, downloads): only those older than this store's
+        opening, which no write of this process can own. Returns how many went."""
+        cutoff = self._opened_ns - int(TEMP_MARGIN_SECONDS * 1e9)
+        removed = 0
+        for directory in self._block_dirs():
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    try:
+                        old = entry.stat(follow_symlinks=False).st_mtime_ns < cutoff
+                    except OSError:
+                        continue
+                    if entry.name.startswith(".tmp-") and old:
+                        unlink_quietly(Path(entry.path))
+                        removed += 1
+        return removed
+
+    def _block_dirs(self) -> list[str]:
         try:
             with os.scandir(self.root) as dirs:
-                for directory in dirs:
-                    if not directory.is_dir(follow_symlinks=False):
-                        continue
-                    with os.scandir(directory.path) as entries:
-                        for entry in entries:
-                            if entry.name.startswith(".tmp-"):  # a write a crash cut short
-                                unlink_quietly(Path(entry.path))
-                            elif entry.name.endswith(".blk"):
-                                found.add(entry.name[:-4])
+                return [d.path for d in dirs if d.is_dir(follow_symlinks=False)]
         except FileNotFoundError:
-            pass
-        return found
+            return []
 
     def usage(self) -> tuple[int, int]:
         """(blocks, bytes) on disk."""
         count = total = 0
-        try:
-            with os.scandir(self.root) as dirs:
-                for directory in dirs:
-                    if directory.is_dir(follow_symlinks=False):
-                        with os.scandir(directory.path) as entries:
-                            for entry in entries:
-                                if entry.name.endswith(".blk") and not entry.name.startswith("."):
-                                    count += 1
-                                    total += entry.stat(follow_symlinks=False).st_size
-        except FileNotFoundError:
-            pass
+        for directory in self._block_dirs():
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    if entry.name.endswith(".blk") and not entry.name.startswith("."):
+                        count += 1
+                        total += entry.stat(follow_symlinks=False).st_size
         return count, total
 
 
@@ -417,22 +488,22 @@ def _pwrite_all(fd: int, writes: Iterable[tuple[int, memoryview]]) -> None:
             view, offset = view[n:], offset + n
 
 
-def _checked_block(path: Path, key: str, digest_hex: str) -> bytes:
-    """The payload of the block file at `path`, checked: its header's magic and length, and its checksum against
-    both its header and `digest_hex` (what the state that names it recorded)."""
+def _checked_block(path: Path, digest: str) -> bytes:
+    """The payload of the block file at `path`, checked: its header's magic and length, and its bytes against its
+    name `digest` (the header's copy of it too)."""
     try:
         with path.open("rb") as fh:
             data = fh.read()
     except OSError as exc:
-        raise DamagedState(f"block {key} is missing", key) from exc
+        raise DamagedState(f"block {digest} is missing", digest) from exc
     if len(data) < _BLOCK_HEADER.size:
-        raise DamagedState(f"block {key} is truncated", key)
-    magic, length, digest = _BLOCK_HEADER.unpack_from(data)
+        raise DamagedState(f"block {digest} is truncated", digest)
+    magic, length, raw = _BLOCK_HEADER.unpack_from(data)
     payload = data[_BLOCK_HEADER.size:]
     if magic != _BLOCK_MAGIC or length != len(payload):
-        raise DamagedState(f"block {key} is truncated or not a block", key)
-    if digest.hex() != digest_hex or xxhash.xxh3_128_digest(payload) != digest:
-        raise DamagedState(f"block {key} does not match its checksum", key)
+        raise DamagedState(f"block {digest} is truncated or not a block", digest)
+    if raw.hex() != digest or xxhash.xxh3_128_hexdigest(payload) != digest:
+        raise DamagedState(f"block {digest} does not match its name", digest)
     return payload
 
 

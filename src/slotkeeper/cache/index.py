@@ -8,19 +8,35 @@ store's (store.py), which writes a row only for a file that is already durable.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.chain import Link
+from slotkeeper.cache.kvprobe import KvProbe
 from slotkeeper.errors import OlderVersion
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
 from slotkeeper.version import Version, newer, next_version
+
+log = logging.getLogger("slotkeeper.store")
+# KV settings remembered per model and layout (the least recently seen forgotten: its states then prefill once).
+_PROBES_KEPT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    """One block a state names: its digest, and its prefix when another save of this host may name it by that
+    prefix (None: a block brought from elsewhere, named by this state only by its bytes)."""
+
+    digest: str
+    prefix: str | None
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (
@@ -59,16 +75,28 @@ CREATE TABLE IF NOT EXISTS blocks (
     PRIMARY KEY (filename, position)
 );
 CREATE INDEX IF NOT EXISTS blocks_by_digest ON blocks (digest);
-CREATE TABLE IF NOT EXISTS kv_refs (
+CREATE TABLE IF NOT EXISTS block_refs (
     filename    TEXT NOT NULL,
-    key         TEXT NOT NULL,
-    PRIMARY KEY (filename, key)
+    position    INTEGER NOT NULL,
+    digest      TEXT NOT NULL,
+    prefix      TEXT,
+    PRIMARY KEY (filename, position)
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS kv_refs_by_key ON kv_refs (key);
-CREATE TABLE IF NOT EXISTS kv_blocks (
-    key         TEXT PRIMARY KEY,
+CREATE INDEX IF NOT EXISTS block_refs_by_digest ON block_refs (digest);
+CREATE INDEX IF NOT EXISTS block_refs_by_prefix ON block_refs (prefix) WHERE prefix IS NOT NULL;
+CREATE TABLE IF NOT EXISTS block_sizes (
+    digest      TEXT PRIMARY KEY,
     n_bytes     INTEGER NOT NULL
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS kv_probes (
+    base        TEXT NOT NULL,
+    setting     INTEGER NOT NULL,
+    layout      TEXT NOT NULL,
+    exact       TEXT NOT NULL,
+    vals        BLOB NOT NULL,
+    seen        REAL NOT NULL,
+    PRIMARY KEY (base, setting)
+);
 CREATE TABLE IF NOT EXISTS file_identities (
     path        TEXT NOT NULL,
     size        INTEGER NOT NULL,
@@ -108,7 +136,11 @@ class SnapshotIndex:
         self._db = sqlite3.connect(index_path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
+        legacy_blocks = self._db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type='table' AND name='kv_refs'").fetchone() is not None
         self._db.executescript(_SCHEMA)
+        if legacy_blocks:
+            self._forget_legacy_blocks()
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")}
         if "pinned" not in columns:  # an index from before pinning
             self._db.execute("ALTER TABLE snapshots ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
@@ -125,6 +157,22 @@ class SnapshotIndex:
         self._db.execute("UPDATE snapshots SET kind = 'side' WHERE kind = 'session' AND session_id GLOB"
                          " '~side-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*'")
 
+    def _forget_legacy_blocks(self) -> None:
+        """An index from before blocks were named by their bytes: its states kept as blocks named them by prefix,
+        under a fingerprint that left out the KV's types and settings, so none of them can be trusted. Their rows go
+        (the start's clean-up then removes their tails, and the sweep their blocks); states kept whole stay (their
+        old fingerprint keeps them from being restored until they age out)."""
+        with self._transaction():
+            gone = [f for (f,) in self._db.execute("SELECT filename FROM snapshots WHERE tail_bytes > 0")]
+            for filename in gone:
+                self._db.execute("DELETE FROM snapshots WHERE filename=?", (filename,))
+                self._forget_file(filename)
+            self._db.execute("DROP TABLE kv_refs")
+            self._db.execute("DROP TABLE IF EXISTS kv_blocks")
+        if gone:
+            log.warning("forgot %d saved state(s) kept as blocks by an older slotkeeper: their blocks were named by "
+                        "a key that did not cover every setting of the KV, and are not trusted", len(gone))
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -140,8 +188,8 @@ class SnapshotIndex:
     def replace(self, key: SessionKey, kind: SnapshotKind, filename: str, fingerprint: str, n_tokens: int,
                 n_bytes: int, checksum: str, chain: Sequence[Link] = (),
                 n_prompt: int = 0, blocks: Sequence[int] | None = None, version: Version | None = None,
-                fence: int | None = None, tail_bytes: int = 0, kv_keys: Sequence[str] = (),
-                kv_block_bytes: int = 0) -> tuple[Snapshot | None, Snapshot]:
+                fence: int | None = None, tail_bytes: int = 0, block_refs: Sequence[BlockRef] = (),
+                block_bytes: int = 0) -> tuple[Snapshot | None, Snapshot]:
         """Index `filename` as the key's snapshot, with its chain and its token blocks (tokens.py; None: its tokens
         could not be read), in one transaction; returns the row it replaced (its file is now the caller's to remove)
         and the new one. The replaced row's `created` and `hits` carry over.
@@ -169,10 +217,10 @@ class SnapshotIndex:
                 (key.model, key.session_id, str(kind), filename, fingerprint, n_tokens, n_bytes, checksum, now, now,
                  max(n_prompt, 0), 0 if blocks is None else len(blocks), version.fence, version.stamp, tail_bytes),
             )
-            self._db.executemany("INSERT OR IGNORE INTO kv_refs (filename, key) VALUES (?, ?)",
-                                 [(filename, k) for k in kv_keys])
-            self._db.executemany("INSERT OR IGNORE INTO kv_blocks (key, n_bytes) VALUES (?, ?)",
-                                 [(k, kv_block_bytes) for k in kv_keys])
+            self._db.executemany("INSERT INTO block_refs (filename, position, digest, prefix) VALUES (?, ?, ?, ?)",
+                                 [(filename, i, ref.digest, ref.prefix) for i, ref in enumerate(block_refs)])
+            self._db.executemany("INSERT OR IGNORE INTO block_sizes (digest, n_bytes) VALUES (?, ?)",
+                                 [(ref.digest, block_bytes) for ref in block_refs])
             self._db.executemany(
                 "INSERT INTO chains (filename, position, digest, chars) VALUES (?, ?, ?, ?)",
                 [(filename, i, link.digest, link.chars) for i, link in enumerate(chain)],
@@ -207,51 +255,65 @@ class SnapshotIndex:
             self._db.execute("DELETE FROM chains WHERE filename NOT IN (SELECT filename FROM snapshots)")
             self._db.execute("DELETE FROM blocks WHERE filename NOT IN (SELECT filename FROM snapshots)")
 
-    # -- KV blocks (blockstore.py): which states name which blocks -----------------------------------------------
+    # -- KV blocks (blockstore.py): which states name which blocks, and which prefix this host stored as which ----
 
     def unref(self, filename: str) -> list[str]:
-        """Forget which blocks a removed state named; returns their keys (the store collects those no state names)."""
+        """Forget which blocks a removed state named; returns their digests (the store collects those no state
+        names)."""
         with self._lock, self._transaction():
-            keys = [k for (k,) in self._db.execute("SELECT key FROM kv_refs WHERE filename=?", (filename,))]
-            self._db.execute("DELETE FROM kv_refs WHERE filename=?", (filename,))
-        return keys
+            digests = [d for (d,) in self._db.execute("SELECT DISTINCT digest FROM block_refs WHERE filename=?",
+                                                      (filename,))]
+            self._db.execute("DELETE FROM block_refs WHERE filename=?", (filename,))
+        return digests
 
-    def referenced(self, keys: Sequence[str]) -> set[str]:
-        """The keys among `keys` that some state names; the others' sizes are forgotten (they are being removed)."""
+    def referenced(self, digests: Sequence[str]) -> set[str]:
+        """The digests among `digests` that some state names; the others' sizes are forgotten (they are being
+        removed)."""
         found: set[str] = set()
         with self._lock, self._transaction():
-            for k in keys:
-                if self._db.execute("SELECT 1 FROM kv_refs WHERE key=? LIMIT 1", (k,)).fetchone() is not None:
-                    found.add(k)
+            for d in digests:
+                if self._db.execute("SELECT 1 FROM block_refs WHERE digest=? LIMIT 1", (d,)).fetchone() is not None:
+                    found.add(d)
                 else:
-                    self._db.execute("DELETE FROM kv_blocks WHERE key=?", (k,))
+                    self._db.execute("DELETE FROM block_sizes WHERE digest=?", (d,))
+        return found
+
+    def stored_for(self, prefixes: Sequence[str]) -> dict[str, str]:
+        """For each of `prefixes` this host's own saves stored, a digest it was stored as (blockstore.py `Reuse`)."""
+        found: dict[str, str] = {}
+        with self._lock:
+            for prefix in dict.fromkeys(prefixes):
+                row = self._db.execute("SELECT digest FROM block_refs WHERE prefix=? LIMIT 1", (prefix,)).fetchone()
+                if row is not None:
+                    found[prefix] = str(row[0])
         return found
 
     def block_usage(self) -> tuple[int, int]:
         """(blocks, bytes) of the KV blocks the states name, each once."""
         with self._lock:
-            count, total = self._db.execute("SELECT COUNT(*), COALESCE(SUM(n_bytes), 0) FROM kv_blocks").fetchone()
+            count, total = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(n_bytes), 0) FROM block_sizes").fetchone()
         return int(count), int(total)
 
     def own_block_bytes(self, filename: str) -> int:
         """The bytes of the blocks only this state names: what its eviction frees besides its tail."""
         with self._lock:
             return int(self._db.execute(
-                "SELECT COALESCE(SUM(b.n_bytes), 0) FROM kv_refs r JOIN kv_blocks b ON b.key = r.key"
-                " WHERE r.filename = ? AND NOT EXISTS (SELECT 1 FROM kv_refs o WHERE o.key = r.key"
-                " AND o.filename <> r.filename)", (filename,)).fetchone()[0])
+                "SELECT COALESCE(SUM(b.n_bytes), 0) FROM (SELECT DISTINCT digest FROM block_refs WHERE filename = ?)"
+                " r JOIN block_sizes b ON b.digest = r.digest WHERE NOT EXISTS (SELECT 1 FROM block_refs o"
+                " WHERE o.digest = r.digest AND o.filename <> ?)", (filename, filename)).fetchone()[0])
 
     def orphan_refs(self) -> list[str]:
-        """Drop the block references of states whose row is gone (a crash between the two); returns their keys."""
+        """Drop the block references of states whose row is gone (a crash between the two); returns their digests."""
         with self._lock, self._transaction():
-            keys = [k for (k,) in self._db.execute(
-                "SELECT DISTINCT key FROM kv_refs WHERE filename NOT IN (SELECT filename FROM snapshots)")]
-            self._db.execute("DELETE FROM kv_refs WHERE filename NOT IN (SELECT filename FROM snapshots)")
-        return keys
+            digests = [d for (d,) in self._db.execute(
+                "SELECT DISTINCT digest FROM block_refs WHERE filename NOT IN (SELECT filename FROM snapshots)")]
+            self._db.execute("DELETE FROM block_refs WHERE filename NOT IN (SELECT filename FROM snapshots)")
+        return digests
 
     def all_referenced(self) -> set[str]:
         with self._lock:
-            return {k for (k,) in self._db.execute("SELECT DISTINCT key FROM kv_refs")}
+            return {d for (d,) in self._db.execute("SELECT DISTINCT digest FROM block_refs")}
 
     def set_blocks(self, filename: str, blocks: Sequence[int] | None) -> None:
         """The token blocks of a state indexed before blocks existed (None: its tokens could not be read)."""
@@ -362,7 +424,7 @@ class SnapshotIndex:
 
     def _total_bytes(self) -> int:
         return int(self._db.execute(_STORED_BYTES).fetchone()[0]) + int(
-            self._db.execute("SELECT COALESCE(SUM(n_bytes), 0) FROM kv_blocks").fetchone()[0])
+            self._db.execute("SELECT COALESCE(SUM(n_bytes), 0) FROM block_sizes").fetchone()[0])
 
     def over_budget(self, budget: DiskBudget, now: float) -> bool:
         """Whether any limit is broken at all, by one aggregate query per limit. Every save enforces the budget and
@@ -395,6 +457,25 @@ class SnapshotIndex:
         return out
 
     # -- model file identities (cached, so a 20 GB GGUF is not re-read at every start) ------------------------
+
+    def kv_setting(self, base: str, probe: KvProbe) -> int:
+        """The number of the KV setting `probe` shows among those seen under `base` (a model and layout): the one it
+        agrees with within float noise, else a new one (kvprobe.py)."""
+        with self._lock, self._transaction():
+            rows = self._db.execute("SELECT setting, layout, vals, exact FROM kv_probes WHERE base=?"
+                                    " ORDER BY seen DESC", (base,)).fetchall()
+            for setting, layout, vals, exact in rows:
+                if probe.same_setting(KvProbe.stored(layout, vals, exact)):
+                    self._db.execute("UPDATE kv_probes SET seen=? WHERE base=? AND setting=?",
+                                     (time.time(), base, setting))
+                    return int(setting)
+            setting = 1 + max((int(r[0]) for r in rows), default=0)
+            self._db.execute("INSERT INTO kv_probes (base, setting, layout, exact, vals, seen)"
+                             " VALUES (?, ?, ?, ?, ?, ?)",
+                             (base, setting, probe.layout, probe.exact, probe.values_bytes(), time.time()))
+            self._db.execute("DELETE FROM kv_probes WHERE base=? AND setting NOT IN (SELECT setting FROM kv_probes"
+                             " WHERE base=? ORDER BY seen DESC LIMIT ?)", (base, base, _PROBES_KEPT))
+        return setting
 
     def cached_identity(self, path: str, size: int, mtime_ns: int) -> str | None:
         with self._lock:

@@ -92,8 +92,9 @@ def _reconcile_ram(ram: RamDir, indexed: set[str]) -> int:
 def sweep_blocks(index: SnapshotIndex, blocks: BlockStore) -> int:
     """At start, in a worker thread: remove blocks no state names (a save that crashed before its commit, a
     removal that crashed before its blocks went) and block temporaries; returns how many blocks went."""
+    blocks.sweep_temporaries()
     orphans = index.orphan_refs()
-    stored = blocks.stored_keys()
+    stored = blocks.stored_digests()
     unnamed = (stored - index.all_referenced()) | set(orphans)
     return blocks.collect(unnamed, index.referenced)
 

@@ -40,6 +40,7 @@ class TokenRegion:
     offset: int
     n_outer: int
     cell_bytes: int
+    type_id: int = -1  # the tensor's ggml type as the file gives it (-1: not known): f16 and bf16 rows are of one size
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +143,7 @@ def _attention_data(r: _Reader, at: int, n_cells: int, has_v: bool) -> tuple[int
             if el_bytes == 0 or n_embd == 0:
                 raise _Bad
             at += _TYPED_EL.size
-            regions.append(TokenRegion(at, n_embd, el_bytes))
+            regions.append(TokenRegion(at, n_embd, el_bytes, type_id))
             at = r.need(at, n_embd * n_cells * el_bytes)
             continue
         r.need(at, _TYPED_ROW.size)
@@ -151,7 +152,7 @@ def _attention_data(r: _Reader, at: int, n_cells: int, has_v: bool) -> tuple[int
         if row == 0:
             raise _Bad
         at += _TYPED_ROW.size
-        regions.append(TokenRegion(at, 1, row))
+        regions.append(TokenRegion(at, 1, row, type_id))
         at = r.need(at, n_cells * row)
     return at, tuple(regions)
 

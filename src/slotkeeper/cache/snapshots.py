@@ -43,6 +43,7 @@ from slotkeeper.cache.candidates import Lookups
 from slotkeeper.cache.chain import Link
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.fingerprint import model_file_identity
+from slotkeeper.cache.kvprobe import KvProbe
 from slotkeeper.cache.pending import PendingWrites
 from slotkeeper.cache.pending import key_of as key_of  # where the rest of the code finds them
 from slotkeeper.cache.pending import snapshot_id as snapshot_id
@@ -144,6 +145,10 @@ class Snapshots:
     def model_identity(self, path: Path) -> str:
         """Blocking: the model file's content identity, from the index's cache when the file did not change."""
         return model_file_identity(path, self._store)
+
+    def kv_setting(self, base: str, probe: KvProbe) -> int:
+        """Blocking: the number of the KV setting a backend's probe shows under `base` (kvprobe.py)."""
+        return self._store.kv_setting(base, probe)
 
     # -- saving ---------------------------------------------------------------------------------------------
 

@@ -30,7 +30,8 @@ from slotkeeper.cache.blockstore import BLOCK_HEADER_BYTES, TAIL_SUFFIX, BlockSt
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
 from slotkeeper.cache.chain import Link
 from slotkeeper.cache.hashmemo import HashMemo, fine_timestamps, read_identity
-from slotkeeper.cache.index import SnapshotIndex
+from slotkeeper.cache.index import BlockRef, SnapshotIndex
+from slotkeeper.cache.kvprobe import KvProbe
 from slotkeeper.cache.matching import Matching, PrefixMatch, TokenMatch
 from slotkeeper.cache.quarantine import QUARANTINE_DIR as QUARANTINE_DIR  # where the rest of the code finds it
 from slotkeeper.cache.quarantine import move_aside
@@ -121,10 +122,14 @@ class SnapshotStore:
             self.discard_temp(temp_name)
             self.blocks.remove_tail(final_name)
             if isinstance(exc, SplitFailed):  # the blocks it wrote go now, not at the next start: the disk is full
-                self.blocks.collect(exc.keys, self._index.referenced)
+                self.blocks.collect(exc.digests, self._index.referenced)
             raise SnapshotError(f"could not store the blocks of the snapshot of {key}: {exc}") from exc
         if split is not None:
-            return self._commit_split(key, kind, temp_name, final_name, fingerprint, n_tokens, split, in_ram,
+            # Only a save this host's backend wrote offers its blocks to later saves by prefix; a copy brought in
+            # (`version` given: an import, the shared tier) names its own blocks by their bytes alone.
+            refs = [BlockRef(d, p if version is None else None) for p, d in zip(split.prefixes, split.digests,
+                                                                                 strict=True)]
+            return self._commit_split(key, kind, temp_name, final_name, fingerprint, n_tokens, split, refs, in_ram,
                                       chain, n_prompt, tokens, version, fence)
         try:
             if in_ram:
@@ -170,10 +175,11 @@ class SnapshotStore:
         if self.blocks.block_tokens <= 0:
             return None
         _check_size(source.stat().st_size, n_written)
-        return self.blocks.split(source, final_name, tokens, fingerprint)
+        return self.blocks.split(source, final_name, tokens, fingerprint, self._index.stored_for)
 
     def _commit_split(self, key: SessionKey, kind: SnapshotKind, temp_name: str, final_name: str, fingerprint: str,
-                      n_tokens: int, split: Split, in_ram: bool, chain: Sequence[Link], n_prompt: int,
+                      n_tokens: int, split: Split, refs: Sequence[BlockRef], in_ram: bool, chain: Sequence[Link],
+                      n_prompt: int,
                       tokens: Tokens | None, version: Version | None, fence: int | None) -> Snapshot:
         """Index a save stored as blocks and a tail; the file the backend wrote stays only as the RAM dir's copy."""
         n_bytes = split.cut.layout.file_size
@@ -194,15 +200,15 @@ class SnapshotStore:
             try:
                 previous, snapshot = self._index.replace(
                     key, kind, final_name, fingerprint, n_tokens, n_bytes, split.checksum, chain, n_prompt, blocks,
-                    version, fence, tail_bytes=split.tail_bytes, kv_keys=split.keys,
-                    kv_block_bytes=split.cut.block_bytes + BLOCK_HEADER_BYTES)
+                    version, fence, tail_bytes=split.tail_bytes, block_refs=refs,
+                    block_bytes=split.cut.block_bytes + BLOCK_HEADER_BYTES)
             except OlderVersion:
                 self._unlink_snapshot_files(final_name)
                 raise
         finally:
-            self.blocks.release(split.keys)
+            self.blocks.release(split.digests)  # after the rows that name them: a collection sees one or the other
         self._after_commit(final_name, tokens, previous, in_ram)
-        log.debug("stored %s as %d blocks (%d bytes new) and a tail of %d bytes", final_name, len(split.keys),
+        log.debug("stored %s as %d blocks (%d bytes new) and a tail of %d bytes", final_name, len(split.digests),
                   split.new_block_bytes, split.tail_bytes)
         return snapshot
 
@@ -486,6 +492,9 @@ class SnapshotStore:
 
     def remember_identity(self, path: str, size: int, mtime_ns: int, identity: str) -> None:
         self._index.remember_identity(path, size, mtime_ns, identity)
+
+    def kv_setting(self, base: str, probe: KvProbe) -> int:
+        return self._index.kv_setting(base, probe)
 
 
 def _check_size(n_bytes: int, n_written: int | None) -> None:

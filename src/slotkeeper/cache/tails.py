@@ -48,16 +48,16 @@ def open_parts(blocks: BlockStore, snapshot: Snapshot) -> tuple[BinaryIO, BlockM
     manifest = blocks.manifest(snapshot.filename)
     if manifest.checksum != snapshot.checksum:
         raise DamagedState("its tail belongs to another save")
-    blocks.hold(manifest.keys)
+    blocks.hold(manifest.digests)
     try:
         return blocks.tail_path(snapshot.filename).open("rb"), manifest
     except BaseException:
-        blocks.release(manifest.keys)
+        blocks.release(manifest.digests)
         raise
 
 
 def release_parts(blocks: BlockStore, manifest: BlockManifest) -> None:
-    blocks.release(manifest.keys)
+    blocks.release(manifest.digests)
 
 
 def appendix_extent(blocks: BlockStore, snapshot: Snapshot) -> tuple[Path, int | None]:

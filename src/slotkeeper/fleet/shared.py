@@ -2,22 +2,30 @@
 slot dir (the hot tier: llama-server restores only from a local file).
 
 Layout under the store's prefix:
-- `blobs/<xxh3-128>`: a snapshot file kept whole, named by the checksum slotkeeper already takes. Written once; a
-  system snapshot shared by many sessions, or a session saved unchanged, is stored once. A session's new version
-  removes the file of the version it replaced, so the store holds one file per session.
-- With the block store (`--block-tokens`, blockstore.py): `kv/<key>`, a KV block exactly as the slot dir keeps it
-  (named by the chained hash of its tokens and the fingerprint, so every host's save of one prefix names the same
-  object), and `tails/<xxh3-128>`, a state's tail. An upload puts only the blocks the store lacks; a download
-  fetches only those this host lacks. A block goes when no manifest names it (the budget's sweep).
+- `blobs/<xxh3-128>`: a snapshot file kept whole, named by its checksum. Written once; a system snapshot shared by
+  many sessions, or a session saved unchanged, is stored once.
+- With the block store (`--block-tokens`, blockstore.py): `kv/<digest>`, a KV block exactly as the slot dir keeps
+  it, named by the digest of its bytes, and `tails/<xxh3-128>`, a state's tail (named by its whole file's checksum).
+  Two hosts whose saves of one prefix differ by float noise put two blocks; neither names the other's. An upload
+  puts only the blocks the store lacks; a download fetches only those this host lacks, and checks each against its
+  name: a block that does not match its name is damaged (twice in a row: it is removed), never another host's copy.
 - `manifests/<fingerprint>/<kind>/<model>/<session>.json`: the newest version of one snapshot (the bundle's
-  `snapshot.json` plus `version`, `saved_at`, `origin`). Replaced only by a conditional write on the ETag read, so
-  two hosts that save one session at once cannot tear it: the loser reads again and writes only if it is newer.
+  `snapshot.json` plus `version`, `saved_at`, `origin`, and the objects it names). Replaced only by a conditional
+  write on the ETag read, so two hosts that save one session at once cannot tear it: the loser reads again and
+  writes only if it is newer.
+- `gc/<object key>`: a mark on an object that no manifest named when a sweep looked (see `collect_garbage`).
+
+Objects are removed in two phases, so that a host that reuses a stored object never has it deleted under a manifest
+it is writing: a sweep marks what no manifest names, and removes it only at a later sweep once the mark is older
+than GRACE_SECONDS and the object was not written again since. An upload, right before its manifest write, looks
+once more at every object it did not put itself: one that is gone or marked is put again under a fresh name
+(`<name>.<8 hex>`), which no mark covers. A mark set after that look is GRACE_SECONDS from a deletion, and the
+manifest is written within moments. Replacing a manifest deletes nothing: what it named goes through the sweep.
 
 Uploads run in the background after the local commit, the newest per snapshot (a save queued behind an upload in
 flight replaces any older one queued). A download is checked (fingerprint, size, checksum) before it is imported
-into the local index; a damaged one is refused and fetched once more, and an object damaged in the store is
-removed so that its owner's next save writes it again. Every failure here is logged and costs a prefill, never a
-request.
+into the local index; a damaged one is refused and fetched once more. Every failure here is logged and costs a
+prefill, never a request.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import dataclasses
 import logging
 import os
 import re
+import secrets
 import time
 import urllib.parse
 from collections import Counter
@@ -38,6 +47,7 @@ from typing import Any
 from slotkeeper.cache.blockstore import DamagedState
 from slotkeeper.cache.bundle import BundleMeta, meta_of
 from slotkeeper.cache.snapshots import Snapshots
+from slotkeeper.cache.transfers import Upload
 from slotkeeper.errors import BadRequest, OlderVersion, SlotkeeperError
 from slotkeeper.files import file_checksum, unlink_quietly
 from slotkeeper.fleet.objectstore import ObjectStore
@@ -52,10 +62,14 @@ MANIFEST_ATTEMPTS = 4
 # start from what this host has without waiting for a store that is down).
 LOOKUP_TIMEOUT_SECONDS = 3.0
 UNREACHABLE_PAUSE_SECONDS = 30.0
-# With a budget, the store is swept after an upload at most this often.
+# The store is swept after an upload at most this often.
 SWEEP_SECONDS = 300.0
+# An object no manifest names is marked only once it is this old (an upload writes its objects before its manifest).
 STRAY_SECONDS = 600.0
-_BLOCK_KEY = re.compile(r"[0-9a-f]{32}")
+# A mark's age before its object may go: far longer than an upload's last look at its objects takes to its manifest.
+GRACE_SECONDS = 3600.0
+MARKS = "gc/"
+_OBJECT_NAME = re.compile(r"[0-9a-f]{32}(\.[0-9a-f]{8})?")
 
 
 @dataclass(frozen=True)
@@ -70,8 +84,11 @@ class Manifest:
     # one uploaded again (by the host that has it intact) replaces it. A withdrawal is a conditional write, like
     # any other, so that it never takes away a version written after the damaged one was read.
     withdrawn: bool = False
-    # The keys of its KV blocks when it is stored as blocks and a tail (`kv/`, `tails/`); empty: one whole file.
+    # The names of its KV blocks' objects under `kv/` when it is stored as blocks and a tail (`tails/`); empty: one
+    # whole file. A name is the block's digest, with `.<8 hex>` after it when it was put again under a fresh name.
     kv: tuple[str, ...] = ()
+    # The name of its file's or tail's object when it was put again under a fresh name ("": the checksum's).
+    object: str = ""
 
     @property
     def version(self) -> Version:
@@ -79,7 +96,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         return {**self.meta.to_json(), "saved_at": self.saved_at, "origin": self.origin, "withdrawn": self.withdrawn,
-                "kv": list(self.kv)}
+                "kv": list(self.kv), "object": self.object}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
@@ -89,15 +106,28 @@ class Manifest:
             meta = dataclasses.replace(meta, version=Version(fence, 0))
         saved_at = data.get("saved_at")
         kv = data.get("kv") or []
-        if not isinstance(kv, list) or not all(isinstance(k, str) and _BLOCK_KEY.fullmatch(k) for k in kv):
-            raise BadRequest("the manifest's block keys are not 32 hex digits each")
+        if not isinstance(kv, list) or not all(isinstance(k, str) and _OBJECT_NAME.fullmatch(k) for k in kv):
+            raise BadRequest("the manifest's block names are not digests (32 hex digits, and .<8 hex> at most)")
+        named = data.get("object") or ""
+        if not isinstance(named, str) or (named and not _OBJECT_NAME.fullmatch(named)):
+            raise BadRequest("the manifest's object name is not a checksum")
         return cls(meta, float(saved_at) if isinstance(saved_at, (int, float)) else 0.0, str(data.get("origin") or ""),
-                   data.get("withdrawn") is True, tuple(kv))
+                   data.get("withdrawn") is True, tuple(kv), named)
 
     @property
     def object_key(self) -> str:
         """The object holding the state's file (kept whole) or its tail (kept as blocks)."""
-        return SharedTier.tail_key(self.meta.checksum) if self.kv else SharedTier.blob_key(self.meta.checksum)
+        name = self.object or self.meta.checksum
+        return SharedTier.tail_key(name) if self.kv else SharedTier.blob_key(name)
+
+    @property
+    def digests(self) -> tuple[str, ...]:
+        """Its blocks' digests (each object's name without a fresh name's suffix)."""
+        return tuple(name[:32] for name in self.kv)
+
+    def objects(self) -> list[str]:
+        """Every object it names."""
+        return [self.object_key, *(SharedTier.kv_key(name) for name in self.kv)]
 
     def replaced_by(self, version: Version) -> bool:
         """Whether a save at `version` may replace this manifest: it is newer, or it is this very version uploaded
@@ -147,8 +177,8 @@ class SharedTier:
         return f"tails/{checksum}"
 
     @staticmethod
-    def kv_key(key: str) -> str:
-        return f"kv/{key}"
+    def kv_key(name: str) -> str:
+        return f"kv/{name}"
 
     # -- uploads ----------------------------------------------------------------------------------------------
 
@@ -173,26 +203,55 @@ class SharedTier:
                     self.failed_uploads += 1
                     log.warning("uploading the snapshot of %s to the shared store failed (%s); it stays local and "
                                 "is uploaded with its next save", item[0], _message(exc))
-            if self.budget > 0 and time.monotonic() - self._swept > SWEEP_SECONDS:
+            if time.monotonic() - self._swept > SWEEP_SECONDS:
                 self._swept = time.monotonic()
                 try:
-                    await asyncio.to_thread(self.enforce_budget)
+                    await asyncio.to_thread(self.collect_garbage)
                 except Exception as exc:
-                    log.warning("keeping the shared store within its budget failed (%s); it is tried again after "
-                                "the next upload", _message(exc))
+                    log.warning("sweeping the shared store failed (%s); it is tried again after the next upload",
+                                _message(exc))
             self._idle.set()
 
-    def enforce_budget(self) -> int:
-        """Blocking: remove the least recently written snapshots (their manifest, then their file or tail, and the
-        blocks no other manifest names) until the objects in the store fit the budget; objects no manifest names
-        any more (a host stopped between two writes, blocks of replaced versions) go first. Returns how many
-        snapshots were removed. Every host may sweep: removing twice is harmless."""
+    def collect_garbage(self, now: float | None = None) -> int:
+        """Blocking: one sweep. Within the budget (if there is one), the least recently written snapshots' manifests
+        go; then every object no manifest names is marked, and one whose mark is older than GRACE_SECONDS (and that
+        was not written since) is removed with its mark. Returns how many objects went. Every host may sweep:
+        marking or removing twice is harmless."""
+        now = time.time() if now is None else now
         listed = [*self._store.listing("blobs/"), *self._store.listing("tails/"), *self._store.listing("kv/")]
-        objects = {key: size for key, size, _ in listed}
-        written = {key: when for key, _, when in listed}
-        manifests = sorted(self._store.listing("manifests/"), key=lambda m: m[2])
-        names: dict[str, list[str]] = {}  # manifest -> the objects it names
-        for key, _, _ in manifests:
+        objects = {key: (size, when) for key, size, when in listed}
+        marks = {key[len(MARKS):]: when for key, _, when in self._store.listing(MARKS)}
+        named = self._named_by_manifests()
+        if self.budget > 0:
+            self._enforce_budget(named, objects)
+        refs: Counter[str] = Counter(o for names in named.values() for o in set(names))
+        removed = 0
+        for key, (_, written) in objects.items():
+            marked = marks.pop(key, None)
+            if refs[key]:
+                if marked is not None:
+                    self._store.delete(MARKS + key)  # named again: the mark goes
+            elif marked is None:
+                if now - written > STRAY_SECONDS:
+                    self._store.put_json(MARKS + key, {"marked": now}, None)
+            elif now - marked > GRACE_SECONDS and written < marked:
+                self._store.delete(key)
+                self._store.delete(MARKS + key)
+                removed += 1
+        for key in marks:  # marks of objects gone
+            self._store.delete(MARKS + key)
+        if removed:
+            log.info("swept %d object(s) no manifest named for %.0f s from the shared store", removed, GRACE_SECONDS)
+        return removed
+
+    def enforce_budget(self) -> int:
+        """Blocking: `collect_garbage` now (kept for the tests and tools that call it by this name)."""
+        return self.collect_garbage()
+
+    def _named_by_manifests(self) -> dict[str, list[str]]:
+        """Every manifest (least recently written first) and the objects it names."""
+        names: dict[str, list[str]] = {}
+        for key, _, _ in sorted(self._store.listing("manifests/"), key=lambda m: m[2]):
             found = self._store.get_json(key)
             if found is None:
                 continue
@@ -200,29 +259,28 @@ class SharedTier:
                 manifest = Manifest.from_json(found[0])
             except SlotkeeperError:
                 continue
-            names[key] = [manifest.object_key, *(self.kv_key(k) for k in manifest.kv)]
-        refs: Counter[str] = Counter(o for named in names.values() for o in set(named))
+            names[key] = manifest.objects()
+        return names
+
+    def _enforce_budget(self, named: dict[str, list[str]], objects: dict[str, tuple[int, float]]) -> None:
+        """Remove the least recently written manifests until what the rest name fits the budget; what only they
+        named is then unnamed, and goes through the marks like any other object (the budget is met a grace period
+        later, never by deleting an object a writer may be about to name)."""
+        refs: Counter[str] = Counter(o for names in named.values() for o in set(names))
+        total = sum(objects[o][0] for o in refs if o in objects)
         removed = 0
-        # An object written in the last minutes may be another host's upload whose manifest is not written yet.
-        now = time.time()
-        for stray in [o for o in objects if not refs[o] and now - written[o] > STRAY_SECONDS]:
-            self._store.delete(stray)
-            del objects[stray]
-        total = sum(objects.values())
-        for key, _, _ in manifests:
+        for key in list(named):
             if total <= self.budget:
                 break
             self._store.delete(key)
-            for named in set(names.get(key, ())):
-                refs[named] -= 1
-                if refs[named] <= 0 and named in objects:
-                    self._store.delete(named)
-                    total -= objects.pop(named)
+            for o in set(named.pop(key)):
+                refs[o] -= 1
+                if refs[o] == 0 and o in objects:
+                    total -= objects[o][0]
             removed += 1
         if removed:
-            log.info("the shared store's budget (%d bytes) removed %d snapshot(s), the least recently saved",
-                     self.budget, removed)
-        return removed
+            log.info("the shared store's budget (%d bytes) removed %d snapshot(s), the least recently saved; their "
+                     "objects go after %.0f s", self.budget, removed, GRACE_SECONDS)
 
     async def drain(self, timeout: float) -> bool:
         """Wait (bounded) until every queued upload is done; True when none is left."""
@@ -238,24 +296,37 @@ class SharedTier:
             return  # evicted or replaced meanwhile: a newer save is queued, or there is nothing to upload
         snapshot, chain = upload.snapshot, upload.chain
         try:
-            kv: tuple[str, ...] = ()
-            if upload.blocks is not None:
-                kv = upload.blocks.keys
-                await self._put_blocks(kv)
-            blob = self.tail_key(snapshot.checksum) if kv else self.blob_key(snapshot.checksum)
-            put = not await asyncio.to_thread(self._store.exists, blob)
-            if put:
-                size = snapshot.n_bytes if not kv else os.fstat(upload.handle.fileno()).st_size
-                await asyncio.to_thread(self._store.put_file, blob, upload.handle, size)
-                self.uploaded_bytes += size
+            digests = () if upload.blocks is None else upload.blocks.digests
+            names = {d: d for d in digests}  # each block's object name
+            fresh: set[str] = set()  # the objects this upload put itself
+            for digest in names:
+                if not await asyncio.to_thread(self._store.exists, self.kv_key(digest)):
+                    await self._put_block(digest, digest)
+                    fresh.add(self.kv_key(digest))
+            whole = snapshot.checksum
+            object_key = self.tail_key(whole) if digests else self.blob_key(whole)
+            if not await asyncio.to_thread(self._store.exists, object_key):
+                await self._put_whole(upload, object_key)
+                fresh.add(object_key)
+            # The last look before the manifest names them: an object this upload did not put that is gone, or
+            # marked for removal, is put again under a fresh name (the sweep's two phases, above).
+            marks = {k[len(MARKS):] for k, _, _ in await asyncio.to_thread(self._store.listing, MARKS)}
+            for digest in names:
+                if not await self._still_there(self.kv_key(digest), fresh, marks):
+                    names[digest] = f"{digest}.{secrets.token_hex(4)}"
+                    await self._put_block(digest, names[digest])
+            object_name = ""
+            if not await self._still_there(object_key, fresh, marks):
+                object_name = f"{whole}.{secrets.token_hex(4)}"
+                object_key = self.tail_key(object_name) if digests else self.blob_key(object_name)
+                await self._put_whole(upload, object_key)
         finally:
             await asyncio.to_thread(self._snapshots.transfers.finish_upload, upload)
+        kv = tuple(names[d] for d in digests)
         meta = meta_of(snapshot, chain)
-        replaced: str | None = None  # the object of the version this upload replaced
         for _ in range(MANIFEST_ATTEMPTS):
             current = await asyncio.to_thread(self._store.get_json, self.manifest_key(key, kind))
             etag = None
-            replaced = None
             if current is not None:
                 existing, etag = current
                 try:
@@ -263,32 +334,45 @@ class SharedTier:
                 except SlotkeeperError:
                     older = None  # a manifest we cannot read is replaced
                 if older is not None:
-                    if older.meta.checksum == meta.checksum and older.kv == kv and not older.withdrawn:
+                    if older.meta.checksum == meta.checksum and older.digests == tuple(digests) and \
+                            not older.withdrawn and older.kv == kv and older.object == object_name:
                         break  # already there
                     if not older.replaced_by(meta.version):
-                        await self._refuse_older(key, kind, meta.version, older, blob if put else None)
+                        self._refuse_older(key, kind, meta.version, older)
                         return
-                    replaced = None if older.withdrawn else older.object_key
-            manifest = Manifest(meta, time.time(), self._origin, kv=kv)
+            manifest = Manifest(meta, time.time(), self._origin, kv=kv, object=object_name)
             if await asyncio.to_thread(self._store.put_json, self.manifest_key(key, kind), manifest.to_json(), etag):
                 break
         else:
             raise SlotkeeperError(f"the manifest of {key} kept changing under {MANIFEST_ATTEMPTS} conditional writes")
-        if replaced is not None and replaced != blob and kind is SnapshotKind.SESSION:
-            # A session's file is its own (a system snapshot's may be shared): the older version it replaced goes (its
-            # blocks, shared, go with the budget's sweep). A host downloading it this very moment gets none, and
-            # prefills.
-            await asyncio.to_thread(self._store.delete, replaced)
+        # The objects of the version it replaced stay until a sweep finds no manifest naming them: another session's
+        # manifest may name them too.
         self.uploads += 1
         log.info("uploaded the %s snapshot of %s to the shared store: %d tokens, %d bytes, version %s", kind, key,
                  snapshot.n_tokens, snapshot.n_bytes, meta.version)
 
-    async def _refuse_older(self, key: SessionKey, kind: SnapshotKind, version: Version, newer_one: Manifest,
-                            blob: str | None) -> None:
-        """A save older than the store's manifest: the manifest stays, the file just put goes."""
+    async def _still_there(self, key: str, fresh: set[str], marks: set[str]) -> bool:
+        """Whether an object an upload names may be named: this upload put it, or it is there and not marked."""
+        if key in fresh:
+            return True
+        return key not in marks and await asyncio.to_thread(self._store.exists, key)
+
+    async def _put_block(self, digest: str, name: str) -> None:
+        with self._snapshots.block_file(digest).open("rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            await asyncio.to_thread(self._store.put_file, self.kv_key(name), fh, size)
+        self.uploaded_bytes += size
+
+    async def _put_whole(self, upload: Upload, object_key: str) -> None:
+        """Put the upload's file (kept whole) or tail under `object_key`."""
+        size = upload.snapshot.n_bytes if upload.blocks is None else os.fstat(upload.handle.fileno()).st_size
+        upload.handle.seek(0)
+        await asyncio.to_thread(self._store.put_file, object_key, upload.handle, size)
+        self.uploaded_bytes += size
+
+    def _refuse_older(self, key: SessionKey, kind: SnapshotKind, version: Version, newer_one: Manifest) -> None:
+        """A save older than the store's manifest: the manifest stays; what was put for it goes with the sweep."""
         self.refused_older += 1
-        if blob is not None and blob != newer_one.object_key:
-            await asyncio.to_thread(self._store.delete, blob)
         log.warning("the %s snapshot of %s is not uploaded: its version %s is older than the shared store's %s "
                     "(from %s); the session went on elsewhere", kind, key, version, newer_one.version,
                     newer_one.origin or "another host")
@@ -329,50 +413,46 @@ class SharedTier:
             return None  # this host's is the store's, or newer than it
         return await self._download(key, kind, manifest, (name, current[1]), staged)
 
-    async def _put_blocks(self, keys: tuple[str, ...]) -> None:
-        """Upload the blocks the store lacks (each looked up: a block the store lost is put again)."""
-        for block in dict.fromkeys(keys):
-            if await asyncio.to_thread(self._store.exists, self.kv_key(block)):
-                continue
-            path = self._snapshots.block_file(block)
-            with path.open("rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                await asyncio.to_thread(self._store.put_file, self.kv_key(block), fh, size)
-            self.uploaded_bytes += size
-
-    def _fetch_blocks(self, manifest: Manifest, path: Path, held: list[str]) -> tuple[int, str | None]:
+    def _fetch_blocks(self, manifest: Manifest, path: Path, held: list[str], attempt: int) -> tuple[int, str | None]:
         """Blocking: bring a state stored as blocks into the whole file `path`: its tail, and the blocks this host
-        lacks (each checked, then adopted into the local block store, and held, with the keys put in `held`, until
-        the caller's commit names them); returns (bytes, checksum) of the file, the checksum None when a piece in
-        the store is damaged (a damaged block is removed from the store: its owner's next save puts it again)."""
+        lacks (each checked against its name, then adopted into the local block store, and held, with the digests
+        put in `held`, until the caller's commit names them); returns (bytes, checksum) of the file, the checksum
+        None when a piece in the store is damaged. A block damaged on the second attempt in a row is removed from
+        the store (its bytes do not match its name: no host's copy), so that its owner's next upload puts it again."""
         blocks = self._snapshots.blocks
         temps: list[Path] = []
         try:
             tail = blocks.temp_path("tail")
             temps.append(tail)
             self._store.get_file(manifest.object_key, tail)
-            parts = blocks.manifest_at(tail)
-            if parts.keys != manifest.kv or parts.checksum != manifest.meta.checksum:
+            try:
+                parts = blocks.manifest_at(tail)
+                blocks.read_tail_at(parts, tail)
+            except DamagedState:
+                if attempt > 1:  # its bytes do not match its own checksums: damaged, not another host's
+                    self._store.delete(manifest.object_key)
+                raise
+            if parts.digests != manifest.digests or parts.checksum != manifest.meta.checksum:
                 return 0, None
-            blocks.hold(parts.keys)
-            held.extend(parts.keys)
-            other: dict[str, Path] = {}
-            for block, digest in zip(parts.keys, parts.sums, strict=True):
-                if block in other or blocks.has_block(block, digest):
+            blocks.hold(parts.digests)
+            held.extend(parts.digests)
+            for name, digest in zip(manifest.kv, manifest.digests, strict=True):
+                if blocks.has_block(digest):
                     continue
                 source = blocks.temp_path("block")
                 temps.append(source)
-                self._store.get_file(self.kv_key(block), source)
+                self._store.get_file(self.kv_key(name), source)
                 self.downloaded_bytes += source.stat().st_size
-                if not blocks.adopt_block(block, digest, source):
-                    other[block] = source  # this host holds that block with other float noise: read this one
-            n_bytes, checksum = blocks.assemble_from(tail, path, other)
-            return n_bytes, checksum
+                try:
+                    blocks.adopt_block(digest, source)
+                except DamagedState:
+                    if attempt > 1:
+                        self._store.delete(self.kv_key(name))
+                    raise
+            return blocks.assemble_from(tail, path)
         except DamagedState as exc:
             log.warning("a piece of the shared store's snapshot of %s/%s is damaged: %s", manifest.meta.model,
                         manifest.meta.session_id, exc)
-            if exc.block is not None:
-                self._store.delete(self.kv_key(exc.block))
             return 0, None
         finally:
             for temp in temps:
@@ -392,10 +472,9 @@ class SharedTier:
             if not isinstance(found, bool):
                 return found
         # Damaged at rest: withdraw the manifest, only if it is still the one read (a conditional write: a version
-        # written since stands), and remove the file, so that the next save of it (on any host) writes it again.
+        # written since stands). The damaged object itself went when it failed its check twice.
         withdrawn = dataclasses.replace(manifest, withdrawn=True)
         if await asyncio.to_thread(self._store.put_json, name, withdrawn.to_json(), etag):
-            await asyncio.to_thread(self._store.delete, manifest.object_key)
             log.warning("withdrew the damaged snapshot of %s from the shared store: its next save uploads it again",
                         key)
         return None
@@ -409,9 +488,9 @@ class SharedTier:
         temp, path = staged
         try:
             if manifest.kv:
-                n_bytes, checksum = await asyncio.to_thread(self._fetch_blocks, manifest, path, held)
+                n_bytes, checksum = await asyncio.to_thread(self._fetch_blocks, manifest, path, held, attempt)
             else:
-                n_bytes = await asyncio.to_thread(self._store.get_file, self.blob_key(meta.checksum), path)
+                n_bytes = await asyncio.to_thread(self._store.get_file, manifest.object_key, path)
                 checksum = await asyncio.to_thread(file_checksum, path) if n_bytes == meta.n_bytes else None
         except Exception as exc:
             await self._snapshots.transfers.discard_upload(temp)
@@ -433,6 +512,8 @@ class SharedTier:
             return snapshot
         await self._snapshots.transfers.discard_upload(temp)
         self.refused_downloads += 1
+        if attempt > 1 and not manifest.kv:  # a file whose bytes do not match its checksum twice: damaged at rest
+            await asyncio.to_thread(self._store.delete, manifest.object_key)
         log.warning("the shared store's snapshot of %s is damaged (%d bytes, expected %d; checksum %s): refused%s",
                     key, n_bytes, meta.n_bytes, "mismatch" if n_bytes == meta.n_bytes else "not taken",
                     ", fetching it once more" if attempt == 1 else "")

@@ -1,6 +1,11 @@
 """Discovering an attached or embedded backend: its model, slots, per-slot context and fingerprint.
 
 Refuses a backend that cannot save slots, and checks that its --slot-save-path is the directory we were given.
+
+The fingerprint names everything a saved state's KV bytes depend on: the model file, the build, the slot layout,
+the options of a launched command that change the KV (launchargs.kv_arguments), the LoRA adapters the server
+reports, and the KV setting its probe shows (cache/kvprobe.py: the K/V types and layout exactly, and rope, adapters
+and control vectors through the values), so that a state saved under one setting is never restored under another.
 """
 
 from __future__ import annotations
@@ -9,6 +14,8 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import struct
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +32,7 @@ from slotkeeper.cache.fingerprint import (
     local_model_path,
     remote_model_identity,
 )
+from slotkeeper.cache.kvprobe import KvProbe, probe_tokens, read_probe
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.errors import SlotkeeperError, UpstreamError
 from slotkeeper.types import BackendInfo
@@ -37,7 +45,8 @@ class BackendNotUsable(SlotkeeperError):
     """The backend is up but cannot do what slotkeeper needs; the message says what to change."""
 
 
-async def discover(client: UpstreamClient, snapshots: Snapshots, alias: str | None) -> BackendInfo:
+async def discover(client: UpstreamClient, snapshots: Snapshots, alias: str | None,
+                   kv_settings: Sequence[str] = ()) -> BackendInfo:
     props: dict[str, Any] = await client.get_json("/props")
     slots: list[dict[str, Any]] = await client.get_json("/slots")
     models: dict[str, Any] = await client.get_json("/v1/models")
@@ -60,7 +69,9 @@ async def discover(client: UpstreamClient, snapshots: Snapshots, alias: str | No
             "which cannot tell apart two models of the same shape", model_path,
         )
     build = str(props.get("build_info") or "")
-    layout = {"n_slots": n_slots, "n_ctx_slot": n_ctx_slot, "build": build}
+    layout: dict[str, Any] = {"n_slots": n_slots, "n_ctx_slot": n_ctx_slot, "build": build,
+                              "kv": list(kv_settings), "lora": await _lora_adapters(client)}
+    setting = await kv_setting(client, snapshots, identity, layout, meta)
     return BackendInfo(
         url=client.base_url,
         model_id=alias or _model_id(props),
@@ -68,10 +79,54 @@ async def discover(client: UpstreamClient, snapshots: Snapshots, alias: str | No
         n_slots=n_slots,
         n_ctx_slot=n_ctx_slot,
         build_info=build,
-        fingerprint=backend_fingerprint(identity, layout),
+        fingerprint=backend_fingerprint(identity, {**layout, "kv_setting": setting}),
         props=props,
         meta=meta,
     )
+
+
+async def kv_setting(client: UpstreamClient, snapshots: Snapshots, identity: str, layout: dict[str, Any],
+                     meta: dict[str, Any]) -> str:
+    """Which KV setting the backend runs, by its probe, among those seen with this model and layout ("1", "2", ...);
+    when the probe cannot be made, a setting of its own (no state saved before this start is then restored)."""
+    probe = await _probe(client, snapshots, int(meta.get("n_vocab") or 0))
+    if probe is None:
+        return "unprobed-" + secrets.token_hex(4)
+    base = backend_fingerprint(identity, layout)
+    setting = await asyncio.to_thread(snapshots.kv_setting, base, probe)
+    log.info("the backend's KV: %s (setting %d of this model and layout)", probe.layout, setting)
+    return str(setting)
+
+
+async def _probe(client: UpstreamClient, snapshots: Snapshots, n_vocab: int) -> KvProbe | None:
+    """Prefill the probe's prompt into slot 0, save it, read the file; the slot is erased after."""
+    name = f"slotkeeper-probe-{secrets.token_hex(4)}.bin"
+    path = snapshots.backend_dir / name
+    try:
+        await client.post_json("/completion", {"prompt": probe_tokens(max(n_vocab, 2)), "n_predict": 0,
+                                               "id_slot": 0, "cache_prompt": False}, timeout=120.0)
+        await client.post_json("/slots/0?action=save", {"filename": name}, timeout=60.0)
+        return await asyncio.to_thread(read_probe, path)
+    except (SlotkeeperError, OSError, ValueError, struct.error) as exc:
+        log.warning("could not probe the backend's KV settings (%s): states saved before this start are not "
+                    "restored, since they may have been made under other settings", exc)
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        with contextlib.suppress(SlotkeeperError):
+            await client.post_json("/slots/0?action=erase", {}, timeout=15.0)
+
+
+async def _lora_adapters(client: UpstreamClient) -> list[Any]:
+    """The LoRA adapters the server has loaded, with their scales (none, or an older server without the route)."""
+    try:
+        found = await client.get_json("/lora-adapters")
+    except SlotkeeperError:
+        return []
+    if not isinstance(found, list):
+        return []
+    return [[str(a.get("path") or a.get("id")), a.get("scale")] for a in found if isinstance(a, dict)]
 
 
 def capability_of(props: Any, embedded: bool = False) -> Capability:

@@ -48,6 +48,23 @@ FLAG_OPTIONS: dict[str, str] = {
     "--slots": "slots",
     "--no-slots": "no_slots",
 }
+# Options whose values change the KV bytes a server writes for the same tokens (the long spelling each short one is
+# read as): part of the backend's fingerprint in launch mode (cache/fingerprint.py). Files among their values are
+# named with their size and modification time, so an adapter replaced in place is another setting.
+KV_OPTIONS: dict[str, str] = {
+    "-ctk": "--cache-type-k", "--cache-type-k": "--cache-type-k",
+    "-ctv": "--cache-type-v", "--cache-type-v": "--cache-type-v",
+    "-fa": "--flash-attn", "--flash-attn": "--flash-attn",
+    "--rope-scaling": "--rope-scaling", "--rope-scale": "--rope-scale", "--rope-freq-base": "--rope-freq-base",
+    "--rope-freq-scale": "--rope-freq-scale", "--yarn-orig-ctx": "--yarn-orig-ctx",
+    "--yarn-ext-factor": "--yarn-ext-factor", "--yarn-attn-factor": "--yarn-attn-factor",
+    "--yarn-beta-slow": "--yarn-beta-slow", "--yarn-beta-fast": "--yarn-beta-fast",
+    "--lora": "--lora", "--lora-scaled": "--lora-scaled", "--lora-init-without-apply": "--lora-init-without-apply",
+    "--control-vector": "--control-vector", "--control-vector-scaled": "--control-vector-scaled",
+    "--control-vector-layer-range": "--control-vector-layer-range", "--override-kv": "--override-kv",
+    "--swa-full": "--swa-full", "-kvu": "--kv-unified", "--kv-unified": "--kv-unified",
+    "-no-kvu": "--no-kv-unified", "--no-kv-unified": "--no-kv-unified",
+}
 # What llama-server does when the option is missing (documented defaults of the pinned build).
 AUTO_SLOTS = 4
 DEFAULT_CACHE_RAM_MIB = 8192
@@ -174,6 +191,34 @@ def parse_command(command: Sequence[str]) -> LlamaServerArgs:
         api_key="api_key" in values,
         flags=frozenset(flags),
     )
+
+
+def kv_arguments(args: Sequence[str]) -> tuple[str, ...]:
+    """The options among a llama-server command's words (without the program) that change the KV bytes, each as
+    `--option value...` in the order given (a later one of the same name wins in llama-server, and the order of
+    adapters matters); a value naming a readable file gets `@size:mtime`."""
+    found: list[str] = []
+    i = 0
+    while i < len(args):
+        option, _, inline = args[i].partition("=") if args[i].startswith("--") else (args[i], "", "")
+        i += 1
+        if option not in KV_OPTIONS:
+            continue
+        values = [inline] if inline else []
+        while not inline and i < len(args) and _is_value(args[i]):
+            values.append(args[i])
+            i += 1
+        found.append(" ".join([KV_OPTIONS[option], *map(_named_file, values)]))
+    return tuple(found)
+
+
+def _named_file(value: str) -> str:
+    path = Path(value).expanduser()
+    try:
+        st = path.stat() if path.is_file() else None
+    except OSError:
+        st = None
+    return value if st is None else f"{value}@{st.st_size}:{st.st_mtime_ns}"
 
 
 def check_command(command: Sequence[str], slot_dir: Path | None = None) -> LlamaServerArgs:

@@ -15,7 +15,7 @@ from pathlib import Path
 from slotkeeper.config import Settings
 from slotkeeper.files import make_private_dir
 from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
-from slotkeeper.upstream.launchargs import plan_launch
+from slotkeeper.upstream.launchargs import kv_arguments, plan_launch
 from slotkeeper.upstream.process import ServerProcess, ServerStartError
 
 log = logging.getLogger("slotkeeper.launcher")
@@ -35,6 +35,8 @@ class StartedBackend:
     model_alias: str | None = None
     server: ServerProcess | None = None
     embedded: bool = False  # the server is xllamacpp's (its package version names its llama.cpp build)
+    # The options of its command that change the KV bytes (launch mode: launchargs.kv_arguments), for the fingerprint.
+    kv_settings: tuple[str, ...] = ()
 
     async def stop(self, timeout: float) -> None:
         if self.server is not None:
@@ -58,6 +60,7 @@ async def start_backend(settings: Settings, slot_dir: Path, ram_dir: Path | None
             log.info("launch mode: added %s to the llama-server command", " ".join(plan.added))
         server = ServerProcess("llama-server", plan.argv, plan.url, settings.cache_dir / "llama-server.log")
         alias = plan.alias
+        kv_settings = kv_arguments(plan.argv[1:])
     else:
         model = settings.model if settings.model is not None else await asyncio.to_thread(
             _tiny_model, settings.cache_dir
@@ -66,6 +69,7 @@ async def start_backend(settings: Settings, slot_dir: Path, ram_dir: Path | None
         server = ServerProcess("the embedded server", embedded_argv(settings, model, port, ram_dir or slot_dir),
                                f"http://127.0.0.1:{port}", settings.cache_dir / "embedded-server.log")
         alias = None
+        kv_settings = ()
         log.info("starting the embedded llama.cpp server (xllamacpp) for %s on %s", model, server.url)
     server.spawn()
     try:
@@ -75,7 +79,7 @@ async def start_backend(settings: Settings, slot_dir: Path, ram_dir: Path | None
             log.error("%s", exc)
         await asyncio.shield(server.stop(2.0))
         raise
-    return StartedBackend(server.url, alias, server, embedded=settings.mode == "embedded")
+    return StartedBackend(server.url, alias, server, embedded=settings.mode == "embedded", kv_settings=kv_settings)
 
 
 def embedded_argv(settings: Settings, model: Path, port: int, slot_dir: Path) -> list[str]:

@@ -62,7 +62,8 @@ class RunningBackend:
         client = UpstreamClient(started.url, read_timeout=settings.upstream_read_timeout,
                                 slot_op_timeout=settings.slot_op_timeout)
         try:
-            backend = await discover(client, snapshots, settings.model_alias or started.model_alias)
+            backend = await discover(client, snapshots, settings.model_alias or started.model_alias,
+                                     started.kv_settings)
         except BaseException:
             await client.aclose()
             await started.stop(settings.shutdown_budget.stopping)
