@@ -18,7 +18,7 @@ from slotkeeper.upstream.launchargs import kv_arguments
 
 def _slot_file(path: Path, values: np.ndarray, type_id: int = 1) -> Path:
     """A one-layer KV cache slot file (format v4) of PROBE_TOKENS cells holding `values` as K and V rows."""
-    n, width = values.shape
+    n = values.shape[0]
     data = values.astype("<f2") if type_id == 1 else values.astype("<f4")
     out = struct.pack("<III", 0x67677371, 4, n) + np.arange(n, dtype="<i4").tobytes()
     out += struct.pack("<II", 1, n)  # one stream, n cells
