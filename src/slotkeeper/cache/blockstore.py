@@ -316,6 +316,16 @@ class BlockStore:
         """A block's payload, checked against its name."""
         return _checked_block(self.block_path(digest), digest)
 
+    def checked_file(self, digest: str) -> bytes:
+        """A block's whole file (header and payload), for an upload, once its bytes are checked against its name: a
+        block damaged here is moved into the quarantine and never put anywhere (DamagedState)."""
+        try:
+            payload = self.read_block(digest)
+        except DamagedState:
+            self.forget_damaged(digest)
+            raise
+        return _BLOCK_HEADER.pack(_BLOCK_MAGIC, len(payload), bytes.fromhex(digest)) + payload
+
     def has_block(self, digest: str) -> bool:
         """Whether the store holds the block (by its header; its bytes are checked on use)."""
         try:

@@ -258,10 +258,6 @@ class Snapshots:
 
     # -- the block store, for the shared tier ----------------------------------------------------------------
 
-    def block_file(self, key: str) -> Path:
-        """Where the block store keeps a block (for an upload of it)."""
-        return self._store.blocks.block_path(key)
-
     @property
     def blocks(self) -> BlockStore:
         """The block store, for the shared tier's downloads (checked blocks adopted, temporaries)."""

@@ -13,14 +13,13 @@ Layout under the store's prefix:
   `snapshot.json` plus `version`, `saved_at`, `origin`, and the objects it names). Replaced only by a conditional
   write on the ETag read, so two hosts that save one session at once cannot tear it: the loser reads again and
   writes only if it is newer.
-- `gc/<object key>`: a mark on an object that no manifest named when a sweep looked (see `collect_garbage`).
+- `gc/<object key>`: a mark on an object that no manifest named when a sweep looked (sweep.py).
 
-Objects are removed in two phases, so that a host that reuses a stored object never has it deleted under a manifest
-it is writing: a sweep marks what no manifest names, and removes it only at a later sweep once the mark is older
-than GRACE_SECONDS and the object was not written again since. An upload, right before its manifest write, looks
-once more at every object it did not put itself: one that is gone or marked is put again under a fresh name
-(`<name>.<8 hex>`), which no mark covers. A mark set after that look is GRACE_SECONDS from a deletion, and the
-manifest is written within moments. Replacing a manifest deletes nothing: what it named goes through the sweep.
+Objects are removed in two phases (sweep.py), so that a host that reuses a stored object never has it deleted under
+a manifest it is writing. This side of it: an upload, right before its manifest write, looks once more at every
+object it did not put itself, and one that is gone or marked is put again under a fresh name (`<name>.<8 hex>`),
+which no mark covers. Replacing a manifest deletes nothing: what it named goes through the sweep. Manifests and
+object names are manifest.py's.
 
 Uploads run in the background after the local commit, the newest per snapshot (a save queued behind an upload in
 flight replaces any older one queued). A download is checked (fingerprint, size, checksum) before it is imported
@@ -32,27 +31,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import logging
 import os
-import re
 import secrets
 import time
 import urllib.parse
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slotkeeper.cache.blockstore import DamagedState
-from slotkeeper.cache.bundle import BundleMeta, meta_of
+from slotkeeper.cache.bundle import meta_of
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.transfers import Upload
-from slotkeeper.errors import BadRequest, OlderVersion, SlotkeeperError
+from slotkeeper.errors import OlderVersion, SlotkeeperError
 from slotkeeper.files import file_checksum, unlink_quietly
+from slotkeeper.fleet.manifest import Manifest, blob_key, kv_key, tail_key
 from slotkeeper.fleet.objectstore import ObjectStore
+from slotkeeper.fleet.sweep import marks, sweep
 from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
-from slotkeeper.version import UNVERSIONED, Version, newer
+from slotkeeper.version import Version, newer
 
 log = logging.getLogger("slotkeeper.shared")
 
@@ -64,75 +63,6 @@ LOOKUP_TIMEOUT_SECONDS = 3.0
 UNREACHABLE_PAUSE_SECONDS = 30.0
 # The store is swept after an upload at most this often.
 SWEEP_SECONDS = 300.0
-# An object no manifest names is marked only once it is this old (an upload writes its objects before its manifest).
-STRAY_SECONDS = 600.0
-# A mark's age before its object may go: far longer than an upload's last look at its objects takes to its manifest.
-GRACE_SECONDS = 3600.0
-MARKS = "gc/"
-_OBJECT_NAME = re.compile(r"[0-9a-f]{32}(\.[0-9a-f]{8})?")
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """The store's newest version of one saved state: what its bundle says (its `version` among it), when and by
-    whom it was written."""
-
-    meta: BundleMeta
-    saved_at: float
-    origin: str
-    # Its file was found damaged in the store and removed: nobody downloads it, and only a newer version or the same
-    # one uploaded again (by the host that has it intact) replaces it. A withdrawal is a conditional write, like
-    # any other, so that it never takes away a version written after the damaged one was read.
-    withdrawn: bool = False
-    # The names of its KV blocks' objects under `kv/` when it is stored as blocks and a tail (`tails/`); empty: one
-    # whole file. A name is the block's digest, with `.<8 hex>` after it when it was put again under a fresh name.
-    kv: tuple[str, ...] = ()
-    # The name of its file's or tail's object when it was put again under a fresh name ("": the checksum's).
-    object: str = ""
-
-    @property
-    def version(self) -> Version:
-        return self.meta.version
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.meta.to_json(), "saved_at": self.saved_at, "origin": self.origin, "withdrawn": self.withdrawn,
-                "kv": list(self.kv), "object": self.object}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Manifest:
-        meta = BundleMeta.from_json(data)
-        fence = data.get("fence")  # a manifest from before versions named its lease's token only
-        if meta.version == UNVERSIONED and isinstance(fence, int) and not isinstance(fence, bool) and fence > 0:
-            meta = dataclasses.replace(meta, version=Version(fence, 0))
-        saved_at = data.get("saved_at")
-        kv = data.get("kv") or []
-        if not isinstance(kv, list) or not all(isinstance(k, str) and _OBJECT_NAME.fullmatch(k) for k in kv):
-            raise BadRequest("the manifest's block names are not digests (32 hex digits, and .<8 hex> at most)")
-        named = data.get("object") or ""
-        if not isinstance(named, str) or (named and not _OBJECT_NAME.fullmatch(named)):
-            raise BadRequest("the manifest's object name is not a checksum")
-        return cls(meta, float(saved_at) if isinstance(saved_at, (int, float)) else 0.0, str(data.get("origin") or ""),
-                   data.get("withdrawn") is True, tuple(kv), named)
-
-    @property
-    def object_key(self) -> str:
-        """The object holding the state's file (kept whole) or its tail (kept as blocks)."""
-        name = self.object or self.meta.checksum
-        return SharedTier.tail_key(name) if self.kv else SharedTier.blob_key(name)
-
-    @property
-    def digests(self) -> tuple[str, ...]:
-        """Its blocks' digests (each object's name without a fresh name's suffix)."""
-        return tuple(name[:32] for name in self.kv)
-
-    def objects(self) -> list[str]:
-        """Every object it names."""
-        return [self.object_key, *(SharedTier.kv_key(name) for name in self.kv)]
-
-    def replaced_by(self, version: Version) -> bool:
-        """Whether a save at `version` may replace this manifest: it is newer, or it is this very version uploaded
-        again after the store's copy was withdrawn."""
-        return newer(version, self.version) or (self.withdrawn and version == self.version)
 
 
 class SharedTier:
@@ -168,17 +98,9 @@ class SharedTier:
         session = urllib.parse.quote(key.session_id, safe="")
         return f"manifests/{self._fingerprint}/{kind}/{model}/{session}.json"
 
-    @staticmethod
-    def blob_key(checksum: str) -> str:
-        return f"blobs/{checksum}"
-
-    @staticmethod
-    def tail_key(checksum: str) -> str:
-        return f"tails/{checksum}"
-
-    @staticmethod
-    def kv_key(name: str) -> str:
-        return f"kv/{name}"
+    blob_key = staticmethod(blob_key)
+    tail_key = staticmethod(tail_key)
+    kv_key = staticmethod(kv_key)
 
     # -- uploads ----------------------------------------------------------------------------------------------
 
@@ -213,74 +135,12 @@ class SharedTier:
             self._idle.set()
 
     def collect_garbage(self, now: float | None = None) -> int:
-        """Blocking: one sweep. Within the budget (if there is one), the least recently written snapshots' manifests
-        go; then every object no manifest names is marked, and one whose mark is older than GRACE_SECONDS (and that
-        was not written since) is removed with its mark. Returns how many objects went. Every host may sweep:
-        marking or removing twice is harmless."""
-        now = time.time() if now is None else now
-        listed = [*self._store.listing("blobs/"), *self._store.listing("tails/"), *self._store.listing("kv/")]
-        objects = {key: (size, when) for key, size, when in listed}
-        marks = {key[len(MARKS):]: when for key, _, when in self._store.listing(MARKS)}
-        named = self._named_by_manifests()
-        if self.budget > 0:
-            self._enforce_budget(named, objects)
-        refs: Counter[str] = Counter(o for names in named.values() for o in set(names))
-        removed = 0
-        for key, (_, written) in objects.items():
-            marked = marks.pop(key, None)
-            if refs[key]:
-                if marked is not None:
-                    self._store.delete(MARKS + key)  # named again: the mark goes
-            elif marked is None:
-                if now - written > STRAY_SECONDS:
-                    self._store.put_json(MARKS + key, {"marked": now}, None)
-            elif now - marked > GRACE_SECONDS and written < marked:
-                self._store.delete(key)
-                self._store.delete(MARKS + key)
-                removed += 1
-        for key in marks:  # marks of objects gone
-            self._store.delete(MARKS + key)
-        if removed:
-            log.info("swept %d object(s) no manifest named for %.0f s from the shared store", removed, GRACE_SECONDS)
-        return removed
+        """Blocking: one sweep of the store (sweep.py), within this tier's budget; how many objects went."""
+        return sweep(self._store, self.budget, now)
 
     def enforce_budget(self) -> int:
-        """Blocking: `collect_garbage` now (kept for the tests and tools that call it by this name)."""
+        """Blocking: `collect_garbage` now (kept for the tools that call it by this name)."""
         return self.collect_garbage()
-
-    def _named_by_manifests(self) -> dict[str, list[str]]:
-        """Every manifest (least recently written first) and the objects it names."""
-        names: dict[str, list[str]] = {}
-        for key, _, _ in sorted(self._store.listing("manifests/"), key=lambda m: m[2]):
-            found = self._store.get_json(key)
-            if found is None:
-                continue
-            try:
-                manifest = Manifest.from_json(found[0])
-            except SlotkeeperError:
-                continue
-            names[key] = manifest.objects()
-        return names
-
-    def _enforce_budget(self, named: dict[str, list[str]], objects: dict[str, tuple[int, float]]) -> None:
-        """Remove the least recently written manifests until what the rest name fits the budget; what only they
-        named is then unnamed, and goes through the marks like any other object (the budget is met a grace period
-        later, never by deleting an object a writer may be about to name)."""
-        refs: Counter[str] = Counter(o for names in named.values() for o in set(names))
-        total = sum(objects[o][0] for o in refs if o in objects)
-        removed = 0
-        for key in list(named):
-            if total <= self.budget:
-                break
-            self._store.delete(key)
-            for o in set(named.pop(key)):
-                refs[o] -= 1
-                if refs[o] == 0 and o in objects:
-                    total -= objects[o][0]
-            removed += 1
-        if removed:
-            log.info("the shared store's budget (%d bytes) removed %d snapshot(s), the least recently saved; their "
-                     "objects go after %.0f s", self.budget, removed, GRACE_SECONDS)
 
     async def drain(self, timeout: float) -> bool:
         """Wait (bounded) until every queued upload is done; True when none is left."""
@@ -310,13 +170,13 @@ class SharedTier:
                 fresh.add(object_key)
             # The last look before the manifest names them: an object this upload did not put that is gone, or
             # marked for removal, is put again under a fresh name (the sweep's two phases, above).
-            marks = {k[len(MARKS):] for k, _, _ in await asyncio.to_thread(self._store.listing, MARKS)}
+            marked = await asyncio.to_thread(marks, self._store)
             for digest in names:
-                if not await self._still_there(self.kv_key(digest), fresh, marks):
+                if not await self._still_there(self.kv_key(digest), fresh, marked):
                     names[digest] = f"{digest}.{secrets.token_hex(4)}"
                     await self._put_block(digest, names[digest])
             object_name = ""
-            if not await self._still_there(object_key, fresh, marks):
+            if not await self._still_there(object_key, fresh, marked):
                 object_name = f"{whole}.{secrets.token_hex(4)}"
                 object_key = self.tail_key(object_name) if digests else self.blob_key(object_name)
                 await self._put_whole(upload, object_key)
@@ -358,10 +218,10 @@ class SharedTier:
         return key not in marks and await asyncio.to_thread(self._store.exists, key)
 
     async def _put_block(self, digest: str, name: str) -> None:
-        with self._snapshots.block_file(digest).open("rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            await asyncio.to_thread(self._store.put_file, self.kv_key(name), fh, size)
-        self.uploaded_bytes += size
+        """Put a block, read and checked against its name first: a block damaged on this host's disk is never put."""
+        data = await asyncio.to_thread(self._snapshots.blocks.checked_file, digest)
+        await asyncio.to_thread(self._store.put_file, self.kv_key(name), io.BytesIO(data), len(data))
+        self.uploaded_bytes += len(data)
 
     async def _put_whole(self, upload: Upload, object_key: str) -> None:
         """Put the upload's file (kept whole) or tail under `object_key`."""
