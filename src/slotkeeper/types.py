@@ -83,6 +83,9 @@ class BackendInfo:
     # What the server reported, for routes that describe the model (Ollama's /api/show, /api/tags).
     props: Mapping[str, Any] = field(default_factory=dict)
     meta: Mapping[str, Any] = field(default_factory=dict)
+    # The fingerprint but for the KV setting the backend's probe shows (serving/backend.py): what a restart of the
+    # backend is probed against again.
+    kv_base: str = ""
 
 
 @dataclass(frozen=True, slots=True)

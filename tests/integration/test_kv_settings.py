@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import Backend, Slotkeeper, chat, timings, words
+from tests.support import Backend, Slotkeeper, chat, timings, wait_until, words
 
 pytestmark = pytest.mark.backend
 
@@ -61,3 +61,43 @@ def test_a_state_saved_under_one_kv_setting_is_used_only_under_that_setting(tmp_
     log = (tmp_path / "slotkeeper.log").read_text()
     settings = [line.split("setting ")[1].split(" ")[0] for line in log.splitlines() if "the backend's KV:" in line]
     assert len(settings) == 3 and settings[0] == settings[2] != settings[1], settings
+
+
+def test_an_attached_server_restarted_under_other_settings_is_probed_again(tmp_path: Path, tiny_model: Path) -> None:
+    """slotkeeper keeps running while the server it attaches to is restarted: under another rope base its states are
+    not restored; under the first settings again, they are."""
+    slot_dir = tmp_path / "slots"
+    backend = Backend("binary", tiny_model, slot_dir, tmp_path / "backend.log", extra_args=F16).start()
+    keeper = Slotkeeper(tmp_path / "cache", tmp_path / "slotkeeper.log", backend,
+                        ("--block-tokens", "16", "--save-idle-seconds", "0.2")).start()
+    messages = [{"role": "system", "content": "You are a helpful assistant. " + words(300, 6)},
+                {"role": "user", "content": words(60, 7)}]
+    try:
+        with httpx.Client(base_url=keeper.url, timeout=120) as client:
+            first = chat(client, messages, "s")
+            assert first.status_code == 200, first.text
+            history = [*messages, {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                       {"role": "user", "content": words(30, 8)}]
+
+            def restart(options: tuple[str, ...]) -> None:
+                count = keeper.log_text().count("the backend restarted with")
+                backend.stop()
+                backend.extra_args = options
+                backend.start()
+                # The watch sees another process, and the probe after it runs (a line in the log each time).
+                assert wait_until(lambda: keeper.log_text().count("the backend restarted with") > count, timeout=30)
+
+            assert wait_until(lambda: keeper.row("s") is not None, timeout=30)  # saved while idle
+            restart(OTHER["rope-base"])
+            moved = chat(client, history, "t")
+            assert moved.status_code == 200, moved.text
+            assert timings(moved)["cache_n"] == 0 and moved.headers["x-slotkeeper-cache"] != "restored"
+            assert "restarted with other KV settings" in keeper.log_text()
+            restart(F16)
+            back = chat(client, history, "s")
+            assert back.status_code == 200, back.text
+            assert back.headers["x-slotkeeper-cache"] == "restored", back.headers
+            assert timings(back)["cache_n"] >= timings(first)["prompt_n"]
+    finally:
+        keeper.stop()
+        backend.stop()

@@ -10,6 +10,9 @@ the violations it finds, in words. What they hold a run to is what docs/scale-ou
 - versions and leases: no manifest is ever replaced by an older version; a session's fencing tokens only grow, each
   taken once; the lease holders Redis shows only ever grow in token; no replica gives up a lease after another took
   a newer one (both held it);
+  A block damaged on a backend's disk costs each session whose state names it one prefill (the restore that meets it
+  quarantines it), and a block damaged in the object store one prefill of each session that moves: the first such
+  loss of a session after the damage is excused, no other;
 - failures: every request that failed, failed in its client's dialect, and only while a backend or a replica was
   down (killed or stopped, and the seconds it takes to notice and recover after).
 """
@@ -35,6 +38,7 @@ KILLS = frozenset({"kill-backend", "kill-replica"})
 DOWN = frozenset({"kill-backend", "kill-replica", "stop-backend", "stop-replica"})
 # Faults that make a session that changed backends start from an older state: it ran where the newest was not.
 MOVES = frozenset({"stop-backend", "stop-replica", "redis-down", "store-fail", "store-stall"})
+DAMAGE = frozenset({"damage-block", "damage-object"})
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class Turn:
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # kill-backend, stop-backend, kill-replica, stop-replica, redis-down, store-fail, store-stall, drain
+    kind: str  # faultrun.FAULT_KINDS
     target: str
     started: float
     ended: float  # when it was healed (the process back, the store answering again)
@@ -83,8 +87,22 @@ def _overlapping(faults: Iterable[Fault], start: float, end: float, kinds: froze
     return [f for f in faults if f.kind in kinds and f.started <= end and f.ended >= start]
 
 
+def _damage_excuse(faults: Sequence[Fault], before: Turn, after: Turn, used: set[tuple[str, int]]) -> bool:
+    """Whether a damaged block (not yet excused for this session) may be why `after` lost what `before` had."""
+    for n, fault in enumerate(faults):
+        if fault.kind not in DAMAGE or fault.started >= after.started or (after.session, n) in used:
+            continue
+        on_disk = fault.kind == "damage-block" and fault.target in (before.backend, after.backend)
+        in_store = fault.kind == "damage-object" and after.backend != before.backend
+        if on_disk or in_store:
+            used.add((after.session, n))
+            return True
+    return False
+
+
 def lost_turns(turns: Sequence[Turn], faults: Sequence[Fault]) -> list[str]:
     found = []
+    used: set[tuple[str, int]] = set()  # (session, damage fault) already excused once
     by_session: dict[str, list[Turn]] = defaultdict(list)
     for turn in sorted(turns, key=lambda t: t.started):
         if turn.ok:
@@ -93,11 +111,13 @@ def lost_turns(turns: Sequence[Turn], faults: Sequence[Fault]) -> list[str]:
         for before, after in itertools.pairwise(acked):
             if after.cache_n >= before.prompt - SLACK or before.prompt < MIN_RESTORE_TOKENS:
                 continue
-            window = (before.ended - SAVE_WINDOW_SECONDS, after.started)
+            # Up to the end of the turn that lost it: a replica killed or stopped while it forwarded that very turn
+            # makes it run elsewhere, without the newest state.
+            window = (before.ended - SAVE_WINDOW_SECONDS, after.ended)
             excuses = _overlapping(faults, *window, KILLS)
             if after.backend != before.backend:
                 excuses += _overlapping(faults, *window, MOVES)
-            if not excuses:
+            if not excuses and not _damage_excuse(faults, before, after, used):
                 found.append(f"session {session}: the turn at {after.started:.1f} reused {after.cache_n} tokens on "
                              f"{after.backend}, the turn before it (acknowledged at {before.ended:.1f}, on "
                              f"{before.backend}) had {before.prompt}, and no fault between them may lose it")

@@ -1,10 +1,15 @@
 """The randomized fault test, in the spirit of Jepsen: two slotkeeper replicas over three real llama.cpp servers (A
 runs two, B one), a real redis-server and moto's S3 server on loopback, clients sending each turn of their sessions
 to a random replica, and a nemesis that, at random moments, kills (kill -9) or stops (SIGSTOP) a backend or a
-replica, kills Redis, makes the object store fail or stall its requests, and drains a backend. Everything the run
-sees is recorded: every request (acknowledged or not, with its `cache_n`), every fault, the manifests' versions and
-the lease holders read from the store and Redis over time, and the leases the replicas' logs say they took. The
-checker (faultcheck.py) then says what was violated.
+replica, kills Redis, makes the object store fail or stall its requests, drains a backend, damages a KV block on a
+backend's disk or in the object store, and sweeps the object store (two phases, a short grace) while uploads run.
+Two hosts saving one prefix with other bytes needs no fault: a session that moves prefills on its new backend the
+tokens its old one decoded, and the two round differently. Everything the run sees is recorded: every request
+(acknowledged or not, with its `cache_n`), every fault, the manifests' versions and the lease holders read from the
+store and Redis over time, and the leases the replicas' logs say they took. At the end every session's next token is
+asked through slotkeeper (from whatever state it restores) and from a fresh prefill on a server of its own: their
+log-probabilities must agree, so no restore used bytes that were not its prefix's. The checker (faultcheck.py) then
+says what was violated.
 
 Seeded: the seed fixes the faults, their targets and durations, and which replica each turn goes to; a failing seed
 replays the same schedule (the machine's timing still varies). By hand, for a long run:
@@ -15,6 +20,7 @@ replays the same schedule (the machine's timing still varies). By hand, for a lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -44,7 +50,10 @@ from tests.support import (
     ObjectStoreServer,
     RedisServer,
     Slotkeeper,
+    backend_index,
     backends_config,
+    saved_state_bytes,
+    snapshot_tokens,
     wait_until,
     words,
 )
@@ -53,7 +62,10 @@ MODEL = "tiny"
 PREFIX = "faults"
 SYSTEM = "You answer in a few words. " + words(200, 11)
 FAULT_KINDS = ("kill-backend", "stop-backend", "kill-replica", "stop-replica", "redis-down", "store-fail",
-               "store-stall", "drain")
+               "store-stall", "drain", "damage-block", "damage-object", "sweep-store")
+# The sweep-store fault's grace: far longer than a replica stays stopped (5 s at most), as the real one (an hour) is
+# far longer than any upload's last look takes to its manifest.
+SWEEP_GRACE_SECONDS = 12.0
 
 
 # -- the object store, behind a proxy that fails or stalls on command ------------------------------------------------
@@ -230,10 +242,61 @@ def inflict(c: Cluster, planned: Planned, http: httpx.Client) -> tuple[str, Call
     if kind in ("store-fail", "store-stall"):
         c.proxy.set(kind.removeprefix("store-"))
         return "store", lambda: c.proxy.set("ok")
+    if kind == "damage-block":
+        damage_block(c.backends[i].slot_dir, random.Random(planned.duration))
+        return c.backends[i].url, lambda: None
+    if kind == "damage-object":
+        damage_object(c.store, random.Random(planned.duration))
+        return "store", lambda: None
+    if kind == "sweep-store":
+        sweeper = threading.Thread(target=sweep_twice, args=(c.store,), daemon=True)
+        sweeper.start()
+        return "store", lambda: None
     backend = c.backends[i]  # drain: one of replica A's two backends
     admin = c.keepers[0].url + "/api/backend/drain"
     http.post(admin, json={"backend": backend.url, "draining": True}).raise_for_status()
     return backend.url, lambda: http.post(admin, json={"backend": backend.url, "draining": False}).raise_for_status()
+
+
+def _flip_last_byte(data: bytes) -> bytes:
+    return data[:-1] + bytes([data[-1] ^ 0x5A])
+
+
+def damage_block(slot_dir: Path, rng: random.Random) -> None:
+    """Flip a byte of a KV block on a backend's disk (bit rot): its bytes no longer match its name."""
+    blocks = sorted(p for p in (slot_dir / "blocks").glob("??/*.blk"))
+    if blocks:
+        victim = rng.choice(blocks)
+        with contextlib.suppress(OSError):  # removed meanwhile
+            victim.write_bytes(_flip_last_byte(victim.read_bytes()))
+
+
+def damage_object(store: ObjectStoreServer, rng: random.Random) -> None:
+    """Flip a byte of a KV block in the object store."""
+    s3 = store.client()
+    keys = sorted(store.keys(f"{PREFIX}/kv/"))
+    if keys:
+        key = rng.choice(keys)
+        try:
+            body = s3.get_object(Bucket=store.bucket, Key=key)["Body"].read()
+            s3.put_object(Bucket=store.bucket, Key=key, Body=_flip_last_byte(body))
+        except Exception:  # removed meanwhile
+            pass
+
+
+def sweep_twice(store: ObjectStoreServer) -> None:
+    """Sweep the object store as a host does (fleet/sweep.py), with a short grace: mark, wait past the grace, sweep
+    again (which removes what stayed unnamed) while the replicas keep uploading."""
+    from slotkeeper.fleet.objectstore import S3Store
+    from slotkeeper.fleet.sweep import sweep
+
+    objects = S3Store(f"s3://{store.bucket}/{PREFIX}", endpoint=store.url)
+    try:
+        sweep(objects, grace=SWEEP_GRACE_SECONDS, stray=1.0)
+        time.sleep(SWEEP_GRACE_SECONDS + 1)
+        sweep(objects, grace=SWEEP_GRACE_SECONDS, stray=1.0)
+    except Exception as exc:  # the store failing (another fault): the sweep is tried again at the next one
+        print(f"fault run: a sweep of the store failed: {exc}", file=sys.stderr, flush=True)
 
 
 def nemesis(c: Cluster, plan: list[Planned], until: float, faults: list[Fault], stop: threading.Event) -> None:
@@ -374,6 +437,92 @@ def leases_in(logs: list[Path]) -> tuple[list[LeaseTaken], list[LeaseTaken]]:
     return taken, given_up
 
 
+# -- the bytes -----------------------------------------------------------------------------------------------------
+
+# A chunk of cells whose KV differs from a fresh prefill's by more than this (relative L2) was written for other tokens
+# or settings: rounding (a decoded token against a batch prefill of it) is about 1e-3, another rope or other tokens
+# of order 0.1 to 1. (The next token's log-probabilities cannot tell: on a random-weight model a state restored under
+# another rope base moved them by 0.009, less than the rounding of decoded tokens does on a 2,000-token state.)
+FOREIGN_KV = 0.05
+_CHUNK = 16
+
+
+def foreign_bytes(c: Cluster, root: Path, kind: str, model: Path) -> tuple[list[str], int]:
+    """Every saved state as slotkeeper would hand it to its backend (assembled from its blocks, each checked against
+    its name) against the KV a fresh prefill of its tokens writes, chunk by chunk; returns the violations and how many
+    states were compared. A state that names a block the nemesis damaged cannot be assembled (its restore would
+    refuse it): it is not compared."""
+    from slotkeeper.cache.blockstore import DamagedState
+
+    reference = Backend(kind, model, root / "reference-slots", root / "reference.log").start()
+    found: list[str] = []
+    compared = 0
+    try:
+        with httpx.Client(base_url=reference.url, timeout=120) as http:
+            for keeper, mine in ((c.keepers[0], c.backends[:2]), (c.keepers[1], c.backends[2:])):
+                for n, backend in enumerate(mine, start=1):
+                    for row in _rows(backend_index(keeper.cache_dir, MODEL, n)):
+                        try:
+                            data = saved_state_bytes(backend.slot_dir, row)
+                        except (DamagedState, OSError):
+                            continue
+                        problem = _compare_with_prefill(http, reference.slot_dir, data)
+                        compared += 1
+                        if problem:
+                            found.append(f"saved state {row['session_id']} ({row['kind']}) on {backend.url}: "
+                                         f"{problem}")
+    finally:
+        reference.stop()
+    return found, compared
+
+
+def _rows(index: Path) -> list[dict[str, Any]]:
+    import sqlite3
+
+    db = sqlite3.connect(index)
+    db.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in db.execute("SELECT * FROM snapshots")]
+    finally:
+        db.close()
+
+
+def _compare_with_prefill(http: httpx.Client, slot_dir: Path, data: bytes) -> str | None:
+    import numpy as np
+
+    from slotkeeper.cache.slotformat import parse_layout
+
+    saved = slot_dir / "compared.bin"
+    saved.write_bytes(data)
+    layout = parse_layout(saved)
+    if layout is None:
+        return None  # not a state this code reads by regions (kept whole): nothing to compare by cells
+    tokens = snapshot_tokens(saved)
+    answer = http.post("/completion", json={"prompt": tokens, "n_predict": 0, "cache_prompt": False, "id_slot": 0})
+    answer.raise_for_status()
+    http.post("/slots/0?action=save", json={"filename": "fresh.bin"}).raise_for_status()
+    fresh_layout = parse_layout(slot_dir / "fresh.bin")
+    if fresh_layout is None or fresh_layout.n_cells != layout.n_cells or \
+            len(fresh_layout.regions) != len(layout.regions):
+        return f"its layout {layout} is not a fresh prefill's {fresh_layout}"
+    ours, theirs = np.fromfile(saved, dtype=np.uint8), np.fromfile(slot_dir / "fresh.bin", dtype=np.uint8)
+    n = layout.n_cells
+    for r, f in zip(layout.regions, fresh_layout.regions, strict=True):
+        if (r.n_outer, r.cell_bytes, r.type_id) != (f.n_outer, f.cell_bytes, f.type_id) or r.type_id != 1:
+            continue  # f16 KV only (the runs' default); another type is not decoded here
+        a = ours[r.offset:r.offset + r.n_outer * n * r.cell_bytes].reshape(r.n_outer, n, r.cell_bytes)
+        b = theirs[f.offset:f.offset + f.n_outer * n * f.cell_bytes].reshape(f.n_outer, n, f.cell_bytes)
+        for start in range(0, n, _CHUNK):
+            x = np.ascontiguousarray(a[:, start:start + _CHUNK]).view("<f2").astype(np.float32)
+            y = np.ascontiguousarray(b[:, start:start + _CHUNK]).view("<f2").astype(np.float32)
+            scale = float(np.linalg.norm(y)) or 1.0
+            distance = float(np.linalg.norm(x - y)) / scale
+            if not distance < FOREIGN_KV:
+                return (f"cells {start}-{min(start + _CHUNK, n) - 1} differ from a fresh prefill of its tokens by "
+                        f"{distance:.3g} (relative)")
+    return None
+
+
 # -- one run -------------------------------------------------------------------------------------------------------
 
 
@@ -419,14 +568,19 @@ def run(root: Path, model: Path, kind: str, seed: int, seconds: float, n_session
         for w in workers[threads:]:
             w.join(timeout=180)
         # After the last fault: one more turn of every session on a quiet cluster, so that the checker also judges
-        # the state each session ended with.
+        # the state each session ended with; then every session's next token, restored against a fresh prefill.
         time.sleep(2)
         last = random.Random(seed + 1)
         with httpx.Client(timeout=90) as http:
             for session in sessions:
                 one_turn(http, last.choice(c.keepers), session, turns)
+            for keeper in c.keepers:  # every save of the last turns committed
+                http.get(keeper.url + "/api/sessions", params={"kind": "all"}, timeout=60)
+        foreign, compared = foreign_bytes(c, root, kind, model)
+        print(f"fault run: compared {compared} saved states with a fresh prefill of their tokens", file=sys.stderr,
+              flush=True)
         leases, given_up = leases_in([Path(k.log_path) for k in c.keepers])
-    violations = check(turns, faults, manifests, leases, holders, given_up)
+    violations = check(turns, faults, manifests, leases, holders, given_up) + foreign
     acked = sum(1 for t in turns if t.ok)
     result = Result(seed, kind, seconds, n_sessions, len(turns), acked, len(turns) - acked,
                     dict(Counter(f.kind for f in faults)), violations)

@@ -88,3 +88,14 @@ def test_a_lease_given_up_after_another_replica_took_a_newer_one_is_found() -> N
     assert len(overlapping_leases(taken, late, [])) == 1
     # r1 was killed in between: its new process never held token 1.
     assert overlapping_leases(taken, late, [Fault("kill-replica", "r1", 5.5, 5.8)]) == []
+
+
+def test_a_damaged_block_excuses_one_lost_turn_of_each_session_after_it() -> None:
+    damaged = [Fault("damage-block", A, 5, 5)]
+    lost = [turn(0, 300, 0), turn(10, 400, 200), turn(20, 500, 400), turn(30, 600, 100)]
+    assert len(lost_turns(lost, damaged)) == 1  # the first loss after it is excused, the second is not
+    assert len(lost_turns(lost[:2], [Fault("damage-block", B, 5, 5)])) == 1  # another backend's block
+    assert len(lost_turns(lost[:2], [Fault("damage-block", A, 15, 15)])) == 1  # after the loss: no excuse
+    moved = [turn(0, 300, 0), turn(10, 400, 200, backend=B)]
+    assert lost_turns(moved, [Fault("damage-object", "store", 5, 5)]) == []  # brought from the store, damaged
+    assert len(lost_turns(lost[:2], [Fault("damage-object", "store", 5, 5)])) == 1  # it stayed: the store is moot

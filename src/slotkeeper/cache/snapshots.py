@@ -120,6 +120,13 @@ class Snapshots:
         self._lookups.attach(fingerprint)
         self.transfers.attach(fingerprint, inspect)
 
+    def refingerprint(self, fingerprint: str) -> None:
+        """The backend's fingerprint changed (its KV setting, probed again after it restarted): saves are made, and
+        states looked up, under the new one from now on."""
+        self._fingerprint = fingerprint
+        self._lookups.attach(fingerprint)
+        self.transfers.attach(fingerprint, self._inspect)
+
     async def close(self, drop_ram_copies: bool = False) -> None:
         """Close the index (after the pool's `aclose`); `drop_ram_copies` once every save is committed and the
         server that read the RAM dir is gone, so all of it is on disk."""

@@ -72,7 +72,7 @@ class SharedTier:
                  import_snapshot: Callable[..., Any], budget: int = 0) -> None:
         self._store = store
         self._snapshots = snapshots
-        self._fingerprint = fingerprint
+        self.fingerprint = fingerprint
         self._origin = origin
         self._import = import_snapshot  # cache/operations.py import_snapshot, on this backend's pool
         # What is waiting for its upload (the newest committed version of each, when it runs).
@@ -96,7 +96,7 @@ class SharedTier:
     def manifest_key(self, key: SessionKey, kind: SnapshotKind) -> str:
         model = urllib.parse.quote(key.model, safe="")
         session = urllib.parse.quote(key.session_id, safe="")
-        return f"manifests/{self._fingerprint}/{kind}/{model}/{session}.json"
+        return f"manifests/{self.fingerprint}/{kind}/{model}/{session}.json"
 
     blob_key = staticmethod(blob_key)
     tail_key = staticmethod(tail_key)
@@ -262,7 +262,7 @@ class SharedTier:
             log.warning("the shared manifest of %s is unreadable (%s): it is ignored", key, exc.message)
             return None
         meta = manifest.meta
-        if meta.fingerprint != self._fingerprint or manifest.withdrawn:
+        if meta.fingerprint != self.fingerprint or manifest.withdrawn:
             return None
         # What the snapshots are asked, in one go: a name for the download should one be needed (a name only:
         # nothing is written under it until then), and this host's own version, once its commits still running are

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import secrets
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,8 @@ async def discover(client: UpstreamClient, snapshots: Snapshots, alias: str | No
     build = str(props.get("build_info") or "")
     layout: dict[str, Any] = {"n_slots": n_slots, "n_ctx_slot": n_ctx_slot, "build": build,
                               "kv": list(kv_settings), "lora": await _lora_adapters(client)}
-    setting = await kv_setting(client, snapshots, identity, layout, meta)
+    base = backend_fingerprint(identity, layout)
+    setting = await kv_setting(client, snapshots, base, meta)
     return BackendInfo(
         url=client.base_url,
         model_id=alias or _model_id(props),
@@ -79,20 +81,25 @@ async def discover(client: UpstreamClient, snapshots: Snapshots, alias: str | No
         n_slots=n_slots,
         n_ctx_slot=n_ctx_slot,
         build_info=build,
-        fingerprint=backend_fingerprint(identity, {**layout, "kv_setting": setting}),
+        fingerprint=kv_fingerprint(base, setting),
         props=props,
         meta=meta,
+        kv_base=base,
     )
 
 
-async def kv_setting(client: UpstreamClient, snapshots: Snapshots, identity: str, layout: dict[str, Any],
-                     meta: dict[str, Any]) -> str:
-    """Which KV setting the backend runs, by its probe, among those seen with this model and layout ("1", "2", ...);
-    when the probe cannot be made, a setting of its own (no state saved before this start is then restored)."""
+def kv_fingerprint(base: str, setting: str) -> str:
+    """The fingerprint of a backend of `base` (model, build, layout, options) running the KV setting `setting`."""
+    return hashlib.sha256(f"{base}|kv-setting {setting}".encode()).hexdigest()[:16]
+
+
+async def kv_setting(client: UpstreamClient, snapshots: Snapshots, base: str, meta: Mapping[str, Any]) -> str:
+    """Which KV setting the backend runs, by its probe (made in slot 0, which must be free), among those seen with
+    this model and layout ("1", "2", ...); when the probe cannot be made, a setting of its own (no state saved
+    before is then restored)."""
     probe = await _probe(client, snapshots, int(meta.get("n_vocab") or 0))
     if probe is None:
         return "unprobed-" + secrets.token_hex(4)
-    base = backend_fingerprint(identity, layout)
     setting = await asyncio.to_thread(snapshots.kv_setting, base, probe)
     log.info("the backend's KV: %s (setting %d of this model and layout)", probe.layout, setting)
     return str(setting)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from slotkeeper.cache.pool import SlotPool
@@ -28,13 +29,15 @@ class BackendWatch:
         self._pool = pool
         self.health = health
         self._interval = interval
+        # Called, with no await before it, when the backend is found to be another process (kvcheck.py).
+        self.on_restart: Callable[[], None] | None = None
         self._tasks: TaskIds | None = None  # each slot's id_task at the last reading of /slots
         self._tasks_recoveries = 0  # health.recoveries then: after a recovery the watch did not see, it is stale
 
     async def run(self) -> None:
         while True:
+            await self.check()  # the first reading at once: a restart in the first second is another process too
             await asyncio.sleep(self._interval)
-            await self.check()
 
     async def check(self) -> None:
         observed = self._pool.generations()  # taken before any await: a reset applies only to slots unchanged since
@@ -69,6 +72,7 @@ class BackendWatch:
             log.warning("the backend at %s restarted (its slots show other tasks than before); no slot state it "
                         "held is trusted", self._client.base_url)
             self._pool.reset_slots(observed, "the backend restarted")
+            self._restarted()
             return
         if tasks is not None:
             # A slot that never ran a task since the server started holds nothing (a restart between two probes).
@@ -84,14 +88,21 @@ class BackendWatch:
             log.warning("the backend is back (%s): no slot state it held is trusted, sessions restore from disk",
                         reason)
             self._pool.reset_slots(observed, reason)
+            self._restarted()  # before requests go on: its KV settings are checked again
         else:
             log.warning("the backend is back, the same server process as before: the slots keep their state and "
                         "their unsaved turns")
         self.health.mark_up()
 
+    def _restarted(self) -> None:
+        if self.on_restart is not None:
+            self.on_restart()
+
     def _held(self) -> set[int]:
-        """The slots the pool counts as holding a turn, which ran a task on the backend: each shows an id_task."""
-        return {slot.slot_id for slot in self._pool.slots if slot.occupant is not None and not slot.busy}
+        """The slots the pool counts as holding something, which ran a task on the backend: each shows an id_task (a
+        slot cut back to its system part holds that part, though no session)."""
+        return {slot.slot_id for slot in self._pool.slots
+                if (slot.occupant is not None or slot.n_tokens > 0) and not slot.busy}
 
     async def _task_ids(self) -> TaskIds | None:
         try:

@@ -4,6 +4,7 @@ watch, supervisor and housekeeping tasks. slotkeeper runs one of these per model
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -25,6 +26,7 @@ from slotkeeper.fleet.group import BackendGroup
 from slotkeeper.fleet.objectstore import S3Store
 from slotkeeper.fleet.shared import SharedTier
 from slotkeeper.serving.backend import capability_of, discover
+from slotkeeper.serving.kvcheck import KvCheck
 from slotkeeper.serving.service import TurnService
 from slotkeeper.serving.watch import BackendWatch
 from slotkeeper.upstream.client import UpstreamClient
@@ -39,13 +41,14 @@ log = logging.getLogger("slotkeeper")
 class RunningBackend:
     def __init__(self, state: AppState, snapshots: Snapshots, started: StartedBackend,
                  tasks: list[asyncio.Task[None]], shared: SharedTier | None = None,
-                 uploader: asyncio.Task[None] | None = None) -> None:
+                 uploader: asyncio.Task[None] | None = None, kv_check: KvCheck | None = None) -> None:
         self.state = state
         self._snapshots = snapshots
         self._started = started
         self._tasks = tasks
         self._shared = shared
         self._uploader = uploader  # the shared tier's (runs until the last saves are uploaded)
+        self.kv_check = kv_check
 
     @classmethod
     async def start(cls, settings: Settings) -> RunningBackend:
@@ -86,6 +89,16 @@ class RunningBackend:
         watch = BackendWatch(client, pool, health)
         supervisor = _supervisor(started, health, pool, settings)
         state = AppState(settings, backend, client, pool, service, time.time(), started.server, supervisor)
+
+        def use_fingerprint(fingerprint: str) -> None:
+            snapshots.refingerprint(fingerprint)
+            state.backend = dataclasses.replace(state.backend, fingerprint=fingerprint)
+            if shared is not None:
+                shared.fingerprint = fingerprint
+
+        kv_check = KvCheck(client, pool, snapshots, backend.kv_base, backend.meta, backend.fingerprint,
+                           use_fingerprint)
+        watch.on_restart = kv_check.restarted
         log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
                  backend.model_id, started.url, backend.n_slots, backend.n_ctx_slot, backend.fingerprint, slot_dir)
         log.info("restores (%s strategy): %s", pool.policy.strategy, pool.policy.capability.reason())
@@ -93,7 +106,7 @@ class RunningBackend:
                  asyncio.create_task(_index_old_states(snapshots))]
         if supervisor is not None:
             tasks.append(asyncio.create_task(supervisor.run()))
-        return cls(state, snapshots, started, tasks, shared, uploader)
+        return cls(state, snapshots, started, tasks, shared, uploader, kv_check)
 
     async def stop(self) -> None:
         """Save every changed slot (within half the shutdown bound, commits included), then stop what was started."""
@@ -102,6 +115,8 @@ class RunningBackend:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.kv_check is not None:
+            await self.kv_check.aclose()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget.saving
         try:
