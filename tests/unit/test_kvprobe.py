@@ -50,18 +50,22 @@ def test_probes_of_one_setting_agree_within_float_noise_and_others_do_not(tmp_pa
     assert base.same_setting(KvProbe.stored(base.layout, base.values_bytes(), base.exact))
 
 
-def test_the_index_numbers_each_setting_once_per_model_and_layout(tmp_path: Path, values: np.ndarray) -> None:
+def test_the_index_names_each_setting_once_and_alike_on_every_host(tmp_path: Path, values: np.ndarray) -> None:
     index = SnapshotIndex(tmp_path / "index.db")
     first = read_probe(_slot_file(tmp_path / "a.bin", values))
     other = read_probe(_slot_file(tmp_path / "b.bin", values * 3))
-    assert index.kv_setting("model-a", first) == 1
-    assert index.kv_setting("model-a", other) == 2
-    assert index.kv_setting("model-a", first) == 1  # seen before: the same number after a restart
-    assert index.kv_setting("model-b", other) == 1  # numbered per model and layout
+    noisy = read_probe(_slot_file(tmp_path / "c.bin", values * (1 + 1e-3)))
+    a, b = index.kv_setting("model-a", first), index.kv_setting("model-a", other)
+    assert a == first.name and b == other.name and a != b
+    assert index.kv_setting("model-a", noisy) == a  # float noise: the setting seen before, after a restart
     index.close()
     again = SnapshotIndex(tmp_path / "index.db")
-    assert again.kv_setting("model-a", other) == 2
+    assert again.kv_setting("model-a", other) == b
     again.close()
+    # Another host (another index) whose probe is byte for byte the same names the setting alike.
+    elsewhere = SnapshotIndex(tmp_path / "other.db")
+    assert elsewhere.kv_setting("model-a", read_probe(_slot_file(tmp_path / "d.bin", values))) == a
+    elsewhere.close()
 
 
 def test_the_probe_prompt_stays_within_the_vocabulary() -> None:

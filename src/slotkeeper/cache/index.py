@@ -90,7 +90,7 @@ CREATE TABLE IF NOT EXISTS block_sizes (
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS kv_probes (
     base        TEXT NOT NULL,
-    setting     INTEGER NOT NULL,
+    setting     TEXT NOT NULL,
     layout      TEXT NOT NULL,
     exact       TEXT NOT NULL,
     vals        BLOB NOT NULL,
@@ -458,9 +458,10 @@ class SnapshotIndex:
 
     # -- model file identities (cached, so a 20 GB GGUF is not re-read at every start) ------------------------
 
-    def kv_setting(self, base: str, probe: KvProbe) -> int:
-        """The number of the KV setting `probe` shows among those seen under `base` (a model and layout): the one it
-        agrees with within float noise, else a new one (kvprobe.py)."""
+    def kv_setting(self, base: str, probe: KvProbe) -> str:
+        """The name of the KV setting `probe` shows under `base` (a model and layout): the one seen before that it
+        agrees with within float noise, else its own (kvprobe.py: a digest of its bytes, so that hosts and backends
+        whose probes are byte for byte alike name the setting alike)."""
         with self._lock, self._transaction():
             rows = self._db.execute("SELECT setting, layout, vals, exact FROM kv_probes WHERE base=?"
                                     " ORDER BY seen DESC", (base,)).fetchall()
@@ -468,9 +469,9 @@ class SnapshotIndex:
                 if probe.same_setting(KvProbe.stored(layout, vals, exact)):
                     self._db.execute("UPDATE kv_probes SET seen=? WHERE base=? AND setting=?",
                                      (time.time(), base, setting))
-                    return int(setting)
-            setting = 1 + max((int(r[0]) for r in rows), default=0)
-            self._db.execute("INSERT INTO kv_probes (base, setting, layout, exact, vals, seen)"
+                    return str(setting)
+            setting = probe.name
+            self._db.execute("INSERT OR REPLACE INTO kv_probes (base, setting, layout, exact, vals, seen)"
                              " VALUES (?, ?, ?, ?, ?, ?)",
                              (base, setting, probe.layout, probe.exact, probe.values_bytes(), time.time()))
             self._db.execute("DELETE FROM kv_probes WHERE base=? AND setting NOT IN (SELECT setting FROM kv_probes"

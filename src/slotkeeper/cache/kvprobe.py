@@ -7,7 +7,9 @@ not reported anywhere. So at start, and after the backend restarts, the backend 
 a slot and saves it; the probe is that file's K and V: the ggml types and shape of every tensor exactly, and a
 sample of the values decoded to floats, compared within float noise (another thread count may round otherwise).
 Two probes that agree are one KV setting; a probe that agrees with none seen before under the same model and
-layout is a new one, and the fingerprint takes its number (index.py keeps the probes).
+layout is a new one, named by a digest of its bytes, and the fingerprint takes the setting's name (index.py keeps the
+probes). A name from the bytes, not a count, so that two backends or hosts whose probes are alike byte for byte (the
+same build on the same kind of machine) name the setting alike and share what they save.
 
 Pure: parsing the probe's file and comparing two probes; the requests that make it are discovery's (backend.py).
 """
@@ -59,6 +61,11 @@ class KvProbe:
 
     def values_bytes(self) -> bytes:
         return self.values.astype("<f4").tobytes()
+
+    @property
+    def name(self) -> str:
+        """The setting's name when this probe is the first of it: 16 hex digits of its bytes."""
+        return xxhash.xxh3_128_hexdigest(f"{self.layout}|{self.exact}|".encode() + self.values_bytes())[:16]
 
     @classmethod
     def stored(cls, layout: str, values: bytes, exact: str) -> KvProbe:

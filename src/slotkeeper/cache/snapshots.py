@@ -153,8 +153,8 @@ class Snapshots:
         """Blocking: the model file's content identity, from the index's cache when the file did not change."""
         return model_file_identity(path, self._store)
 
-    def kv_setting(self, base: str, probe: KvProbe) -> int:
-        """Blocking: the number of the KV setting a backend's probe shows under `base` (kvprobe.py)."""
+    def kv_setting(self, base: str, probe: KvProbe) -> str:
+        """Blocking: the name of the KV setting a backend's probe shows under `base` (kvprobe.py)."""
         return self._store.kv_setting(base, probe)
 
     # -- saving ---------------------------------------------------------------------------------------------

@@ -493,7 +493,7 @@ class SnapshotStore:
     def remember_identity(self, path: str, size: int, mtime_ns: int, identity: str) -> None:
         self._index.remember_identity(path, size, mtime_ns, identity)
 
-    def kv_setting(self, base: str, probe: KvProbe) -> int:
+    def kv_setting(self, base: str, probe: KvProbe) -> str:
         return self._index.kv_setting(base, probe)
 
 

@@ -95,14 +95,14 @@ def kv_fingerprint(base: str, setting: str) -> str:
 
 async def kv_setting(client: UpstreamClient, snapshots: Snapshots, base: str, meta: Mapping[str, Any]) -> str:
     """Which KV setting the backend runs, by its probe (made in slot 0, which must be free), among those seen with
-    this model and layout ("1", "2", ...); when the probe cannot be made, a setting of its own (no state saved
-    before is then restored)."""
+    this model and layout (its name: kvprobe.py); when the probe cannot be made, a setting of its own (no state
+    saved before is then restored)."""
     probe = await _probe(client, snapshots, int(meta.get("n_vocab") or 0))
     if probe is None:
         return "unprobed-" + secrets.token_hex(4)
     setting = await asyncio.to_thread(snapshots.kv_setting, base, probe)
-    log.info("the backend's KV: %s (setting %d of this model and layout)", probe.layout, setting)
-    return str(setting)
+    log.info("the backend's KV: %s (setting %s of this model and layout)", probe.layout, setting)
+    return setting
 
 
 async def _probe(client: UpstreamClient, snapshots: Snapshots, n_vocab: int) -> KvProbe | None:
