@@ -195,8 +195,8 @@ class SharedTier:
                     older = None  # a manifest we cannot read is replaced
                 if older is not None:
                     if older.meta.checksum == meta.checksum and older.digests == tuple(digests) and \
-                            not older.withdrawn and older.kv == kv and older.object == object_name:
-                        break  # already there
+                            not older.withdrawn:
+                        break  # already there (under whichever names: a named object is never marked)
                     if not older.replaced_by(meta.version):
                         self._refuse_older(key, kind, meta.version, older)
                         return
