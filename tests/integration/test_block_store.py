@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -182,20 +184,32 @@ def _manifest(store: ObjectStoreServer, session: str) -> dict[str, Any] | None:
     return None
 
 
-def test_blocks_move_between_hosts_and_a_block_missing_from_the_store_costs_a_prefill(
-        tmp_path: Path, backend_kind: str, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+@contextmanager
+def _two_hosts(tmp_path: Path, kind: str, model: Path) -> Iterator[tuple[ObjectStoreServer, list[tuple[Backend,
+                                                                                                  Slotkeeper]]]]:
+    """Hosts a and b (a backend and a slotkeeper each, blocks of BLOCK_TOKENS) sharing one object store."""
     store = ObjectStoreServer(tmp_path / "s3.log").start()
     started: list[tuple[Backend, Slotkeeper]] = []
     try:
         for name in ("a", "b"):
-            backend = Backend(backend_kind, tiny_model, tmp_path / f"{name}-slots",
-                              tmp_path / f"{name}-backend.log").start()
+            backend = Backend(kind, model, tmp_path / f"{name}-slots", tmp_path / f"{name}-backend.log").start()
             keeper = Slotkeeper(tmp_path / f"{name}-cache", tmp_path / f"{name}.log", upstream=backend, extra_args=(
                 "--shared-store", f"s3://{store.bucket}/{PREFIX}", "--shared-endpoint", store.url,
                 "--save-idle-seconds", "0.3", "--block-tokens", str(BLOCK_TOKENS)))
             started.append((backend, keeper.start(timeout=120)))
+        yield store, started
+    finally:
+        for backend, keeper in started:
+            keeper.stop()
+            backend.stop()
+        store.stop()
+
+
+def test_blocks_move_between_hosts_and_a_block_missing_from_the_store_costs_a_prefill(
+        tmp_path: Path, backend_kind: str, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    with _two_hosts(tmp_path, backend_kind, tiny_model) as (store, started):
         (_, keeper_a), (backend_b, keeper_b) = started
         on_a = httpx.Client(base_url=keeper_a.url, timeout=120)
         on_b = httpx.Client(base_url=keeper_b.url, timeout=120)
@@ -276,11 +290,6 @@ def test_blocks_move_between_hosts_and_a_block_missing_from_the_store_costs_a_pr
         assert backend_b.alive()
         on_a.close()
         on_b.close()
-    finally:
-        for backend, keeper in started:
-            keeper.stop()
-            backend.stop()
-        store.stop()
 
 
 def test_a_state_saved_whole_before_the_block_store_restores_and_its_next_save_is_kept_as_blocks(
@@ -316,16 +325,7 @@ def test_two_hosts_whose_saves_of_one_prefix_differ_by_float_noise_both_move_thr
     bytes are their own objects, named by their digests, and each state comes back intact on the other host."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
-    store = ObjectStoreServer(tmp_path / "s3.log").start()
-    started: list[tuple[Backend, Slotkeeper]] = []
-    try:
-        for name in ("a", "b"):
-            backend = Backend(backend_kind, tiny_model, tmp_path / f"{name}-slots",
-                              tmp_path / f"{name}-backend.log").start()
-            keeper = Slotkeeper(tmp_path / f"{name}-cache", tmp_path / f"{name}.log", upstream=backend, extra_args=(
-                "--shared-store", f"s3://{store.bucket}/{PREFIX}", "--shared-endpoint", store.url,
-                "--save-idle-seconds", "0.3", "--block-tokens", str(BLOCK_TOKENS)))
-            started.append((backend, keeper.start(timeout=120)))
+    with _two_hosts(tmp_path, backend_kind, tiny_model) as (store, started):
         (backend_a, keeper_a), (_, keeper_b) = started
         on_a = httpx.Client(base_url=keeper_a.url, timeout=120)
         on_b = httpx.Client(base_url=keeper_b.url, timeout=120)
@@ -368,8 +368,3 @@ def test_two_hosts_whose_saves_of_one_prefix_differ_by_float_noise_both_move_thr
         assert backend_a.alive()
         on_a.close()
         on_b.close()
-    finally:
-        for backend, keeper in started:
-            keeper.stop()
-            backend.stop()
-        store.stop()
