@@ -195,9 +195,11 @@ def test_a_file_changed_in_place_after_it_was_hashed_is_refused(stack: Stack, cl
     row = keeper.row("victim")
     assert row is not None
     path = stack.slot_dir / row["filename"]
+    blocks_damaged: list[str] = []
     if stored_as == "blocks":
         assert row["tail_bytes"] > 0 and not path.exists()
-        last = BlockStore(stack.slot_dir, 64).manifest(row["filename"]).keys[-1]  # the victim's own
+        last = BlockStore(stack.slot_dir, 64).manifest(row["filename"]).digests[-1]  # the victim's own
+        blocks_damaged.append(last)
         changed = BlockStore(stack.slot_dir, 64).block_path(last)
         path = stack.slot_dir / (row["filename"] + TAIL_SUFFIX)  # what goes to quarantine
     else:
@@ -215,5 +217,7 @@ def test_a_file_changed_in_place_after_it_was_hashed_is_refused(stack: Stack, cl
     assert backend.alive()
     assert keeper.row("victim") is None
     assert not path.exists()
-    assert [p.name.split(".")[0] for p in (stack.slot_dir / "quarantine").iterdir()] == [path.name.split(".")[0]]
-    assert ("checksum mismatch" if stored_as == "file" else "does not match its checksum") in keeper.log_text()
+    # The state's file (or tail) goes into the quarantine; kept as blocks, the damaged block too.
+    quarantined = sorted(p.name.split(".")[0] for p in (stack.slot_dir / "quarantine").iterdir())
+    assert quarantined == sorted([path.name.split(".")[0], *blocks_damaged])
+    assert ("checksum mismatch" if stored_as == "file" else "does not match its name") in keeper.log_text()
