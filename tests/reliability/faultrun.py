@@ -400,7 +400,11 @@ def sampler(c: Cluster, stop: threading.Event, manifests: list[ManifestSample],
                         continue
                     data = json.loads(s3.get_object(Bucket=c.store.bucket, Key=item["Key"])["Body"].read())
                     version = data.get("state_version") or [0, 0]
-                    manifests.append(ManifestSample(now, str(data["session"]), (int(version[0]), int(version[1]))))
+                    # Versions are ordered per manifest, and a manifest lives under its backend's fingerprint: a
+                    # backend probed after a restart under a placeholder or another KV setting writes another one.
+                    fingerprint = item["Key"].split("/manifests/", 1)[1].split("/", 1)[0]
+                    manifests.append(ManifestSample(now, f"{data['session']}@{fingerprint}",
+                                                    (int(version[0]), int(version[1]))))
         except Exception:  # the store is read directly (not through the proxy), but an object may go meanwhile
             pass
         try:
