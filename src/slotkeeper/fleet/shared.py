@@ -138,10 +138,6 @@ class SharedTier:
         """Blocking: one sweep of the store (sweep.py), within this tier's budget; how many objects went."""
         return sweep(self._store, self.budget, now)
 
-    def enforce_budget(self) -> int:
-        """Blocking: `collect_garbage` now (kept for the tools that call it by this name)."""
-        return self.collect_garbage()
-
     async def drain(self, timeout: float) -> bool:
         """Wait (bounded) until every queued upload is done; True when none is left."""
         try:

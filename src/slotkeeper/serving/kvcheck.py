@@ -57,11 +57,6 @@ class KvCheck:
         self.fingerprint = fingerprint
         self._apply(fingerprint)
 
-    async def wait(self) -> None:
-        """Until the probe after the last restart is done (tests)."""
-        if self._task is not None:
-            await asyncio.shield(self._task)
-
     async def aclose(self) -> None:
         if self._task is not None:
             self._task.cancel()
