@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -365,11 +367,11 @@ def test_a_full_disk_during_a_save_keeps_the_previous_state_and_leaves_no_block_
     real = blockstore_module._write_atomically
     writes = []
 
-    def full_after_one(path: Path, pieces: object) -> None:
+    def full_after_one(path: Path, pieces: object, temp: Path | None = None) -> None:
         writes.append(path)
         if len(writes) > 1:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(path, pieces)  # type: ignore[arg-type]
+        real(path, pieces, temp)  # type: ignore[arg-type]
 
     monkeypatch.setattr(blockstore_module, "_write_atomically", full_after_one)
     with pytest.raises(SnapshotError, match="No space left"):
@@ -460,6 +462,29 @@ def test_the_start_sweep_leaves_temporaries_a_live_save_or_download_is_writing(t
     os.utime(crashed, (time.time() - 3600, time.time() - 3600))
     store.sweep_blocks()
     assert live_download.exists() and live_block.exists() and not crashed.exists()
+
+
+def test_the_start_sweep_removes_at_once_what_a_killed_process_of_this_host_was_writing(tmp_path: Path) -> None:
+    """Seen in CI at fd0822e: a kill -9 and a start a second later left the killed process's block temporaries,
+    younger than the sweep's margin, until the next start. A temporary names its writer: one of a process of this
+    host that is gone goes at once; a live process's (this one's, another's) and another host's stay."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    store = SnapshotStore(tmp_path / "slots", tmp_path / "index.db", block_tokens=16)
+    host = blockstore_module._HOST
+    folder = store.blocks.root / "ab"
+    folder.mkdir(parents=True)
+    digest = "ab" * 16
+    killed = folder / f".tmp-{dead.pid}.{host}.00000000-{digest}.blk"
+    killed_download = store.blocks.temp_path("block").with_name(f".tmp-{dead.pid}.{host}.00000001-block")
+    mine = store.blocks.temp_path("block")
+    parent = folder / f".tmp-{os.getppid()}.{host}.00000002-{digest}.blk"
+    elsewhere = folder / f".tmp-{dead.pid}.0f0f0f0f.00000003-{digest}.blk"
+    for path in (killed, killed_download, mine, parent, elsewhere):
+        path.write_bytes(b"half a block")
+    assert store.blocks.sweep_temporaries() == 2
+    assert not killed.exists() and not killed_download.exists()
+    assert mine.exists() and parent.exists() and elsewhere.exists()
 
 
 def test_a_damaged_block_costs_a_prefill_once_and_the_next_save_writes_it_again(

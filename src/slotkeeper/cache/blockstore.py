@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import struct
 import threading
 import time
@@ -71,9 +72,12 @@ _MANIFEST_MAX = 64 << 20
 _HEX32 = frozenset("0123456789abcdef")
 # Threads writing a save's new blocks.
 WRITERS = 8
-# The start's sweep removes only temporaries older than this before the store was opened: a save of this process
-# writes its temporaries after that (file times run up to a clock tick behind the wall clock).
+# A temporary under `blocks/` is named `.tmp-<pid>.<host>.<nonce>-<name>`, after the process writing it. The start's
+# sweep removes at once those of this host's processes that are gone (a crash, a kill -9 just before this start).
+# Those of a live process or another host go only once they are older than this before the store was opened: a write
+# in flight is never that old (file times run up to a clock tick behind the wall clock).
 TEMP_MARGIN_SECONDS = 5.0
+_HOST = xxhash.xxh3_64_hexdigest(socket.gethostname().encode())[:8]
 
 # Which digest each prefix is stored as, for the prefixes asked (the index's, for this host's own saves).
 Reuse = Callable[[Sequence[str]], Mapping[str, str]]
@@ -250,7 +254,8 @@ class BlockStore:
     def _write_block(self, digest: str, payload: memoryview, raw: bytes) -> None:
         path = self.block_path(digest)
         make_private_dir(path.parent)
-        _write_atomically(path, [_BLOCK_HEADER.pack(_BLOCK_MAGIC, len(payload), raw), payload])
+        _write_atomically(path, [_BLOCK_HEADER.pack(_BLOCK_MAGIC, len(payload), raw), payload],
+                          path.with_name(_owned_temp_name(path.name)))
 
     def _write_tail(self, filename: str, pieces: Sequence[bytes | memoryview], manifest: Manifest) -> None:
         body = json.dumps({
@@ -356,7 +361,7 @@ class BlockStore:
         """A temporary name under the store, for a download (swept at start if a crash leaves it)."""
         directory = self.root / "incoming"
         make_private_dir(directory)
-        return directory / f".tmp-{secrets.token_hex(4)}-{label}"
+        return directory / _owned_temp_name(label)
 
     def read_tail(self, manifest: Manifest, filename: str) -> bytes:
         """The tail's bytes (without the manifest), checked against the manifest's checksum."""
@@ -456,18 +461,20 @@ class BlockStore:
         return found
 
     def sweep_temporaries(self) -> int:
-        """Remove the temporaries a crash left (block writes, downloads): only those older than this store's
-        opening, which no write of this process can own. Returns how many went."""
+        """Remove the temporaries a crash left (block writes, downloads): those of this host's processes that are
+        gone, and any other older than this store's opening (no write in flight is). Returns how many went."""
         cutoff = self._opened_ns - int(TEMP_MARGIN_SECONDS * 1e9)
         removed = 0
         for directory in self._block_dirs():
             with os.scandir(directory) as entries:
                 for entry in entries:
+                    if not entry.name.startswith(".tmp-"):
+                        continue
                     try:
                         old = entry.stat(follow_symlinks=False).st_mtime_ns < cutoff
                     except OSError:
                         continue
-                    if entry.name.startswith(".tmp-") and old:
+                    if old or _writer_gone(entry.name):
                         unlink_quietly(Path(entry.path))
                         removed += 1
         return removed
@@ -517,10 +524,32 @@ def _checked_block(path: Path, digest: str) -> bytes:
     return payload
 
 
-def _write_atomically(path: Path, pieces: Iterable[bytes | memoryview]) -> None:
-    """Write `pieces` to a temporary name beside `path`, fsync, and rename: a crash leaves the old state or the new
-    one, never a torn file (a temporary at most, which the start's sweep removes)."""
-    temp = path.with_name(f".tmp-{secrets.token_hex(4)}-{path.name}")
+def _owned_temp_name(label: str) -> str:
+    return f".tmp-{os.getpid()}.{_HOST}.{secrets.token_hex(4)}-{label}"
+
+
+def _writer_gone(name: str) -> bool:
+    """Whether the temporary `name` (`.tmp-<pid>.<host>.<nonce>-...`) was written by a process of this host that no
+    longer runs. False when unsure: another host's, a live process's (which may be this one), a name not ours."""
+    owner = name[len(".tmp-"):].split("-", 1)[0].split(".")
+    if len(owner) != 3 or owner[1] != _HOST or not owner[0].isdigit():
+        return False
+    pid = int(owner[0])
+    if pid == os.getpid() or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _write_atomically(path: Path, pieces: Iterable[bytes | memoryview], temp: Path | None = None) -> None:
+    """Write `pieces` to a temporary name beside `path` (`temp`, or a fresh one), fsync, and rename: a crash leaves
+    the old state or the new one, never a torn file (a temporary at most, which a start's sweep removes)."""
+    temp = temp or path.with_name(f".tmp-{secrets.token_hex(4)}-{path.name}")
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
