@@ -1299,3 +1299,45 @@ async def test_hot_turns_keep_a_pending_cut_until_the_conversation_pauses(store:
     assert pool.warmups.cuts == 0
     assert await eventually(lambda: pool.warmups.cuts == 1)
     await pool.aclose()
+
+
+async def test_one_session_never_holds_two_slots_when_two_free_up_in_one_step(
+        client: FakeClient, store: SnapshotStore) -> None:
+    """Confirmed at 99614b5 (#38): two queued requests of one session and two slots freed in the same event-loop
+    step got one slot each, as a slot became the session's only once its request resumed. Both slots then held the
+    session, and whichever was saved last became its only state. The second request must wait for the first's
+    slot."""
+    pool = make_pool(client, store, n_slots=2)
+    x, y = await pool.acquire(B), await pool.acquire(C)
+    first = asyncio.ensure_future(pool.acquire(A))
+    second = asyncio.ensure_future(pool.acquire(A))
+    await asyncio.sleep(0)
+    x.release(TurnEnd.COMPLETED, 10)  # both slots free in one step: no await between
+    y.release(TurnEnd.COMPLETED, 10)
+    lease = await first
+    await asyncio.sleep(0.05)
+    assert not second.done()  # it waits for the session's slot, although the other one is free
+    assert [s.slot_id for s in pool.slots if s.occupant == A] == [lease.slot_id]
+    lease.release(TurnEnd.COMPLETED, 20)
+    again = await second
+    assert again.slot_id == lease.slot_id and again.cache.outcome is CacheOutcome.HOT
+    again.release(TurnEnd.COMPLETED, 30)
+    assert [s.slot_id for s in pool.slots if s.occupant == A] == [lease.slot_id]
+
+
+async def test_a_claimed_slot_is_given_up_when_its_request_is_cancelled_before_it_runs(
+        client: FakeClient, store: SnapshotStore) -> None:
+    pool = make_pool(client, store, n_slots=2)
+    x, y = await pool.acquire(B), await pool.acquire(C)
+    first = asyncio.ensure_future(pool.acquire(A))
+    second = asyncio.ensure_future(pool.acquire(A))
+    await asyncio.sleep(0)
+    x.release(TurnEnd.COMPLETED, 10)
+    first.cancel()  # handed slot 0, cancelled before it resumed: the slot goes back, unclaimed
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    lease = await asyncio.wait_for(second, 1)
+    assert lease.slot_id == 0 and [s.claimed for s in pool.slots] == [A, C]
+    lease.release(TurnEnd.COMPLETED, 10)
+    y.release(TurnEnd.COMPLETED, 10)
+    assert all(s.claimed is None for s in pool.slots)

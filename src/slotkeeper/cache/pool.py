@@ -57,6 +57,8 @@ class _Waiter:
     choose: Callable[[], SlotState | None]
     future: asyncio.Future[SlotState]
     side: bool = False
+    # The conversation the slot is for: the slot is claimed for it in the step that hands it out.
+    key: SessionKey | None = None
 
 
 class SlotPool:
@@ -122,7 +124,7 @@ class SlotPool:
             # OpenWebUI sends a new chat's title task a few ms before the chat's request: that one goes first.
             await self._hold_side()
         choose = (lambda: self._choose_side(key)) if side else (lambda: self._choose(key, chain))
-        slot = await self._take(choose, bounded=True, side=side)
+        slot = await self._take(choose, bounded=True, side=side, key=None if side else key)
         previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
         held = Held.of(slot)
         extended = _extends(in_slot, chain, previous == key and not side)
@@ -173,7 +175,10 @@ class SlotPool:
             self._held_sides.discard(came)
 
     def _choose(self, key: SessionKey, chain: Sequence[Link] = ()) -> SlotState | None:
-        own = next((s for s in self.slots if s.occupant == key), None)
+        # One session, at most one slot: one handed out for the session's request and not yet given back (its
+        # occupant is set only once that request resumes) is its own as much as one it occupies.
+        own = next((s for s in self.slots if s.claimed == key), None) or next(
+            (s for s in self.slots if s.occupant == key), None)
         if own is not None:
             return None if own.busy else own  # one session's turns run one after another, in its own slot
         idle = [s for s in self.slots if not s.busy]
@@ -197,10 +202,11 @@ class SlotPool:
                                         s.last_used))
 
     async def _take(self, choose: Callable[[], SlotState | None], bounded: bool = False,
-                    side: bool = False) -> SlotState:
+                    side: bool = False, key: SessionKey | None = None) -> SlotState:
         """Queue for a slot; slots are handed out in arrival order to the first waiter that can use them, side tasks
-        after every conversation's request (when side tasks are held back at all)."""
-        waiter = _Waiter(choose, asyncio.get_running_loop().create_future(), side)
+        after every conversation's request (when side tasks are held back at all). A slot handed out for
+        conversation `key` is claimed for it until it is given back."""
+        waiter = _Waiter(choose, asyncio.get_running_loop().create_future(), side, key)
         self._waiters.append(waiter)
         self._dispatch()
         if not side:
@@ -230,13 +236,13 @@ class SlotPool:
                 continue
             slot = waiter.choose()
             if slot is not None:
-                slot.busy = True
+                slot.busy, slot.claimed = True, waiter.key
                 self._waiters.remove(waiter)
                 waiter.future.set_result(slot)
 
     def _finish(self, lease: SlotLease, end: TurnEnd, n_tokens: int, cache_n: int | None, n_prompt: int) -> None:
         slot = self.slots[lease.slot_id]
-        slot.busy = False
+        slot.busy, slot.claimed = False, None
         slot.last_used = time.monotonic()
         self._turns.pop(lease.slot_id, None)
         if not lease.side:
@@ -324,7 +330,7 @@ class SlotPool:
 
     def free(self, slot: SlotState) -> None:
         """The slot is free again: hand it to the first queued request that can use it."""
-        slot.busy = False
+        slot.busy, slot.claimed = False, None
         self._dispatch()
 
     # -- what the slots hold --------------------------------------------------------------------------------

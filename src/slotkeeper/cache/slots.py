@@ -51,6 +51,9 @@ class SlotState:
     # generation it was deleted in. When the turn or save of that generation gives the slot back, the slot's state
     # is not attributed (or saved) any more; a later lease never sees it (it has a newer generation).
     forgotten_in: int | None = None
+    # The session a conversation's request was handed this slot for, from the step that handed it out until the
+    # lease ends: a second request of that session waits for this slot rather than take another (pool.py).
+    claimed: SessionKey | None = None
 
 
 @dataclass
