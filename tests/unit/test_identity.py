@@ -349,6 +349,17 @@ def test_the_side_state_prefix_is_not_a_clients_id() -> None:
         resolve_session("m", {"x-session-id": "~side-0123456789abcdef"}, {}, [])
 
 
+@pytest.mark.parametrize("where", ["header", "body"])
+def test_the_catch_all_name_is_not_a_clients_id(where: str) -> None:
+    """Confirmed at 99614b5 (#38): an explicit id `default` made a conversation equal to the catch-all session
+    (a key's source takes no part in equality), so a request without an id or any message took its slot, ran over
+    its state and marked it clean: the conversation's finished turn never reached disk."""
+    headers, body = ({"x-session-id": "default"}, {}) if where == "header" else ({}, {"session_id": " default "})
+    with pytest.raises(BadRequest, match="without an id or any message"):
+        resolve_session("m", headers, body, [], opening={"role": "user", "content": "hi"})
+    assert resolve_session("m", {"x-session-id": "Default"}, {}, []).session_id == "Default"
+
+
 @pytest.mark.parametrize("texts", [[], [""], ["", ""]], ids=["none", "one-empty", "two-empty"])
 def test_empty_system_texts_give_default(texts: list[str]) -> None:
     key = resolve(system=texts)
@@ -557,7 +568,8 @@ def test_file_stem_of_path_like_id_is_only_hex(session_id: str) -> None:
 
 def _valid_id(text: str) -> bool:
     stripped = text.strip()
-    return bool(stripped) and len(stripped) <= MAX_ID_LENGTH and not stripped.startswith("~side-") and not any(
+    return bool(stripped) and len(stripped) <= MAX_ID_LENGTH and not stripped.startswith("~side-") and (
+        stripped != "default") and not any(
         ord(ch) < 0x20 or ord(ch) == 0x7F for ch in stripped
     )
 

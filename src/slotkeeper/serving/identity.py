@@ -184,6 +184,11 @@ def checked_session_id(value: str, where: str) -> str:
 
 
 def _checked(value: str, where: str) -> str:
+    if value == DEFAULT_SESSION:
+        # The catch-all of requests without any message, never saved: a conversation named so would have its slot
+        # taken, run over and marked clean by every such request.
+        raise BadRequest(f"session id from {where} is {DEFAULT_SESSION!r}, which slotkeeper keeps for requests "
+                         "without an id or any message; choose another id")
     if value.startswith(RESERVED_PREFIX):
         raise BadRequest(f"session id from {where} starts with {RESERVED_PREFIX!r}, which slotkeeper keeps for the "
                          "names it makes itself; choose another id")
