@@ -3,7 +3,8 @@ AOF) and a snapshot store (moto's S3 server on loopback), over three real llama.
 replica A runs two of them, replica B one. Clients send each request to a random replica.
 
 - Affinity: each session runs on one backend and reuses its own history there, whichever replica the client
-  reached; sessions spread within the load bound over the three backends; no request fails.
+  reached; sessions spread within the load bound over the three backends; no request fails. A session moved to
+  the other replica by a drain starts there from the turn it had just run, not from the last upload.
 - Failover: a backend killed (kill -9) mid-run; its sessions continue elsewhere from their last committed state,
   a stream in flight there fails in its client's dialect, and no later request fails.
 - A replica killed mid-save and Redis restarted (kill -9 both): the other replica serves every session, those of
@@ -226,6 +227,22 @@ def test_sessions_keep_their_backend_whichever_replica_a_client_reaches(cluster:
     for chat in chats:
         [(replica, token, _)] = taken[chat.session]
         assert token == 1 and replica == cluster.replica_of(chat.served_by[0]).keeper.url
+
+    # Replica A's backends drained right after a turn of A's sessions, before the idle save: each session's next
+    # turn moves to B's backend and starts from that turn, which A saved and uploaded before it let the lease go (a
+    # fault run saw B bring the state a turn older from the store).
+    on_a = [c for c in chats if cluster.replica_of(c.served_by[-1]) is cluster.a][:2]
+    assert on_a
+    for chat in on_a:
+        chat.turn(clients[0])
+    admin = cluster.a.keeper.url + "/api/backend/drain"
+    for backend in cluster.a.backends:
+        httpx.post(admin, json={"backend": backend.url, "draining": True}, timeout=30).raise_for_status()
+    for chat in on_a:
+        chat.turn(clients[0])
+        assert chat.served_by[-1] == cluster.b.backends[0].url
+        assert chat.cache_n[-1] >= chat.prompt_tokens[-2] - 8, (chat.session, chat.cache_n, chat.prompt_tokens)
+    assert "lease given up" in cluster.a.keeper.log_text()
 
 
 def test_a_killed_backends_sessions_move_with_their_last_committed_state(cluster: Cluster) -> None:

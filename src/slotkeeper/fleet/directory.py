@@ -81,13 +81,16 @@ LocalView = Callable[[], Mapping[str, Sequence[BackendView]]]
 @dataclass(frozen=True)
 class Route:
     """Where a turn runs: here (`local`, on `backend`, under the lease of `token`: None when this replica runs it
-    without the lease) or on another replica, which chooses its own backend."""
+    without the lease) or on another replica, which chooses its own backend. `hand_over`: the token of the lease
+    this replica still holds on a session that moves to another replica; the caller gives it up (`give_up`) once
+    the session's latest turn is where the other replica will look for it."""
 
     local: bool
     replica: str
     backend: str | None
     token: int | None
     why: str
+    hand_over: int | None = None
 
 
 @dataclass
@@ -340,10 +343,8 @@ class Directory:
         holder = seen.holder
         replica = cluster[choice.member][0]
         if replica != self.replica:
-            if holder is not None and holder[0] == self.replica:
-                await self._give_up(model, session, holder[1],
-                                    f"it moves to {backend_of(choice.member)} on {replica}")
-            return Route(False, replica, backend_of(choice.member), None, str(choice.why))
+            mine_still = holder[1] if holder is not None and holder[0] == self.replica else None
+            return Route(False, replica, backend_of(choice.member), None, str(choice.why), hand_over=mine_still)
         token = await self._lease(model, session, holder, now)
         if isinstance(token, str):  # another replica took it just now
             if not local_only and self._reachable(token):
@@ -428,6 +429,16 @@ class Directory:
         self.leases_taken += 1
         log.info("lease taken: session %s/%s, fencing token %d, replica %s", model, session, taken[1], self.replica)
         return taken[1]
+
+    async def give_up(self, model: str, session: str, token: int, why: str) -> None:
+        """Give up this replica's lease of `token` on the session (a route's `hand_over`). When the directory does
+        not answer, the lease expires in LEASE_MS and the other replica forwards here until then."""
+        if self.down:
+            return
+        try:
+            await self._call(lambda: self._give_up(model, session, token, why))
+        except Exception as exc:
+            await self._failed(exc)
 
     async def _give_up(self, model: str, session: str, token: int, why: str) -> None:
         await self._release_script(keys=[self._key("lease", model, session)], args=[f"{self.replica}|{token}"])

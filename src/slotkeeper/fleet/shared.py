@@ -77,6 +77,8 @@ class SharedTier:
         self._import = import_snapshot  # cache/operations.py import_snapshot, on this backend's pool
         # What is waiting for its upload (the newest committed version of each, when it runs).
         self._queued: dict[tuple[SessionKey, SnapshotKind], None] = {}
+        self._running: tuple[SessionKey, SnapshotKind] | None = None  # the upload in flight
+        self._uploaded = asyncio.Condition()  # told after each upload, done or failed
         self.refused_older = 0  # uploads refused: the store's manifest holds a newer version (version.py)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -119,12 +121,17 @@ class SharedTier:
             while self._queued:
                 item = next(iter(self._queued))
                 del self._queued[item]
+                self._running = item
                 try:
                     await self._upload(*item)
                 except Exception as exc:  # an upload must never end the uploader
                     self.failed_uploads += 1
                     log.warning("uploading the snapshot of %s to the shared store failed (%s); it stays local and "
                                 "is uploaded with its next save", item[0], _message(exc))
+                finally:
+                    self._running = None
+                    async with self._uploaded:
+                        self._uploaded.notify_all()
             if time.monotonic() - self._swept > SWEEP_SECONDS:
                 self._swept = time.monotonic()
                 try:
@@ -145,6 +152,13 @@ class SharedTier:
         except TimeoutError:
             return False
         return True
+
+    async def uploaded(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> None:
+        """Wait until no upload of `key` is queued or running: its newest commit so far is in the store, or its
+        upload failed (and was logged). Callers bound the wait."""
+        item = (key, kind)
+        async with self._uploaded:
+            await self._uploaded.wait_for(lambda: item not in self._queued and self._running != item)
 
     async def _upload(self, key: SessionKey, kind: SnapshotKind) -> None:
         upload = await self._snapshots.transfers.open_for_upload(key, kind)

@@ -11,25 +11,30 @@ Requests are forwarded only to replicas on the allow-list."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from slotkeeper.cache.operations import save_session
 from slotkeeper.config import Settings
 from slotkeeper.errors import SlotkeeperError
 from slotkeeper.fleet.directory import BackendView, Directory
-from slotkeeper.fleet.group import ring_key
+from slotkeeper.fleet.group import MOVE_SAVE_SECONDS, Member, ring_key
 from slotkeeper.fleet.peers import HEADERS, Peers
-from slotkeeper.types import SessionKey
+from slotkeeper.fleet.shared import SharedTier
+from slotkeeper.types import SessionKey, SnapshotKind
 from slotkeeper.web.state import AppState, Backends, Turns
 
 log = logging.getLogger("slotkeeper.replicas")
 
 MAX_HOPS = 2
+# How long a session that moves to another replica waits for its latest turn to be saved and uploaded.
+HAND_OVER_SECONDS = MOVE_SAVE_SECONDS
 # Headers that belong to one connection, never forwarded either way; and the forwarding headers, which only this
 # replica's signature may set.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -91,6 +96,10 @@ async def turns_for(request: Request, state: AppState, key: SessionKey, side: bo
     directory = replicas.directory
     hops = hops_of(request, replicas.peers, await request.body())
     route = await directory.route(key.model, key.session_id, ring_key(key), side=side, local_only=hops >= MAX_HOPS)
+    if route is not None and route.hand_over is not None:
+        await hand_over(state, key, route.replica)
+        await directory.give_up(key.model, key.session_id, route.hand_over,
+                                f"it moves to {route.backend} on {route.replica}")
     if route is not None and not route.local:
         answer = await _forward(request, replicas, route.replica, hops)
         if answer is not None:
@@ -106,6 +115,23 @@ async def turns_for(request: Request, state: AppState, key: SessionKey, side: bo
         return None if again is None else again.backend
 
     return state.group.pinned(route.backend, reroute)
+
+
+async def hand_over(state: AppState, key: SessionKey, replica: str) -> None:
+    """Before a session whose lease this replica holds moves to `replica`: its latest turn saved on the backend that
+    ran it and uploaded to the shared store, where the other replica brings it from. Bounded by HAND_OVER_SECONDS;
+    a failure is logged, and the session moves with what the store holds."""
+    members: Sequence[Member] = state.group.members if state.group is not None else [state]
+    try:
+        async with asyncio.timeout(HAND_OVER_SECONDS):
+            for member in members:
+                await save_session(member.pool, key)
+                if isinstance(member.service.shared, SharedTier):
+                    await member.service.shared.uploaded(key, SnapshotKind.SESSION)
+    except (TimeoutError, SlotkeeperError) as exc:
+        log.warning("session %s: handing its latest turn over to replica %s did not finish (%s); it moves with what "
+                    "the shared store holds", key.session_id, replica,
+                    exc.message if isinstance(exc, SlotkeeperError) else f"over {HAND_OVER_SECONDS:g} s")
 
 
 def hops_of(request: Request, peers: Peers, body: bytes = b"") -> int:
