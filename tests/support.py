@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,13 @@ def llama_server_binary() -> Path:
     )
 
 
+# The thread every backend is started from. The embedded server asks the kernel to kill it when its parent dies
+# (PR_SET_PDEATHSIG), and the kernel means the *thread* that started it: a backend a test restarted from a thread of
+# its own (the fault run's nemesis) died with that thread, and every later request waited for it and failed. This one
+# lives as long as the test process.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backend-spawner")
+
+
 @dataclass
 class Backend:
     """A real llama.cpp server process: kind is "binary" (llama-server) or "embedded" (xllamacpp)."""
@@ -141,8 +149,8 @@ class Backend:
         self.slot_dir.mkdir(parents=True, exist_ok=True)
         for attempt in range(3):
             with self.log_path.open("ab") as log:
-                self.process = subprocess.Popen(self.argv(), stdin=subprocess.PIPE, stdout=log,
-                                                stderr=subprocess.STDOUT)
+                self.process = _SPAWNER.submit(subprocess.Popen, self.argv(), stdin=subprocess.PIPE, stdout=log,
+                                               stderr=subprocess.STDOUT).result()
             try:
                 wait_healthy(self.url, self.process, 60)
                 return self

@@ -305,9 +305,19 @@ def nemesis(c: Cluster, plan: list[Planned], until: float, faults: list[Fault], 
             if stop.wait(planned.pause) or time.time() + planned.duration > until:
                 return
             started = time.time()
-            target, heal = inflict(c, planned, http)
+            try:
+                target, heal = inflict(c, planned, http)
+            except Exception as exc:  # e.g. a drain sent while another fault holds the replica: none was made
+                print(f"fault run: {planned.kind} could not be made ({exc!r})", file=sys.stderr, flush=True)
+                continue
             stop.wait(planned.duration)
-            heal()
+            try:
+                heal()
+            except Exception as exc:  # the fault stays in place: it counts until the end of the run
+                print(f"fault run: {planned.kind} of {target} could not be healed ({exc!r})", file=sys.stderr,
+                      flush=True)
+                faults.append(Fault(planned.kind, target, started, until + 3600))
+                continue
             faults.append(Fault(planned.kind, target, started, time.time()))
 
 

@@ -5,8 +5,13 @@ documented faults may lose."""
 
 from __future__ import annotations
 
+import os
+import random
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.reliability.faultcheck import (
@@ -22,6 +27,7 @@ from tests.reliability.faultcheck import (
     token_order,
 )
 from tests.reliability.faultrun import FAULT_KINDS, run, schedule
+from tests.support import Backend
 
 SEED = 2812  # printed by every run; a failing seed replays its schedule: python -m tests.reliability.faultrun --seed N
 
@@ -32,6 +38,37 @@ def test_a_short_run_of_faults_breaks_no_promise(tmp_path: Path, backend_kind: s
     result = run(tmp_path, tiny_model, backend_kind, SEED, seconds=40)
     assert result.violations == []
     assert result.n_faults >= 4 and result.acknowledged >= 40, result
+
+
+@pytest.mark.backend
+@pytest.mark.timeout(420)
+def test_a_short_run_with_a_fresh_seed_breaks_no_promise(tmp_path: Path, backend_kind: str,
+                                                         tiny_model: Path) -> None:
+    """The same with a seed drawn now (SLOTKEEPER_FAULT_SEED replays one). A seed that fails becomes a fixed case
+    here; its run's logs stay in `tmp_path` (pytest keeps the last three sessions' directories)."""
+    seed = int(os.environ.get("SLOTKEEPER_FAULT_SEED") or random.SystemRandom().randrange(1, 2**31))
+    print(f"fault run seed {seed}: its logs are in {tmp_path}")
+    result = run(tmp_path, tiny_model, backend_kind, seed, seconds=40)
+    assert result.violations == [], f"seed {seed} (logs in {tmp_path}): {result.violations}"
+    assert result.n_faults >= 4 and result.acknowledged >= 40, result
+
+
+@pytest.mark.backend
+def test_a_backend_the_run_restarts_from_a_thread_outlives_that_thread(tmp_path: Path, tiny_model: Path) -> None:
+    """The nemesis restarts a killed backend from its own thread. The embedded server asks to be killed when its
+    parent dies (PR_SET_PDEATHSIG), which the kernel applies to the thread that started it: a 30-minute run (seed
+    319622092, embedded) saw every backend the nemesis had restarted die when its thread ended, and each request
+    after that waited 60 s and failed. Backends are started from one thread that lives as long as the tests."""
+    backend = Backend("embedded", tiny_model, tmp_path / "slots", tmp_path / "backend.log")
+    try:
+        starter = threading.Thread(target=backend.start)
+        starter.start()
+        starter.join()
+        time.sleep(1.0)
+        assert backend.alive()
+        assert httpx.get(backend.url + "/health", timeout=10).status_code == 200
+    finally:
+        backend.stop()
 
 
 def test_a_seed_gives_the_same_schedule_and_every_kind_of_fault() -> None:
