@@ -602,6 +602,13 @@ def run(root: Path, model: Path, kind: str, seed: int, seconds: float, n_session
           f"{result.faults}, {len(violations)} violation(s)", file=sys.stderr, flush=True)
     for violation in violations:
         print(f"  violation: {violation}", file=sys.stderr, flush=True)
+    # What the checker judged, kept with the logs: a failing run in CI names its faults here and in root.
+    (root / "history.json").write_text(json.dumps({"seed": seed, "kind": kind, "faults": [asdict(f) for f in faults],
+                                                   "turns": [asdict(t) for t in turns]}) + "\n")
+    if violations:
+        for fault in sorted(faults, key=lambda f: f.started):
+            print(f"  fault: {fault.kind} of {fault.target} from {fault.started:.1f} to {fault.ended:.1f}",
+                  file=sys.stderr, flush=True)
     return result
 
 

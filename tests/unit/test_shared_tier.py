@@ -14,10 +14,11 @@ import pytest
 
 from slotkeeper.cache.operations import flush, import_snapshot
 from slotkeeper.cache.pool import SlotPool
+from slotkeeper.cache.slots import TurnEnd
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.fleet.shared import Manifest, SharedTier
 from slotkeeper.types import SnapshotKind
-from tests.unit.test_pool import FP, A, B, C, FakeClient, make_pool, turn
+from tests.unit.test_pool import FP, A, B, C, FakeClient, chain_of, make_pool, turn
 
 
 class MemoryStore:
@@ -191,6 +192,48 @@ async def test_a_local_copy_newer_than_the_store_is_kept(pool: SlotPool) -> None
     memory._put(key, json.dumps(older).encode())
     assert await tier.bring(A, SnapshotKind.SESSION) is None
     assert "get_file" not in memory.calls
+
+
+async def test_a_newer_version_this_host_already_extends_is_not_brought(slot_dir: Path, store: SnapshotStore,
+                                                                        tmp_path: Path) -> None:
+    """Redis away (seed 1323334352, embedded): replica A, holding the lease (token 1), saved a session's first turn;
+    replica B ran its second turn without a lease (token 0) from the whole history, then its third turn brought A's
+    first-turn version, newer by its token, over its own and restored 233 tokens of the 272 it had. A version whose
+    messages and tokens this host's copy already holds is not brought; one with other messages is."""
+    memory = MemoryStore()
+    client_a = FakeClient(slot_dir)
+    pool_a = make_pool(client_a, store)
+    tier_a = tier_of(pool_a, memory)
+    b_slots = tmp_path / "b-slots"
+    store_b = SnapshotStore(b_slots, tmp_path / "b-index" / "index.db")
+    try:
+        client_b = FakeClient(b_slots)
+        pool_b = make_pool(client_b, store_b)
+        tier_b = tier_of(pool_b, memory)
+        pool_a.snapshots.fence = lambda key: 1
+        pool_b.snapshots.fence = lambda key: 0
+        client_a.save_tokens, client_b.save_tokens = 14, 30
+        lease = await pool_a.acquire(A, chain_of("u1"))
+        lease.release(TurnEnd.COMPLETED, 14)
+        await flush(pool_a)
+        await upload_all(tier_a)
+        lease = await pool_b.acquire(A, chain_of("u1", "a1", "u2"))
+        lease.release(TurnEnd.COMPLETED, 30)
+        await flush(pool_b)
+        mine = await pool_b.snapshots.get(A)
+        assert mine is not None and mine.version.fence == 0
+        assert await tier_b.bring(A, SnapshotKind.SESSION) is None
+        assert "get_file" not in memory.calls and await pool_b.snapshots.get(A) == mine
+        # A's next save has messages B's copy lacks (or other ones): it is brought.
+        client_a.save_tokens = 40
+        lease = await pool_a.acquire(A, chain_of("u1", "a1", "u2", "a2", "u3"))
+        lease.release(TurnEnd.COMPLETED, 40)
+        await flush(pool_a)
+        await upload_all(tier_a)
+        brought = await tier_b.bring(A, SnapshotKind.SESSION)
+        assert brought is not None and brought.n_tokens == 40 and brought.version.fence == 1
+    finally:
+        store_b.close()
 
 
 async def test_a_damaged_download_is_fetched_again_then_removed(slot_dir: Path, store: SnapshotStore,

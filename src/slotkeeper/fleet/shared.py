@@ -43,6 +43,7 @@ from typing import Any
 
 from slotkeeper.cache.blockstore import DamagedState
 from slotkeeper.cache.bundle import meta_of
+from slotkeeper.cache.chain import common_messages
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.transfers import Upload
 from slotkeeper.errors import OlderVersion, SlotkeeperError
@@ -281,7 +282,25 @@ class SharedTier:
         local = await self._snapshots.checked(key, kind)
         if local is not None and (local.checksum == meta.checksum or not newer(meta.version, local.version)):
             return None  # this host's is the store's, or newer than it
+        if local is not None and await self._extends(key, local, manifest):
+            return None
         return await self._download(key, kind, manifest, (name, current[1]), staged)
+
+    async def _extends(self, key: SessionKey, local: Snapshot, manifest: Manifest) -> bool:
+        """Whether this host's snapshot already holds every message and token of the store's newer version: its
+        messages begin with all of the other's, and it has at least as many tokens. The version says who wrote last
+        (a lease holder's save outranks one made while the directory was away); the tokens say what a restore can
+        use, and a prefix of what this host has adds nothing, so bringing it would only lose turns."""
+        meta = manifest.meta
+        if local.n_tokens < meta.n_tokens or not meta.chain:
+            return False
+        chain = await self._snapshots.chain(local)
+        if common_messages(meta.chain, chain) < len(meta.chain):
+            return False
+        log.info("kept this host's %s snapshot of %s (%d tokens, version %s): it extends the shared store's newer "
+                 "version %s from %s (%d tokens)", local.kind, key, local.n_tokens, local.version,
+                 manifest.version, manifest.origin or "another host", meta.n_tokens)
+        return True
 
     def _fetch_blocks(self, manifest: Manifest, path: Path, held: list[str], attempt: int) -> tuple[int, str | None]:
         """Blocking: bring a state stored as blocks into the whole file `path`: its tail, and the blocks this host
