@@ -13,6 +13,9 @@ from typing import Any
 
 from slotkeeper.version import UNVERSIONED, Version
 
+# Between a derived name and a branch's tag: `chat-<16 hex>~<8 hex>`, a state its conversation left (cache/index.py).
+BRANCH_MARK = "~"
+
 
 class IdSource(enum.StrEnum):
     """Where a session id came from (see identity.py for the precedence)."""
@@ -56,6 +59,12 @@ class SessionKey:
     def is_default(self) -> bool:
         """The catch-all session of requests with no id and no system prompt: never saved or restored."""
         return self.source is IdSource.DEFAULT
+
+    @property
+    def is_derived(self) -> bool:
+        """Named by slotkeeper from the request's messages (no id was sent): two conversations whose messages begin
+        alike can share such a name, so a save under it keeps the other's state (index.py, branches)."""
+        return self.source in (IdSource.SYSTEM_PROMPT, IdSource.MESSAGES)
 
     def file_stem(self, fingerprint: str, kind: SnapshotKind = SnapshotKind.SESSION) -> str:
         """Our own hex file name for this key's snapshot: never derived textually from client strings."""

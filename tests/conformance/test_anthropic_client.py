@@ -80,10 +80,12 @@ def test_system_as_string_and_blocks(client: anthropic.Anthropic, system: Any) -
 
 
 def test_system_blocks_and_string_are_one_session(client: anthropic.Anthropic) -> None:
+    # A second turn: a first turn, with no answer yet, is a conversation of its own whatever its system prompt.
+    later: Any = [*USER, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And then?"}]
     as_string = client.messages.with_raw_response.create(model="tiny", max_tokens=1, system="Same prompt.",
-                                                          messages=USER)
+                                                          messages=later)
     as_block = client.messages.with_raw_response.create(
-        model="tiny", max_tokens=1, messages=USER,
+        model="tiny", max_tokens=1, messages=later,
         system=[{"type": "text", "text": "Same prompt.", "cache_control": {"type": "ephemeral"}}])
     assert as_string.headers["x-slotkeeper-session"] == as_block.headers["x-slotkeeper-session"]
 

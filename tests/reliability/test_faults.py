@@ -29,13 +29,18 @@ from tests.reliability.faultcheck import (
 from tests.reliability.faultrun import FAULT_KINDS, run, schedule
 from tests.support import Backend
 
-SEED = 2812  # printed by every run; a failing seed replays its schedule: python -m tests.reliability.faultrun --seed N
+# Printed by every run; a failing seed replays its schedule: python -m tests.reliability.faultrun --seed N. Each seed
+# here once failed: 1323334352 (a fresh seed in CI, embedded) lost a turn to Redis being away, when a replica brought
+# an older version of a session, newer by its lease, over the copy it had made since.
+SEEDS = [2812, 1323334352]
 
 
 @pytest.mark.backend
 @pytest.mark.timeout(420)
-def test_a_short_run_of_faults_breaks_no_promise(tmp_path: Path, backend_kind: str, tiny_model: Path) -> None:
-    result = run(tmp_path, tiny_model, backend_kind, SEED, seconds=40)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_short_run_of_faults_breaks_no_promise(tmp_path: Path, backend_kind: str, tiny_model: Path,
+                                                 seed: int) -> None:
+    result = run(tmp_path, tiny_model, backend_kind, seed, seconds=40)
     assert result.violations == []
     assert result.n_faults >= 4 and result.acknowledged >= 40, result
 
@@ -73,7 +78,7 @@ def test_a_backend_the_run_restarts_from_a_thread_outlives_that_thread(tmp_path:
 
 def test_a_seed_gives_the_same_schedule_and_every_kind_of_fault() -> None:
     assert schedule(7, 50) == schedule(7, 50) != schedule(8, 50)
-    assert {p.kind for p in schedule(SEED, 200)} == set(FAULT_KINDS)
+    assert {p.kind for p in schedule(SEEDS[0], 200)} == set(FAULT_KINDS)
 
 
 A, B = "http://gpu-a:8080", "http://gpu-b:8080"

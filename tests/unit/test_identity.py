@@ -293,23 +293,63 @@ AGENT_A = {"role": "user", "content": "fix the failing test in parser.py"}
 AGENT_B = {"role": "user", "content": "write the release notes"}
 
 
+REPLY = {"role": "assistant", "content": "Looking at parser.py now."}
+
+
 def test_conversations_on_one_system_prompt_are_told_apart_by_their_first_message() -> None:
     system = ["You are a coding agent."]
-    a1 = resolve_session("m", {}, {}, system, opening=AGENT_A)
-    b1 = resolve_session("m", {}, {}, system, opening=AGENT_B)
+    a1 = resolve_session("m", {}, {}, system, opening=AGENT_A, reply=REPLY)
+    b1 = resolve_session("m", {}, {}, system, opening=AGENT_B, reply=REPLY)
     assert a1 != b1 and a1.source is b1.source is IdSource.SYSTEM_PROMPT
-    # The later turns of each keep its id: only the first message after the system part names it.
-    assert resolve_session("m", {}, {}, system, opening=dict(AGENT_A)) == a1
+    # The later turns of each keep its id: its first message and the first answer name it.
+    assert resolve_session("m", {}, {}, system, opening=dict(AGENT_A), reply=dict(REPLY)) == a1
     group = system_session_id(system)
     assert re.fullmatch(group.replace("-", "\\-") + r"\.c[0-9a-f]{12}", a1.session_id), a1.session_id
     assert session_group(a1.session_id) == session_group(b1.session_id) == group
-    assert a1.session_id == conversation_id(system, AGENT_A)
+    assert a1.session_id == conversation_id(system, AGENT_A, REPLY)
     # Keys that never change what the model sees do not make another conversation.
     marked = {**AGENT_A, "cache_control": {"type": "ephemeral"}}
-    assert resolve_session("m", {}, {}, system, opening=marked) == a1
+    assert resolve_session("m", {}, {}, system, opening=marked, reply=REPLY) == a1
     # Another system prompt, the same first message: another group.
-    other = resolve_session("m", {}, {}, ["You are a reviewer."], opening=AGENT_A)
+    other = resolve_session("m", {}, {}, ["You are a reviewer."], opening=AGENT_A, reply=REPLY)
     assert other != a1 and session_group(other.session_id) != group
+
+
+@pytest.mark.parametrize("system", [[], ["You are a helpful assistant."]], ids=["no-system", "system"])
+def test_two_chats_that_open_alike_are_two_conversations(system: list[str]) -> None:
+    """Confirmed at 99614b5 (#38): two chats without an id that both opened with "hi" had one name, so each chat's
+    saved state replaced the other's. The first answer names a conversation too, and a first turn (no answer yet)
+    is a conversation of its own."""
+    hi = {"role": "user", "content": "hi"}
+    first_1 = resolve_session("m", {}, {}, system, opening=hi)
+    first_2 = resolve_session("m", {}, {}, system, opening=dict(hi))
+    assert first_1 != first_2 and not first_1.is_default
+    assert re.fullmatch(r"(chat-[0-9a-f]{16}|sys-[0-9a-f]{16}\.c[0-9a-f]{12})\.t[0-9a-f]{8}", first_1.session_id)
+    assert resolve_session("m", {}, {}, system, opening=hi, first_turn_tag="0000abcd").session_id.endswith(".t0000abcd")
+    chat_1 = resolve_session("m", {}, {}, system, opening=hi, reply={"role": "assistant", "content": "Hello!"})
+    chat_2 = resolve_session("m", {}, {}, system, opening=hi, reply={"role": "assistant", "content": "Hi there."})
+    assert len({chat_1, chat_2, first_1, first_2}) == 4
+    again = resolve_session("m", {}, {}, system, opening=hi, reply={"role": "assistant", "content": " Hello! "})
+    assert again == chat_1  # its text as the name sees it (spaces folded), whatever turn it is
+    # An agent's first answer is often a call with no text: the calls tell two apart, not the ids clients make.
+    def call(path: str, call_id: str) -> dict[str, object]:
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "read", "arguments": f'{{"path": "{path}"}}'}}]}
+
+    reads_a = resolve_session("m", {}, {}, system, opening=hi, reply=call("a.py", "call_1"))
+    assert resolve_session("m", {}, {}, system, opening=hi, reply=call("a.py", "call_9")) == reads_a
+    assert resolve_session("m", {}, {}, system, opening=hi, reply=call("b.py", "call_1")) != reads_a
+    # The name of a branch (a state a conversation left, kept by the store) is slotkeeper's own: never a client's.
+    with pytest.raises(BadRequest, match="a conversation left"):
+        resolve_session("m", {"x-session-id": chat_1.session_id + "~0011aabb"}, {}, system, opening=hi)
+    assert resolve_session("m", {"x-session-id": "mine~0011aabb"}, {}, system).session_id == "mine~0011aabb"
+    # A client may send the name back, for its own conversation only.
+    echoed = resolve_session("m", {"x-session-id": chat_1.session_id}, {}, system, opening=hi,
+                             reply={"role": "assistant", "content": "Hello!"})
+    assert echoed == chat_1
+    with pytest.raises(BadRequest, match="another conversation"):
+        resolve_session("m", {"x-session-id": chat_2.session_id}, {}, system, opening=hi,
+                        reply={"role": "assistant", "content": "Hello!"})
 
 
 def test_a_system_prompt_alone_is_its_group_and_explicit_ids_still_win() -> None:
@@ -322,9 +362,9 @@ def test_a_system_prompt_alone_is_its_group_and_explicit_ids_still_win() -> None
 def test_without_an_id_or_a_system_prompt_a_chat_is_named_by_its_first_message() -> None:
     """OpenWebUI with its default settings sends neither: each chat is still a conversation of its own. Only a
     request without any message is the catch-all `default`."""
-    first = resolve_session("m", {}, {}, [], opening=AGENT_A)
+    first = resolve_session("m", {}, {}, [], opening=AGENT_A, reply=REPLY)
     assert first.source is IdSource.MESSAGES and first.session_id.startswith(CHAT_PREFIX) and not first.is_default
-    assert resolve_session("m", {}, {}, [], opening={"role": "user", "content": "another chat"}) != first
+    assert resolve_session("m", {}, {}, [], opening={"role": "user", "content": "another chat"}, reply=REPLY) != first
     assert resolve_session("m", {}, {}, []).is_default
     assert session_group(first.session_id) is None
 
@@ -338,10 +378,10 @@ def test_a_name_survives_a_moved_reminder_and_text_parts() -> None:
         {"type": "text", "text": "<system-reminder>\nToday is Monday.\n</system-reminder>"},
         {"type": "text", "text": "fix the failing test"}]}
     inline = {"role": "user", "content": "<system-reminder>Today is Tuesday.</system-reminder>\nfix the failing test"}
-    names = {resolve_session("m", {}, {}, system, opening=o).session_id for o in (plain, reminded, inline)}
+    names = {resolve_session("m", {}, {}, system, opening=o, reply=REPLY).session_id for o in (plain, reminded, inline)}
     assert len(names) == 1
     other = {"role": "user", "content": "fix the failing build"}
-    assert resolve_session("m", {}, {}, system, opening=other).session_id not in names
+    assert resolve_session("m", {}, {}, system, opening=other, reply=REPLY).session_id not in names
 
 
 def test_the_side_state_prefix_is_not_a_clients_id() -> None:

@@ -27,13 +27,45 @@ def key(session: str = "s1", model: str = "m") -> SessionKey:
 
 
 def put(index: SnapshotIndex, k: SessionKey, filename: str, kind: SnapshotKind = SnapshotKind.SESSION,
-        chain: tuple[Link, ...] = ()) -> tuple[Snapshot | None, Snapshot]:
-    return index.replace(k, kind, filename, FP, 10, 100, "c" * 16, chain, n_prompt=8)
+        chain: tuple[Link, ...] = (), keep_branches: bool = False) -> tuple[list[Snapshot], Snapshot]:
+    return index.replace(k, kind, filename, FP, 10, 100, "c" * 16, chain, n_prompt=8, keep_branches=keep_branches)
+
+
+def _links(*digests: str) -> tuple[Link, ...]:
+    return tuple(Link(d, 5 * (i + 1)) for i, d in enumerate(digests))
+
+
+def test_a_derived_name_keeps_the_state_another_conversation_left_as_a_branch(index: SnapshotIndex) -> None:
+    """Confirmed at 99614b5 (#38): two chats that opened alike had one name, and each save replaced the other's
+    state. Under a name slotkeeper derived, a save whose messages do not begin with the row's keeps that row as a
+    branch (found by its tokens like any state); a save that extends a branch replaces it."""
+    chat = SessionKey("m", "chat-0123456789abcdef", IdSource.MESSAGES)
+    _, first = put(index, chat, "one-0000aaaa.bin", chain=_links("hi", "r1", "q2"), keep_branches=True)
+    replaced, second = put(index, chat, "two-0000bbbb.bin", chain=_links("hi", "r1", "q2b"), keep_branches=True)
+    assert replaced == [] and index.get(chat) == second
+    branch = index.get(SessionKey("m", "chat-0123456789abcdef~0000aaaa"))
+    assert branch is not None and branch.filename == first.filename and index.chain_of(first.filename)
+    assert index.filenames() == {"one-0000aaaa.bin", "two-0000bbbb.bin"}
+    # Chat one goes on: its new state begins with its branch's messages, which goes; chat two's becomes a branch.
+    replaced, third = put(index, chat, "one-0000cccc.bin", chain=_links("hi", "r1", "q2", "r2", "q3"),
+                          keep_branches=True)
+    assert [r.filename for r in replaced] == ["one-0000aaaa.bin"]
+    assert index.get(SessionKey("m", "chat-0123456789abcdef~0000bbbb")) is not None
+    assert index.filenames() == {"two-0000bbbb.bin", "one-0000cccc.bin"} and index.chain_of("one-0000aaaa.bin") == []
+    # A save that extends the row under the name replaces it, as any save does.
+    replaced, _ = put(index, chat, "one-0000dddd.bin", chain=_links("hi", "r1", "q2", "r2", "q3", "r3", "q4"),
+                      keep_branches=True)
+    assert replaced == [third] and index.filenames() == {"two-0000bbbb.bin", "one-0000dddd.bin"}
+    # An id the client chose names one conversation: its save replaces the row whatever its messages.
+    mine = SessionKey("m", "mine", IdSource.HEADER)
+    _, kept = put(index, mine, "m1-0000eeee.bin", chain=_links("hi", "a"))
+    replaced, _ = put(index, mine, "m2-0000ffff.bin", chain=_links("hi", "b"))
+    assert replaced == [kept]
 
 
 def test_replace_then_get(index: SnapshotIndex) -> None:
-    previous, snap = put(index, key(), "a.bin", chain=(Link("d0", 5), Link("d1", 12)))
-    assert previous is None
+    replaced, snap = put(index, key(), "a.bin", chain=(Link("d0", 5), Link("d1", 12)))
+    assert replaced == []
     assert (snap.model, snap.session_id, snap.filename, snap.n_tokens, snap.n_bytes, snap.n_prompt) == (
         "m", "s1", "a.bin", 10, 100, 8)
     assert snap.kind is SnapshotKind.SESSION and snap.pinned is False and snap.hits == 0
@@ -42,8 +74,8 @@ def test_replace_then_get(index: SnapshotIndex) -> None:
     assert index.get(key(), SnapshotKind.SYSTEM) is None
     assert index.chain_of("a.bin") == [Link("d0", 5), Link("d1", 12)]
     # A second save of the key replaces its row and its chain; the file of the first is the caller's to remove.
-    previous, again = put(index, key(), "b.bin", chain=(Link("e0", 7),))
-    assert previous == snap and again.filename == "b.bin"
+    replaced, again = put(index, key(), "b.bin", chain=(Link("e0", 7),))
+    assert replaced == [snap] and again.filename == "b.bin"
     assert index.chain_of("a.bin") == [] and index.chain_of("b.bin") == [Link("e0", 7)]
     assert index.filenames() == {"b.bin"}
 

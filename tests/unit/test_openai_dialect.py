@@ -118,6 +118,30 @@ def test_system_texts_of_non_list_is_empty(messages: object) -> None:
     assert openai.system_texts(messages) == []
 
 
+SYS = {"role": "system", "content": "be brief"}
+HI = {"role": "user", "content": "hi"}
+HELLO = {"role": "assistant", "content": "hello"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected"),
+    [
+        ([SYS, HI], None),
+        ([SYS, HI, HELLO, {"role": "user", "content": "more"}], HELLO),
+        ([HI, HELLO, {"role": "user", "content": "more"}, {"role": "assistant", "content": "later"}], HELLO),
+        ([SYS, HI, {"role": "tool", "content": "42"}, HELLO], HELLO),
+        ([HELLO, HI], None),  # an answer before the opening is not its answer
+        ([SYS], None),
+        (None, None),
+        ("hi", None),
+    ],
+    ids=["first-turn", "second-turn", "later-turns", "after-a-tool", "answer-before-opening", "system-only", "none",
+         "not-a-list"],
+)
+def test_first_reply_is_the_first_answer_after_the_opening(messages: object, expected: object) -> None:
+    assert openai.first_reply(messages) == expected
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # check_chat_request / check_completion_request
 

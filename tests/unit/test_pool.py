@@ -20,7 +20,7 @@ from slotkeeper.cache.slots import TurnEnd
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore
 from slotkeeper.errors import NotFound, SlotkeeperError, UpstreamError, UpstreamUnavailable
-from slotkeeper.types import CacheOutcome, IdSource, SessionKey, SnapshotKind
+from slotkeeper.types import CacheOutcome, IdSource, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.upstream.client import SlotActionResult
 
 FP = "00112233aabbccdd"
@@ -792,6 +792,34 @@ async def test_a_new_session_restores_another_sessions_prefix(client: FakeClient
     fresh = await pool.acquire(C, chain_of("c1"))
     assert fresh.cache.outcome == CacheOutcome.PREFIX and fresh.cache.restored_from == "A"
     fresh.release(TurnEnd.COMPLETED, 30)
+
+
+async def test_two_chats_under_one_derived_name_each_start_from_their_own_state(client: FakeClient,
+                                                                                 store: SnapshotStore) -> None:
+    """Confirmed at 99614b5 (#38): two chats without an id that open alike share a derived name, and each one's
+    save replaced the other's state, so each turn prefilled its history again. The name's other conversation's
+    state stays as a branch, and each chat restores its own: the whole of what it had."""
+    pool = make_pool(client, store, min_restore_tokens=0)
+    chat = SessionKey("m", "chat-0123456789abcdef", IdSource.MESSAGES)
+    one, two = ["hi", "r1", "q2"], ["hi", "r1", "q2 of the other chat"]
+    for n in range(3):
+        for history, size in ((one, 40 + 10 * n), (two, 45 + 10 * n)):
+            lease = await pool.acquire(chat, chain_of(*history))
+            if n > 0:  # its own state, not the other chat's under the same name, and all of it
+                assert lease.cache.outcome is CacheOutcome.RESTORED or lease.cache.outcome is CacheOutcome.PREFIX
+                assert lease.cache.restored_from is not None
+                restored = await pool.snapshots.chain(
+                    next(s for s in await store_rows(store) if s.filename == client.actions("restore")[-1][2]))
+                assert restored == chain_of(*history[:-2])
+            client.slot_tokens[lease.slot_id] = list(range(size))
+            lease.release(TurnEnd.COMPLETED, size)
+            history += [f"answer {n}", f"question {n + 1}"]
+    rows = [s.session_id for s in await store_rows(store)]
+    assert sorted(rows) == sorted([chat.session_id, next(r for r in rows if r.startswith(chat.session_id + "~"))])
+
+
+async def store_rows(store: SnapshotStore) -> list[Snapshot]:
+    return await asyncio.to_thread(store.list, "m")
 
 
 async def test_prefix_restore_skipped_when_the_slot_already_shares_it(client: FakeClient,

@@ -22,7 +22,7 @@ from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.chain import Link
 from slotkeeper.cache.kvprobe import KvProbe
 from slotkeeper.errors import OlderVersion
-from slotkeeper.types import SessionKey, Snapshot, SnapshotKind
+from slotkeeper.types import BRANCH_MARK, SessionKey, Snapshot, SnapshotKind
 from slotkeeper.version import Version, newer, next_version
 
 log = logging.getLogger("slotkeeper.store")
@@ -189,14 +189,19 @@ class SnapshotIndex:
                 n_bytes: int, checksum: str, chain: Sequence[Link] = (),
                 n_prompt: int = 0, blocks: Sequence[int] | None = None, version: Version | None = None,
                 fence: int | None = None, tail_bytes: int = 0, block_refs: Sequence[BlockRef] = (),
-                block_bytes: int = 0) -> tuple[Snapshot | None, Snapshot]:
+                block_bytes: int = 0, keep_branches: bool = False) -> tuple[list[Snapshot], Snapshot]:
         """Index `filename` as the key's snapshot, with its chain and its token blocks (tokens.py; None: its tokens
-        could not be read), in one transaction; returns the row it replaced (its file is now the caller's to remove)
-        and the new one. The replaced row's `created` and `hits` carry over.
+        could not be read), in one transaction; returns the rows it replaced (their files are now the caller's to
+        remove) and the new one. The replaced row's `created` and `hits` carry over.
 
         A save made here (`version` None) gets the next version after the row's, under `fence` (version.py). A copy
         brought in keeps its `version`, and replaces the row only when it is newer: else OlderVersion is raised and
-        nothing changes."""
+        nothing changes.
+
+        `keep_branches` (a name slotkeeper derived from messages, which two conversations can share): a row whose
+        messages the new state does not begin with is another conversation's, or a branch the client left (an
+        edited message, a regenerated answer), and stays as a branch, `<name>~<8 hex>`, found by its tokens like
+        any state; a branch whose messages the new state begins with is an older state of this one and goes."""
         now = time.time()
         with self._lock, self._transaction():
             previous = self._row(key, kind)
@@ -205,6 +210,9 @@ class SnapshotIndex:
             elif previous is not None and not newer(version, previous.version):
                 raise OlderVersion(f"the copy of {key} at version {version} is not newer than the one here "
                                    f"({previous.version}): it is not taken")
+            replaced = [] if previous is None else [previous]
+            if keep_branches and kind is SnapshotKind.SESSION and chain:
+                replaced = self._sort_branches(key, previous, chain)
             self._db.execute(
                 "INSERT INTO snapshots (model, session_id, kind, filename, fingerprint, n_tokens, n_bytes, checksum,"
                 " created, last_used, hits, n_prompt, n_blocks, fence, stamp, tail_bytes)"
@@ -226,11 +234,40 @@ class SnapshotIndex:
                 [(filename, i, link.digest, link.chars) for i, link in enumerate(chain)],
             )
             self._insert_blocks(filename, blocks or ())
-            if previous is not None:
-                self._forget_file(previous.filename)
+            for row in replaced:
+                self._forget_file(row.filename)
             snapshot = self._row(key, kind)
         assert snapshot is not None
-        return previous, snapshot
+        return replaced, snapshot
+
+    def _sort_branches(self, key: SessionKey, previous: Snapshot | None, chain: Sequence[Link]) -> list[Snapshot]:
+        """In replace's transaction: the rows a new state of `key` with `chain` replaces, the key's own row and its
+        branches whose messages it begins with; the key's own row that it does not begin with becomes a branch."""
+        replaced = []
+        mark = key.session_id + BRANCH_MARK
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM snapshots WHERE model=? AND kind=? AND substr(session_id, 1, ?)=?",
+            (key.model, str(SnapshotKind.SESSION), len(mark), mark)).fetchall()
+        for branch in (_snapshot(row) for row in rows):
+            if self._begins(chain, branch.filename):
+                self._db.execute("DELETE FROM snapshots WHERE filename=?", (branch.filename,))
+                replaced.append(branch)
+        if previous is None:
+            return replaced
+        if self._begins(chain, previous.filename):
+            return [previous, *replaced]
+        name = mark + previous.filename.rsplit("-", 1)[-1].split(".", 1)[0][:8]
+        taken = self._row(SessionKey(key.model, name), SnapshotKind.SESSION)
+        if taken is not None:  # a branch whose file had the same tag (1 in 2^32): the older goes
+            self._db.execute("DELETE FROM snapshots WHERE filename=?", (taken.filename,))
+            replaced.append(taken)
+        self._db.execute("UPDATE snapshots SET session_id=? WHERE filename=?", (name, previous.filename))
+        return replaced
+
+    def _begins(self, chain: Sequence[Link], filename: str) -> bool:
+        """Whether `chain` begins with every message of the state saved as `filename` (one without a chain: yes)."""
+        rows = self._db.execute("SELECT digest FROM chains WHERE filename=? ORDER BY position", (filename,)).fetchall()
+        return len(rows) <= len(chain) and all(str(d) == link.digest for (d,), link in zip(rows, chain, strict=False))
 
     def drop(self, filename: str) -> bool:
         """Remove the row naming `filename` and its chain, together; False when there was no such row."""

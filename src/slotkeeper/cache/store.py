@@ -152,20 +152,22 @@ class SnapshotStore:
                 self.ram.remove(temp_name)  # the symlink the backend saved through
         blocks = None if tokens is None else block_hashes(tokens)
         try:
-            previous, snapshot = self._index.replace(key, kind, final_name, fingerprint, n_tokens, n_bytes, checksum,
-                                                     chain, n_prompt, blocks, version, fence)
+            replaced, snapshot = self._index.replace(key, kind, final_name, fingerprint, n_tokens, n_bytes, checksum,
+                                                     chain, n_prompt, blocks, version, fence,
+                                                     keep_branches=key.is_derived)
         except OlderVersion:
             self._unlink_snapshot_files(final_name)
             raise
-        self._after_commit(final_name, tokens, previous, in_ram)
+        self._after_commit(final_name, tokens, replaced, in_ram)
         return snapshot
 
-    def _after_commit(self, final_name: str, tokens: Tokens | None, previous: Snapshot | None, in_ram: bool) -> None:
-        """Once a save is indexed: its tokens kept in memory, the state it replaced removed, the RAM dir trimmed."""
+    def _after_commit(self, final_name: str, tokens: Tokens | None, replaced: list[Snapshot], in_ram: bool) -> None:
+        """Once a save is indexed: its tokens kept in memory, the states it replaced removed, the RAM dir trimmed."""
         if tokens is not None:
             self._matching.tokens.put(final_name, tokens)
-        if previous is not None and previous.filename != final_name:
-            self._unlink_snapshot_files(previous.filename)
+        for previous in replaced:
+            if previous.filename != final_name:
+                self._unlink_snapshot_files(previous.filename)
         if in_ram:
             self.trim_ram()
 
@@ -198,16 +200,16 @@ class SnapshotStore:
             unlink_quietly(self.slot_dir / temp_name)
             blocks = None if tokens is None else block_hashes(tokens)
             try:
-                previous, snapshot = self._index.replace(
+                replaced, snapshot = self._index.replace(
                     key, kind, final_name, fingerprint, n_tokens, n_bytes, split.checksum, chain, n_prompt, blocks,
                     version, fence, tail_bytes=split.tail_bytes, block_refs=refs,
-                    block_bytes=split.cut.block_bytes + BLOCK_HEADER_BYTES)
+                    block_bytes=split.cut.block_bytes + BLOCK_HEADER_BYTES, keep_branches=key.is_derived)
             except OlderVersion:
                 self._unlink_snapshot_files(final_name)
                 raise
         finally:
             self.blocks.release(split.digests)  # after the rows that name them: a collection sees one or the other
-        self._after_commit(final_name, tokens, previous, in_ram)
+        self._after_commit(final_name, tokens, replaced, in_ram)
         log.debug("stored %s as %d blocks (%d bytes new) and a tail of %d bytes", final_name, len(split.digests),
                   split.new_block_bytes, split.tail_bytes)
         return snapshot

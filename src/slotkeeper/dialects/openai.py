@@ -101,6 +101,18 @@ def opening(messages: object) -> object:
                 None)
 
 
+def first_reply(messages: object) -> object:
+    """The first answer in the conversation: the first assistant message after its opening (`opening`); None
+    before there is one."""
+    if not isinstance(messages, list):
+        return None
+    first = opening(messages)
+    if first is None:
+        return None
+    after = messages[messages.index(first) + 1:]
+    return next((m for m in after if isinstance(m, Mapping) and m.get("role") == "assistant"), None)
+
+
 def check_chat_request(body: Mapping[str, Any]) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

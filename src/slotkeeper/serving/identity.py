@@ -1,20 +1,22 @@
 """Session identity: which conversation a request belongs to, from its headers, body fields, or its messages (the
-system prompt and the conversation's first message).
+system prompt, the conversation's first message and the first answer to it).
 
-Pure functions over already-parsed input; the precedence is the one users were promised (README "Session rules").
+Functions over already-parsed input (pure but for the fresh tag of a first turn's name); the precedence is the one
+users were promised (README "Session rules").
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from slotkeeper.cache.chain import canonical_json
 from slotkeeper.cache.sidestates import RESERVED_PREFIX
 from slotkeeper.errors import BadRequest
-from slotkeeper.types import SESSION_BODY_FIELDS, IdSource, SessionKey
+from slotkeeper.types import BRANCH_MARK, SESSION_BODY_FIELDS, IdSource, SessionKey
 
 # Checked in this order; the first one present with a usable value wins. Who sends which (docs/clients.md):
 SESSION_HEADERS: tuple[str, ...] = (
@@ -39,8 +41,10 @@ _RESPONSE_ID_PREFIXES: tuple[str, ...] = ("chatcmpl-", "cmpl-", "msg_", "resp_")
 DEFAULT_SESSION = "default"
 # Between a conversation id's system prompt group and its own part: `sys-<16 hex>.c<12 hex>`.
 CONVERSATION_MARK = ".c"
-# A conversation without an id and without a system prompt: `chat-<16 hex>` of its first message.
+# A conversation without an id and without a system prompt: `chat-<16 hex>` of its first message and the first answer.
 CHAT_PREFIX = "chat-"
+# Before a first turn's own tag: `chat-<16 hex>.t<8 hex>`, `sys-<16 hex>.c<12 hex>.t<8 hex>`.
+FIRST_TURN_MARK = ".t"
 MAX_ID_LENGTH = 256
 # Instruction blocks agents put into a user message and move or rewrite between runs (Claude Code's and Qwen Code's
 # reminders): left out of a conversation's name, so that it survives a resume. Only the name: what is reused is
@@ -56,19 +60,24 @@ def resolve_session(
     extra_headers: Iterable[str] = (),
     hint: str | None = None,
     opening: object = None,
+    reply: object = None,
+    first_turn_tag: str | None = None,
 ) -> SessionKey:
     """Return the session a request belongs to.
 
     `headers` must be case-insensitive or lower-cased. `system_texts` are the texts of the request's system prompt
-    in order, and `opening` is the conversation's first message after it (the dialect extracts both; None when there
-    is none). `hint` is a dialect's weaker id (Anthropic's metadata.user_id), used after the explicit ids and before
-    the messages. Raises BadRequest for an explicit id that cannot be an id.
+    in order, `opening` is the conversation's first message after it and `reply` the first answer to that (the
+    dialect extracts them; None when there is none). `hint` is a dialect's weaker id (Anthropic's
+    metadata.user_id), used after the explicit ids and before the messages. Raises BadRequest for an explicit id
+    that cannot be an id.
 
     Without an id, a request belongs to the conversation its messages continue: the one on the same system prompt
-    that opened with the same message, `sys-<system hash>.c<opening hash>`, or `chat-<opening hash>` without a system
-    prompt (see `conversation_id`). Two agents on one system prompt are two conversations. Only a request without
-    any message is the catch-all `default`. A name is a hint: which saved state a request starts from is decided
-    by the tokens it shares with it (cache/planner.py).
+    that opened with the same message and got the same first answer, `sys-<system hash>.c<opening hash>`, or
+    `chat-<opening hash>` without a system prompt (see `conversation_id`). Two chats that open alike ("hi") differ
+    by their first answers. A first turn, which has no answer yet, is a conversation of its own: its name ends in
+    `.t<tag>` (`first_turn_tag`, fresh when None), so that no two first turns share a saved state. Only a request
+    without any message is the catch-all `default`. A name is a hint: which saved state a request starts from is
+    decided by the tokens it shares with it (cache/planner.py).
     """
     explicit = _explicit_id(headers, body, extra_headers, hint)
     if explicit is not None:
@@ -79,7 +88,7 @@ def resolve_session(
         if _DERIVED_SHAPE.fullmatch(value):
             # A name slotkeeper derives from messages: a client may send it back (the X-Slotkeeper-Session of an
             # earlier answer) for the conversation it names, never to take another conversation's.
-            derived = _derived(model, system_texts, opening)
+            derived = _derived(model, system_texts, opening, reply, first_turn_tag)
             if value == derived.session_id:
                 return derived
             raise BadRequest(f"session id from {where} has the shape of the names slotkeeper derives from a "
@@ -87,20 +96,30 @@ def resolve_session(
                              "send no id, the X-Slotkeeper-Session of this conversation's answers, or an id of your "
                              "own")
         return SessionKey(model, _checked(value, where), source)
-    return _derived(model, system_texts, opening)
+    return _derived(model, system_texts, opening, reply, first_turn_tag)
 
 
 # The names `_derived` makes: `sys-<16 hex>`, `sys-<16 hex>.c<12 hex>`, `chat-<16 hex>`.
 _DERIVED_SHAPE = re.compile(r"sys-[0-9a-f]{16}(?:\.c[0-9a-f]{12})?|chat-[0-9a-f]{16}")
+# A branch of a derived name: a state its conversation left, kept by the store (cache/index.py).
+_BRANCH_SHAPE = re.compile(f"(?:{_DERIVED_SHAPE.pattern})(?:{re.escape(FIRST_TURN_MARK)}[0-9a-f]{{8}})?"
+                           f"{re.escape(BRANCH_MARK)}[0-9a-f]{{8}}")
 
 
-def _derived(model: str, system_texts: Sequence[str], opening: object) -> SessionKey:
-    """The session of a request without an explicit id: the conversation its messages continue."""
+def _derived(model: str, system_texts: Sequence[str], opening: object, reply: object = None,
+             first_turn_tag: str | None = None) -> SessionKey:
+    """The session of a request without an explicit id: the conversation its messages continue (a first turn's
+    own, when they have no answer yet)."""
     if any(text for text in system_texts):
-        return SessionKey(model, conversation_id(system_texts, opening), IdSource.SYSTEM_PROMPT)
-    if opening is not None:
-        return SessionKey(model, CHAT_PREFIX + _opening_digest(opening)[:16], IdSource.MESSAGES)
-    return SessionKey(model, DEFAULT_SESSION, IdSource.DEFAULT)
+        name = conversation_id(system_texts, opening, reply)
+        source = IdSource.SYSTEM_PROMPT
+    elif opening is not None:
+        name, source = CHAT_PREFIX + _conversation_digest(opening, reply)[:16], IdSource.MESSAGES
+    else:
+        return SessionKey(model, DEFAULT_SESSION, IdSource.DEFAULT)
+    if opening is not None and reply is None:
+        name += FIRST_TURN_MARK + (first_turn_tag or secrets.token_hex(4))
+    return SessionKey(model, name, source)
 
 
 def _explicit_id(headers: Mapping[str, str], body: Mapping[str, object], extra_headers: Iterable[str],
@@ -128,23 +147,36 @@ def system_session_id(system_texts: Sequence[str]) -> str:
     return "sys-" + hashlib.sha256(joined.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
-def conversation_id(system_texts: Sequence[str], opening: object = None) -> str:
+def conversation_id(system_texts: Sequence[str], opening: object = None, reply: object = None) -> str:
     """The id of a conversation without an explicit one: its system prompt's group id (`system_session_id`), then
-    `.c` and 12 hex digits of sha256 over the canonical JSON of its first message. Without a first message (a
-    system prompt alone), the group id itself."""
+    `.c` and 12 hex digits of sha256 over its first message and the first answer to it (`_conversation_digest`).
+    Without a first message (a system prompt alone), the group id itself."""
     group = system_session_id(system_texts)
     if opening is None:
         return group
-    return f"{group}{CONVERSATION_MARK}{_opening_digest(opening)[:12]}"
+    return f"{group}{CONVERSATION_MARK}{_conversation_digest(opening, reply)[:12]}"
+
+
+def _conversation_digest(opening: object, reply: object) -> str:
+    """The digest a conversation is named by: its first message's (`_opening_digest`), and once it has one, the
+    first answer's too, so that two conversations that open alike are two."""
+    if reply is None:
+        return _opening_digest(opening)
+    return hashlib.sha256(f"{_opening_digest(opening)}\0{_opening_digest(reply)}".encode()).hexdigest()
 
 
 def _opening_digest(opening: object) -> str:
-    """sha256 of a conversation's first message as its name sees it: its text (a string, or its text parts joined)
-    without reminder blocks, or its canonical JSON when it holds more than text."""
+    """sha256 of a conversation's first message (or first answer) as its name sees it: its text (a string, or its
+    text parts joined) without reminder blocks and the functions it calls, or its canonical JSON when it holds more
+    than text. A call's id is left out: clients may make them anew on resume."""
     content = opening.get("content") if isinstance(opening, Mapping) else None
     text = _text(content)
-    named: Any = opening if text is None else {"role": opening.get("role") if isinstance(opening, Mapping) else None,
-                                                "text": " ".join(_REMINDER.sub(" ", text).split())}
+    named: Any = opening
+    if text is not None and isinstance(opening, Mapping):
+        calls = opening.get("tool_calls")
+        named = {"role": opening.get("role"), "text": " ".join(_REMINDER.sub(" ", text).split())}
+        if isinstance(calls, list) and calls:
+            named["calls"] = [c.get("function") if isinstance(c, Mapping) else c for c in calls]
     return hashlib.sha256(canonical_json(named).encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -189,6 +221,9 @@ def _checked(value: str, where: str) -> str:
         # taken, run over and marked clean by every such request.
         raise BadRequest(f"session id from {where} is {DEFAULT_SESSION!r}, which slotkeeper keeps for requests "
                          "without an id or any message; choose another id")
+    if _BRANCH_SHAPE.fullmatch(value):
+        raise BadRequest(f"session id from {where} is the name of a state a conversation left ({value!r}), which "
+                         "slotkeeper gives itself; choose another id")
     if value.startswith(RESERVED_PREFIX):
         raise BadRequest(f"session id from {where} starts with {RESERVED_PREFIX!r}, which slotkeeper keeps for the "
                          "names it makes itself; choose another id")

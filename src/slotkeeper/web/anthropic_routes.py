@@ -36,7 +36,7 @@ async def create_message(request: Request) -> Response:
     key = resolve_session(
         state.backend.model_id, request.headers, raw, anthropic.system_texts(message),
         state.settings.session_headers, hint=anthropic.session_from_user_id(anthropic.metadata_user_id(message)),
-        opening=openai.opening(chat.get("messages")),
+        opening=openai.opening(chat.get("messages")), reply=openai.first_reply(chat.get("messages")),
     )
     side = (is_side_task(request.headers, raw.get("messages"), message.stream)
             or anthropic.is_side_request(request.headers, message))

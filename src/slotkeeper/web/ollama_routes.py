@@ -199,7 +199,8 @@ def _load_ns(record: TurnRecord) -> int:
 
 def _session(request: Request, state: AppState, body: Mapping[str, Any], messages: Any) -> SessionKey:
     return resolve_session(state.backend.model_id, request.headers, body, openai.system_texts(messages),
-                           state.settings.session_headers, opening=openai.opening(messages))
+                           state.settings.session_headers, opening=openai.opening(messages),
+                           reply=openai.first_reply(messages))
 
 
 def _sampling(req: ChatRequest | GenerateRequest, state: AppState) -> Sampling:

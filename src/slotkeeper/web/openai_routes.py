@@ -91,7 +91,7 @@ async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping
     chat = as_chat(body) if as_chat is not None else None
     messages = (chat if chat is not None else body).get("messages")
     key = resolve_session(state.backend.model_id, request.headers, body, system(body), state.settings.session_headers,
-                          opening=openai.opening(messages))
+                          opening=openai.opening(messages), reply=openai.first_reply(messages))
 
     stream = bool(body.get("stream"))
     side = is_side_task(request.headers, messages, stream)
