@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from slotkeeper.cache.budget import DiskBudget
-from slotkeeper.cache.chain import Link
+from slotkeeper.cache.chain import Link, common_messages
 from slotkeeper.cache.kvprobe import KvProbe
 from slotkeeper.errors import OlderVersion
 from slotkeeper.types import BRANCH_MARK, SessionKey, Snapshot, SnapshotKind
@@ -266,8 +266,8 @@ class SnapshotIndex:
 
     def _begins(self, chain: Sequence[Link], filename: str) -> bool:
         """Whether `chain` begins with every message of the state saved as `filename` (one without a chain: yes)."""
-        rows = self._db.execute("SELECT digest FROM chains WHERE filename=? ORDER BY position", (filename,)).fetchall()
-        return len(rows) <= len(chain) and all(str(d) == link.digest for (d,), link in zip(rows, chain, strict=False))
+        saved = self._chain_of(filename)
+        return common_messages(saved, chain) == len(saved)
 
     def drop(self, filename: str) -> bool:
         """Remove the row naming `filename` and its chain, together; False when there was no such row."""
@@ -449,9 +449,11 @@ class SnapshotIndex:
     def chain_of(self, filename: str) -> list[Link]:
         """The message chain recorded with `filename` (empty when none was)."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT digest, chars FROM chains WHERE filename=? ORDER BY position", (filename,)
-            ).fetchall()
+            return self._chain_of(filename)
+
+    def _chain_of(self, filename: str) -> list[Link]:
+        rows = self._db.execute("SELECT digest, chars FROM chains WHERE filename=? ORDER BY position",
+                                (filename,)).fetchall()
         return [Link(str(digest), int(chars)) for digest, chars in rows]
 
     def total_bytes(self) -> int:
