@@ -12,7 +12,7 @@ the violations it finds, in words. What they hold a run to is what docs/scale-ou
   a newer one (both held it);
   A block damaged on a backend's disk costs each session whose state names it one prefill (the restore that meets it
   quarantines it), and a block damaged in the object store one prefill of each session that moves: the first such
-  loss of a session after the damage is excused, no other;
+  loss of a session from the damage on (a turn that ran while it was made included) is excused, no other;
 - failures: every request that failed, failed in its client's dialect, and only while a backend or a replica was
   down (killed or stopped, and the seconds it takes to notice and recover after).
 """
@@ -90,7 +90,7 @@ def _overlapping(faults: Iterable[Fault], start: float, end: float, kinds: froze
 def _damage_excuse(faults: Sequence[Fault], before: Turn, after: Turn, used: set[tuple[str, int]]) -> bool:
     """Whether a damaged block (not yet excused for this session) may be why `after` lost what `before` had."""
     for n, fault in enumerate(faults):
-        if fault.kind not in DAMAGE or fault.started >= after.started or (after.session, n) in used:
+        if fault.kind not in DAMAGE or fault.started >= after.ended or (after.session, n) in used:
             continue
         on_disk = fault.kind == "damage-block" and fault.target in (before.backend, after.backend)
         in_store = fault.kind == "damage-object" and after.backend != before.backend

@@ -562,6 +562,18 @@ def test_an_explicit_id_of_a_derived_shape_names_only_its_own_conversation() -> 
         other = {"role": "user", "content": "another conversation's opening"}
         with pytest.raises(BadRequest, match="has the shape of the names slotkeeper derives"):
             resolve_session("m", {"x-session-id": derived.session_id}, {}, texts, opening=other)
+    # A first turn's name, sent back: the same first turn (a retry keeps its name), then the conversation it began
+    # once it has an answer; with another opening, refused.
+    first = resolve_session("m", {}, {}, system, opening=opening)
+    assert first.session_id.startswith(with_system.session_id.split(".t")[0] + ".t")
+    assert resolve_session("m", {"x-session-id": first.session_id}, {}, system, opening=opening) == first
+    reply = {"role": "assistant", "content": "an answer"}
+    second = resolve_session("m", {}, {}, system, opening=opening, reply=reply)
+    assert resolve_session("m", {"x-session-id": first.session_id}, {}, system, opening=opening,
+                           reply=reply) == second
+    with pytest.raises(BadRequest, match="has the shape of the names slotkeeper derives"):
+        resolve_session("m", {"x-session-id": first.session_id}, {}, system,
+                        opening={"role": "user", "content": "another opening"})
     # Ids of other shapes are the client's own, whatever they start with.
     for own in ("chat-1", "chat-0123456789ABCDEF", "sys-prompt-a", "chat-0123456789abcdef0"):
         assert resolve_session("m", {"x-session-id": own}, {}, [], opening=opening).session_id == own

@@ -48,8 +48,9 @@ class Restorer:
         shares with it); returns the tokens restored, or None when the backend refused (the turn runs cold)."""
         started = time.perf_counter()
         result = await self._restore_or_none(slot_id, snapshot)
-        if result is None:
-            cache.why, cache.detail = Reason.RESTORE_FAILED, "the backend refused it (see the log)"
+        if not isinstance(result, SlotActionResult):
+            cache.why = Reason.RESTORE_FAILED
+            cache.detail = f"the {snapshot.kind} state of {snapshot.session_id} {result} (see the log)"
             return None
         cache.restore_ms = (time.perf_counter() - started) * 1000
         cache.outcome = outcome
@@ -62,17 +63,18 @@ class Restorer:
         self._snapshots.used(snapshot)
         return result.n_tokens
 
-    async def _restore_or_none(self, slot_id: int, snapshot: Snapshot) -> SlotActionResult | None:
-        """The backend's restore of `snapshot` into the slot, or None when it failed.
+    async def _restore_or_none(self, slot_id: int, snapshot: Snapshot) -> SlotActionResult | str:
+        """The backend's restore of `snapshot` into the slot, or why it failed, in words.
 
         Only a file the backend refuses as invalid twice, the second time into the slot the first attempt emptied
         (so lack of room in the KV cache is ruled out), is quarantined: the file passed our own checks, and any other
         failure (a busy or loading backend, a 500) says nothing about it."""
         if not await self._snapshots.materialize(snapshot):
             self.failed_restores += 1
-            return None
+            return "could not be assembled from its blocks"
         try:
-            return await self._restore_action(slot_id, snapshot)
+            result = await self._restore_action(slot_id, snapshot)
+            return result if result is not None else "was refused by the backend"
         finally:
             await self._snapshots.restored(snapshot)
 

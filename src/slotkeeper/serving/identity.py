@@ -85,25 +85,18 @@ def resolve_session(
         agent = next((v.strip() for name in AGENT_HEADERS if (v := headers.get(name)) and v.strip()), None)
         if agent is not None:
             value = f"{value}.agent-{agent}"
-        if _DERIVED_SHAPE.fullmatch(value):
-            # A name slotkeeper derives from messages: a client may send it back (the X-Slotkeeper-Session of an
-            # earlier answer) for the conversation it names, never to take another conversation's.
-            derived = _derived(model, system_texts, opening, reply, first_turn_tag)
-            if value == derived.session_id:
-                return derived
-            raise BadRequest(f"session id from {where} has the shape of the names slotkeeper derives from a "
-                             "conversation's messages, and this request's messages are of another conversation; "
-                             "send no id, the X-Slotkeeper-Session of this conversation's answers, or an id of your "
-                             "own")
+        if _ECHOED_SHAPE.fullmatch(value):
+            return _echoed(value, where, model, system_texts, opening, reply, first_turn_tag)
         return SessionKey(model, _checked(value, where), source)
     return _derived(model, system_texts, opening, reply, first_turn_tag)
 
 
 # The names `_derived` makes: `sys-<16 hex>`, `sys-<16 hex>.c<12 hex>`, `chat-<16 hex>`.
 _DERIVED_SHAPE = re.compile(r"sys-[0-9a-f]{16}(?:\.c[0-9a-f]{12})?|chat-[0-9a-f]{16}")
+# What a client may send back of them: a derived name, or a first turn's (`<derived>.t<8 hex>`).
+_ECHOED_SHAPE = re.compile(f"(?:{_DERIVED_SHAPE.pattern})(?:{re.escape(FIRST_TURN_MARK)}[0-9a-f]{{8}})?")
 # A branch of a derived name: a state its conversation left, kept by the store (cache/index.py).
-_BRANCH_SHAPE = re.compile(f"(?:{_DERIVED_SHAPE.pattern})(?:{re.escape(FIRST_TURN_MARK)}[0-9a-f]{{8}})?"
-                           f"{re.escape(BRANCH_MARK)}[0-9a-f]{{8}}")
+_BRANCH_SHAPE = re.compile(f"(?:{_ECHOED_SHAPE.pattern}){re.escape(BRANCH_MARK)}[0-9a-f]{{8}}")
 
 
 def _derived(model: str, system_texts: Sequence[str], opening: object, reply: object = None,
@@ -120,6 +113,24 @@ def _derived(model: str, system_texts: Sequence[str], opening: object, reply: ob
     if opening is not None and reply is None:
         name += FIRST_TURN_MARK + (first_turn_tag or secrets.token_hex(4))
     return SessionKey(model, name, source)
+
+
+def _echoed(value: str, where: str, model: str, system_texts: Sequence[str], opening: object, reply: object,
+            first_turn_tag: str | None) -> SessionKey:
+    """An explicit id of a derived name's shape (the X-Slotkeeper-Session of an earlier answer, sent back): the
+    conversation it names when this request's messages are of that conversation, never another's. A first turn's
+    name stands for that first turn (a retry keeps it) and for the conversation it began, once it has an answer."""
+    _, mark, tag = value.partition(FIRST_TURN_MARK)
+    if mark:
+        if _derived(model, system_texts, opening, None, tag).session_id == value:
+            return _derived(model, system_texts, opening, reply, tag)
+    else:
+        derived = _derived(model, system_texts, opening, reply, first_turn_tag)
+        if derived.session_id == value:
+            return derived
+    raise BadRequest(f"session id from {where} has the shape of the names slotkeeper derives from a conversation's "
+                     "messages, and this request's messages are of another conversation; send no id, the "
+                     "X-Slotkeeper-Session of this conversation's answers, or an id of your own")
 
 
 def _explicit_id(headers: Mapping[str, str], body: Mapping[str, object], extra_headers: Iterable[str],
