@@ -1369,3 +1369,68 @@ async def test_a_claimed_slot_is_given_up_when_its_request_is_cancelled_before_i
     lease.release(TurnEnd.COMPLETED, 10)
     y.release(TurnEnd.COMPLETED, 10)
     assert all(s.claimed is None for s in pool.slots)
+
+
+async def test_an_idle_save_whose_commit_fails_keeps_the_turn_in_the_slot(
+        store: SnapshotStore, slot_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Likely at 99614b5 (#38): the idle save reports success once the backend wrote the file, before the commit;
+    a commit that then fails (a full disk) must not let the slot be cut back to its system part, which would drop
+    the conversation's only copy of its turn. The slot keeps it, changed, for the next save (a switch, the exit)."""
+    import errno
+
+    from slotkeeper.cache.systemprompt import system_prompt_of
+
+    system = system_prompt_of({"messages": [SYS_MSG, {"role": "user", "content": "hello"}]})
+    assert system is not None
+    client = CutClient(slot_dir)
+    pool = SlotPool(1, client, Snapshots(store), FP, 4096, save_idle_seconds=0.01)  # type: ignore[arg-type]
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "commit", full)
+    lease = await pool.acquire(A, chain_of("a1"), system=system)
+    assert lease.cut_system
+    client.save_tokens = 120
+    lease.release(TurnEnd.COMPLETED, 120, cache_n=0, n_prompt=100)
+    assert await eventually(lambda: len(client.actions("save")) >= 1)
+    await asyncio.sleep(0.2)
+    await pool.snapshots.settle()
+    slot = pool.slots[0]
+    assert await eventually(lambda: slot.dirty)  # saved again by the next switch or at exit
+    assert client.cuts == [] and pool.warmups.cuts == 0  # not cut back: the turn is only in the slot
+    assert slot.occupant == A
+    monkeypatch.undo()
+    other = await pool.acquire(B, chain_of("b1"))  # the switch saves A's turn, now that the disk has room
+    other.release(TurnEnd.COMPLETED, 10)
+    await pool.snapshots.settle()
+    saved = store.get(A)
+    assert saved is not None and saved.n_tokens == 120
+    await pool.aclose()
+
+
+@pytest.mark.parametrize("kind", ["dense", "recurrent", "hybrid", "swa"])
+async def test_a_compacted_conversation_that_keeps_its_system_prompt_stays_the_conversation(
+        client: FakeClient, store: SnapshotStore, kind: str) -> None:
+    """Likely at 99614b5 (#38): on a recurrent, hybrid or SWA backend the slot's messages a request shares count as
+    none unless it keeps all of them (such a slot rolls back only to its checkpoints), so a conversation compacted
+    far below its state (its system prompt, then a summary) ran as a one-off side request, and its state was kept
+    only among its model's side states. What the request shares is counted in messages, whatever the backend can
+    roll back to: it stays the conversation, and its state is the conversation's own."""
+    from slotkeeper.cache.capability import ArchKind, Capability
+
+    pool = SlotPool(1, client, Snapshots(store), FP, 4096, save_idle_seconds=-1,  # type: ignore[arg-type]
+                    capability=Capability("x", ArchKind(kind), kind == "dense"))
+    long = chain_of("a long task " + "x" * 4000, "an answer " + "y" * 4000)
+    lease = await pool.acquire(A, long)
+    lease.release(TurnEnd.COMPLETED, 2200, cache_n=0, n_prompt=2150)
+    compacted = chain_of("a summary of the task so far")
+    again = await pool.acquire(A, compacted)
+    assert not again.side and pool.slots[0].occupant == A
+    again.release(TurnEnd.COMPLETED, 60, n_prompt=50)
+    other = await pool.acquire(B, chain_of("b1"))  # the switch saves A's compacted state as A's
+    other.release(TurnEnd.COMPLETED, 10)
+    await pool.snapshots.settle()
+    saved = store.get(A)
+    assert saved is not None and store.chain_of(saved) == compacted
+    await pool.aclose()

@@ -98,7 +98,7 @@ class Bringer:
         key = lease.key
         known = self._notes.known(key, lease.side)
         chain = lease.chain
-        kept = common_messages(in_slot, chain)  # what the slot's current content already gives for free
+        kept = shared = common_messages(in_slot, chain)  # what the slot's current content already gives for free
         if kept < len(in_slot) and self._policy.capability.needs_checkpoints:
             # A recurrent, hybrid or SWA slot rolls back only to its checkpoints (at the last user message and the
             # prompt's end): a request that leaves the slot's messages earlier than that reuses nothing of it.
@@ -108,8 +108,10 @@ class Bringer:
         n_system = system.n_messages if system is not None else 0
         if self._policy.strategy is Strategy.KEEP_HOT and self._evidence.wanted and not key.is_default:
             # Whether this build keeps checkpoints in its slot files is learned from a save's file as it is
-            # committed: a commit of this conversation's state still running may change what this turn can do.
-            await self._snapshots.settled(key)
+            # committed: a commit still running may change what this turn can do. Any commit, not only this
+            # conversation's: its first turn was saved under a name of its own (serving/identity.py). Only until
+            # the build is known, and bounded.
+            await self._snapshots.caught_up()
         strategy = self._policy.strategy
         rules = Rules(strategy, self._min_restore_tokens, self._n_ctx_slot)
         # A side task has no state of its own: what its name could find is the state an identical task left.
@@ -117,7 +119,7 @@ class Bringer:
         found = Found(None, None, [])
         if not key.is_default and strategy is not Strategy.KEEP_HOT:
             found = await self._snapshots.candidates(named, chain, None, system_key, n_system)
-        if not lease.side and self._one_off(slot, lease, in_slot, kept, previous, found):
+        if not lease.side and self._one_off(slot, lease, in_slot, shared, previous, found):
             named, system, system_key = side_key(key.model, chain), None, None
             found = await self._snapshots.candidates(named, chain, None, None, 0)
         slot_tokens = _in_slot_tokens(slot, in_slot, kept)
@@ -143,17 +145,19 @@ class Bringer:
         lease.cache.decide_ms = (time.perf_counter() - started) * 1000
         await self._act(slot, lease, chosen, found, known, in_slot, kept, previous)
 
-    def _one_off(self, slot: SlotState, lease: SlotLease, in_slot: Sequence[Link], kept: int,
+    def _one_off(self, slot: SlotState, lease: SlotLease, in_slot: Sequence[Link], in_common: int,
                  previous: SessionKey | None, found: Found) -> bool:
         """A request under a conversation's name that shares no message with the conversation's state, and is
         much smaller than it (a client's title or summary request that no shape rule knew): it runs as a side request,
         so that the conversation's state is not replaced by it (its next request then finds its own state again).
-        Turned into one here, its slot no longer attributes the conversation."""
+        Turned into one here, its slot no longer attributes the conversation. `in_common`: the messages the request
+        shares with the slot's, whatever the backend can roll back to (a compacted conversation that kept its system
+        prompt is the conversation on every kind of model)."""
         chain = lease.chain
         if lease.key.is_default or not chain:
             return False
         if previous == lease.key and in_slot:
-            shared, size = kept, slot.n_prompt or slot.n_tokens
+            shared, size = in_common, slot.n_prompt or slot.n_tokens
         elif found.own is not None and not found.own.whole:
             shared, size = found.own.messages, found.own.snapshot.owed_tokens
         else:

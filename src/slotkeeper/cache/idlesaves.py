@@ -77,11 +77,22 @@ class IdleSaves:
             await self._health.wait_up()  # a save sent to a backend that is away would fail and lose the turn
         if slot.busy or slot.generation != generation or not slot.dirty or slot.occupant is None:
             return
-        if await self._save_held(slot) and slot.cut is not None and slot.generation == generation:
+        key = slot.occupant
+        commit = await self._save_held(slot)
+        if commit is None:
+            return
+        # The slot was given back once the backend wrote the file; what comes next waits for the commit: until it
+        # lands, the slot holds the conversation's only copy of its turn.
+        if not await asyncio.shield(commit):
+            if slot.generation == generation and slot.occupant == key and not slot.busy:
+                slot.dirty = True  # the next switch or the exit saves it again (no retry loop on a full disk)
+            return
+        if slot.cut is not None and slot.generation == generation:
             await self._cut_back(slot)
 
-    async def _save_held(self, slot: SlotState) -> bool:
-        """Take an idle slot, save its dirty occupant, and give the slot back; True when the backend wrote it. A
+    async def _save_held(self, slot: SlotState) -> asyncio.Task[bool] | None:
+        """Take an idle slot, save its dirty occupant, and give the slot back once the backend wrote it; returns
+        the commit going on (its result: whether the state is on disk), or None when the backend's write failed. A
         save that failed because the backend went away leaves the slot changed, saved once the backend is back (or
         forgotten, if it restarted)."""
         key = slot.occupant
@@ -89,13 +100,13 @@ class IdleSaves:
         slot.busy = True
         slot.dirty = False
         generation = slot.generation
-        saved = 0.0
+        commit = None
         try:
-            saved = await self._saver.save(slot.slot_id, key, Held.of(slot), wait=False)  # free again once written
+            commit = await self._saver.start(slot.slot_id, key, Held.of(slot))
         finally:
             self._give_back(slot)
-        if (not saved and self._health is not None and not self._health.up and slot.generation == generation
+        if (commit is None and self._health is not None and not self._health.up and slot.generation == generation
                 and slot.occupant == key and not slot.busy):
             slot.dirty = True
             self.schedule(slot)
-        return bool(saved)
+        return commit
