@@ -254,7 +254,10 @@ class SlotPool:
             slot.occupant, slot.dirty, slot.forgotten_in, slot.replay = None, False, None, None
             if end is not TurnEnd.COMPLETED:
                 slot.chain, slot.tokens, slot.n_tokens, slot.n_prompt, slot.at_prompt_end = [], None, 0, 0, False
-        elif end is TurnEnd.FAILED or slot.forgotten_in == slot.generation or lease.side:
+        elif (end is TurnEnd.FAILED or slot.forgotten_in == slot.generation or lease.side
+              or (end is TurnEnd.CANCELLED and lease.cache.why is Reason.RESTORE_FAILED)):
+            # (A turn cut short after its restore failed holds part of a prompt prefilled from nothing: saved, it
+            # would replace the conversation's state on disk, which the failed restore left whole.)
             slot.occupant, slot.dirty, slot.n_tokens, slot.n_prompt = None, False, 0, 0
             slot.chain, slot.tokens, slot.forgotten_in = [], None, None
             slot.replay, slot.at_prompt_end = None, False
