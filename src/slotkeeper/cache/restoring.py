@@ -47,7 +47,7 @@ class Restorer:
         """Restore `snapshot` into the slot and record it in the turn's `cache` (`expected`: the tokens the request
         shares with it); returns the tokens restored, or None when the backend refused (the turn runs cold)."""
         started = time.perf_counter()
-        result = await self._restore_or_none(slot_id, snapshot)
+        result = await self._restore_or_why(slot_id, snapshot)
         if not isinstance(result, SlotActionResult):
             cache.why = Reason.RESTORE_FAILED
             cache.detail = f"the {snapshot.kind} state of {snapshot.session_id} {result} (see the log)"
@@ -63,7 +63,7 @@ class Restorer:
         self._snapshots.used(snapshot)
         return result.n_tokens
 
-    async def _restore_or_none(self, slot_id: int, snapshot: Snapshot) -> SlotActionResult | str:
+    async def _restore_or_why(self, slot_id: int, snapshot: Snapshot) -> SlotActionResult | str:
         """The backend's restore of `snapshot` into the slot, or why it failed, in words.
 
         Only a file the backend refuses as invalid twice, the second time into the slot the first attempt emptied
