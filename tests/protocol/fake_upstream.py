@@ -36,6 +36,9 @@ class FakeUpstream:
     requests: list[Recorded] = field(default_factory=list)
     # Streams: how many chunks to send before breaking the connection (None: finish normally).
     break_stream_after: int | None = None
+    # The id of the last task the slot ran, as llama-server's /slots shows it (none before the first): without it, the
+    # slot of a turn read by slotkeeper's watch looked like a restarted server's (found as a test that failed on CI).
+    last_task: int | None = None
 
     @property
     def url(self) -> str:
@@ -47,7 +50,10 @@ class FakeUpstream:
                                  "build_info": "fake", "default_generation_settings": {"n_ctx": 4096}})
 
         async def slots(_: Request) -> Response:
-            return JSONResponse([{"id": 0, "n_ctx": 4096, "is_processing": False}])
+            slot: dict[str, Any] = {"id": 0, "n_ctx": 4096, "is_processing": False}
+            if self.last_task is not None:
+                slot["id_task"] = self.last_task
+            return JSONResponse([slot])
 
         async def models(_: Request) -> Response:
             return JSONResponse({"object": "list", "data": [{"id": "fake", "meta": {"n_params": 1}}]})
@@ -70,6 +76,7 @@ class FakeUpstream:
         async def chat(request: Request) -> Response:
             body = json.loads(await request.body())
             self.requests.append(Recorded(request.url.path, dict(request.headers), body))
+            self.last_task = 0 if self.last_task is None else self.last_task + 1
             if body.get("messages") == "fail":
                 return JSONResponse({"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}},
                                     status_code=400)

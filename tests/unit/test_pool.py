@@ -1409,6 +1409,43 @@ async def test_an_idle_save_whose_commit_fails_keeps_the_turn_in_the_slot(
     await pool.aclose()
 
 
+@pytest.mark.parametrize("fails", [False, True])
+async def test_a_clear_during_an_idle_saves_commit_answers_once_the_state_is_on_disk(
+        client: FakeClient, store: SnapshotStore, monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
+    """Found by CI (test_odd_session_ids_are_just_names, a loaded machine): an idle save gives its slot back once the
+    backend wrote the file, before the commit; an operator's clear that took the slot then saw it unchanged, erased
+    it and answered while the commit was still running, so the session list read next lacked the state. The clear
+    waits for that commit, and when the commit failed (the slot held the turn's only copy) it saves the slot again."""
+    import errno
+    import threading
+
+    pool = SlotPool(1, client, Snapshots(store), FP, 4096, save_idle_seconds=0.01)  # type: ignore[arg-type]
+    committing, go_on = threading.Event(), threading.Event()
+    commit = store.commit
+
+    def slow(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(store, "commit", commit)  # only the idle save's commit is held back
+        committing.set()
+        go_on.wait(10)
+        if fails:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return commit(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store, "commit", slow)
+    lease = await pool.acquire(A, chain_of("a1"))
+    lease.release(TurnEnd.COMPLETED, 50)
+    assert await eventually(committing.is_set)
+    cleared = asyncio.create_task(clear_slot(pool, 0))
+    await asyncio.sleep(0.2)
+    assert not cleared.done()  # waiting for the commit
+    go_on.set()
+    assert await cleared == A
+    assert store.get(A) is not None
+    assert len(client.actions("save")) == 1 + fails  # a failed commit: saved again by the clear
+    assert pool.slots[0].occupant is None
+    await pool.aclose()
+
+
 @pytest.mark.parametrize("kind", ["dense", "recurrent", "hybrid", "swa"])
 async def test_a_compacted_conversation_that_keeps_its_system_prompt_stays_the_conversation(
         client: FakeClient, store: SnapshotStore, kind: str) -> None:

@@ -84,8 +84,10 @@ class IdleSaves:
         # The slot was given back once the backend wrote the file; what comes next waits for the commit: until it
         # lands, the slot holds the conversation's only copy of its turn.
         if not await asyncio.shield(commit):
-            if slot.generation == generation and slot.occupant == key and not slot.busy:
-                slot.dirty = True  # the next switch or the exit saves it again (no retry loop on a full disk)
+            # Still the same turn's state (no lease since; an operator's clear may hold the slot, waiting for this):
+            # the next switch, the clear or the exit saves it again (no retry loop on a full disk).
+            if slot.generation == generation and slot.occupant == key:
+                slot.dirty = True
             return
         if slot.cut is not None and slot.generation == generation:
             await self._cut_back(slot)

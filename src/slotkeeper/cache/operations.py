@@ -94,6 +94,10 @@ async def clear_slot(pool: SlotPool, slot_id: int) -> SessionKey | None:
     await pool.take(slot)
     try:
         held = slot.occupant  # read after taking the slot: nothing else can change it now
+        if held is not None:
+            # An idle save that gave the slot back before its commit: wait for the commit (done when it answers,
+            # commit included), and see whether it failed, which leaves the slot changed again (idlesaves.py).
+            await pool.snapshots.settle(held, slot.kind)
         # An operator's action: done when it answers, commit included. 0 ms waited: the save failed.
         if slot.dirty and held is not None and not await pool.saver.save(slot.slot_id, held, Held.of(slot)):
             raise SaveFailed(f"saving slot {slot_id} ({held}) failed, so it was not erased: it keeps its "

@@ -255,9 +255,11 @@ class SlotPool:
             if end is not TurnEnd.COMPLETED:
                 slot.chain, slot.tokens, slot.n_tokens, slot.n_prompt, slot.at_prompt_end = [], None, 0, 0, False
         elif (end is TurnEnd.FAILED or slot.forgotten_in == slot.generation or lease.side
-              or (end is TurnEnd.CANCELLED and lease.cache.why is Reason.RESTORE_FAILED)):
-            # (A turn cut short after its restore failed holds part of a prompt prefilled from nothing: saved, it
-            # would replace the conversation's state on disk, which the failed restore left whole.)
+              or (end is not TurnEnd.COMPLETED and lease.cache.why is Reason.RESTORE_FAILED)):
+            # (After a failed restore the slot holds nothing of the conversation's saved state, which the failure
+            # left whole on disk: a turn cut short holds part of a prompt prefilled from nothing, which saved would
+            # replace that state, and a refused one holds nothing, which kept as the conversation's would make its
+            # next turn run hot over an empty slot.)
             slot.occupant, slot.dirty, slot.n_tokens, slot.n_prompt = None, False, 0, 0
             slot.chain, slot.tokens, slot.forgotten_in = [], None, None
             slot.replay, slot.at_prompt_end = None, False
