@@ -1409,13 +1409,16 @@ async def test_an_idle_save_whose_commit_fails_keeps_the_turn_in_the_slot(
     await pool.aclose()
 
 
+@pytest.mark.parametrize("operation", ["clear", "flush"])
 @pytest.mark.parametrize("fails", [False, True])
 async def test_a_clear_during_an_idle_saves_commit_answers_once_the_state_is_on_disk(
-        client: FakeClient, store: SnapshotStore, monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
+        client: FakeClient, store: SnapshotStore, monkeypatch: pytest.MonkeyPatch, fails: bool,
+        operation: str) -> None:
     """Found by CI (test_odd_session_ids_are_just_names, a loaded machine): an idle save gives its slot back once the
     backend wrote the file, before the commit; an operator's clear that took the slot then saw it unchanged, erased
     it and answered while the commit was still running, so the session list read next lacked the state. The clear
-    waits for that commit, and when the commit failed (the slot held the turn's only copy) it saves the slot again."""
+    waits for that commit, and when the commit failed (the slot held the turn's only copy) it saves the slot again;
+    so does the flush at exit."""
     import errno
     import threading
 
@@ -1435,14 +1438,14 @@ async def test_a_clear_during_an_idle_saves_commit_answers_once_the_state_is_on_
     lease = await pool.acquire(A, chain_of("a1"))
     lease.release(TurnEnd.COMPLETED, 50)
     assert await eventually(committing.is_set)
-    cleared = asyncio.create_task(clear_slot(pool, 0))
+    done = asyncio.create_task(clear_slot(pool, 0) if operation == "clear" else flush(pool))
     await asyncio.sleep(0.2)
-    assert not cleared.done()  # waiting for the commit
+    assert not done.done()  # waiting for the commit
     go_on.set()
-    assert await cleared == A
+    await done
     assert store.get(A) is not None
-    assert len(client.actions("save")) == 1 + fails  # a failed commit: saved again by the clear
-    assert pool.slots[0].occupant is None
+    assert len(client.actions("save")) == 1 + fails  # a failed commit: saved again
+    assert pool.slots[0].occupant is (None if operation == "clear" else A)
     await pool.aclose()
 
 

@@ -35,6 +35,8 @@ async def flush(pool: SlotPool) -> Flushed:
     for slot in pool.slots:
         await pool.take(slot)
         try:
+            if slot.occupant is not None:
+                await pool.snapshots.settle(slot.occupant, slot.kind)  # an idle save's commit: failed, it is made again
             if slot.dirty and slot.occupant is not None:
                 slot.dirty = False
                 # Not waited for here: the next slot's save overlaps this one's commit.
