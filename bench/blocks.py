@@ -69,6 +69,12 @@ COLD = "llama-server cram0"
 # Parts 1 and 2: each mode's RAM dir holds copies of recent states up to this (slotkeeper's default is a quarter of
 # the memory per slotkeeper; several run here at once). What reaches the slot dir does not depend on it.
 RAM_BUDGET = "2G"
+# Before each timed turn of part 3: the pause that lets the previous target's background work (the commit of the
+# state its turn switched out, 30-130 ms here) end, so that no target's turn runs beside another target's commit.
+# Without it, the rotation's fixed order gave each target nearly always the same predecessor: llama-server alone (no
+# commit) went before "today, RAM dir", and "today, RAM dir" before "blocks 64, RAM dir". On 2026-12-06, blocks over
+# today with a RAM dir, switch: 1.14x without the pause; 0.93x with the two alone, taking turns; 1.06x with it.
+SETTLE_SECONDS = 0.5
 BUCKET_PREFIX = "bench"
 
 
@@ -374,6 +380,7 @@ def ttft_parts(config: BenchConfig, shape: Shape, model: Path, root: Path,
                 for k, session in enumerate(list(sessions)):
                     sessions[session] = next_turn(sessions[session], 10_000 * rnd + 100 * k)
                     for name in rotated(names, turn):
+                        time.sleep(SETTLE_SECONDS)
                         sample = _ttft_sample(client, urls[name], name != COLD, sessions[session], session, config)
                         sample.update({"part": "ttft switch", "target": name, "round": rnd, "session": session,
                                        "turn": turn})
@@ -384,6 +391,7 @@ def ttft_parts(config: BenchConfig, shape: Shape, model: Path, root: Path,
             for k, session in enumerate(list(sessions)):
                 sessions[session] = next_turn(sessions[session], 20_000 + k)
                 for name in rotated(names, k):
+                    time.sleep(SETTLE_SECONDS)
                     sample = _ttft_sample(client, urls[name], name != COLD, sessions[session], session, config)
                     sample.update({"part": "ttft restart", "target": name, "session": session})
                     restarting.append(sample)

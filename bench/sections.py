@@ -424,7 +424,9 @@ def blocks(r: dict[str, Any]) -> list[str]:
         f"{ttft['restart']['sessions']} sessions primed, every process stopped and started again (a RAM dir starts "
         "empty), the next turn restored from disk. With a RAM dir the backend restores a RAM copy when one is "
         "there (blocks: kept after the save); without, a state kept as blocks is assembled into the slot dir "
-        "first. llama-server alone prefills the turn cold.",
+        "first. llama-server alone prefills the turn cold. Each timed turn starts half a second after the one "
+        "before it, once that target's commit in the background is over, so that no turn runs beside another "
+        "target's work.",
         "",
         "| workload | target | TTFT median ms | TTFT max ms | restore ms (median) | reused (cache_n) | cache |",
         "|---|---|---:|---:|---:|---:|---|",
