@@ -336,6 +336,8 @@ def _ttft_summary(samples: list[dict[str, Any]], shape: Shape, key: str) -> dict
 
 def _ttft_sample(client: httpx.Client, url: str, keeper: bool, messages: list[dict[str, str]], session: str,
                 config: BenchConfig) -> dict[str, Any]:
+    """One timed turn, SETTLE_SECONDS after the turn before it."""
+    time.sleep(SETTLE_SECONDS)
     since = time.time()
     r = stream_chat(client, url, messages, session, config.answer_tokens)
     sample: dict[str, Any] = {"ttft_ms": r.ttft_ms, "total_ms": r.total_ms, "prompt_n": r.prompt_n,
@@ -380,7 +382,6 @@ def ttft_parts(config: BenchConfig, shape: Shape, model: Path, root: Path,
                 for k, session in enumerate(list(sessions)):
                     sessions[session] = next_turn(sessions[session], 10_000 * rnd + 100 * k)
                     for name in rotated(names, turn):
-                        time.sleep(SETTLE_SECONDS)
                         sample = _ttft_sample(client, urls[name], name != COLD, sessions[session], session, config)
                         sample.update({"part": "ttft switch", "target": name, "round": rnd, "session": session,
                                        "turn": turn})
@@ -391,7 +392,6 @@ def ttft_parts(config: BenchConfig, shape: Shape, model: Path, root: Path,
             for k, session in enumerate(list(sessions)):
                 sessions[session] = next_turn(sessions[session], 20_000 + k)
                 for name in rotated(names, k):
-                    time.sleep(SETTLE_SECONDS)
                     sample = _ttft_sample(client, urls[name], name != COLD, sessions[session], session, config)
                     sample.update({"part": "ttft restart", "target": name, "session": session})
                     restarting.append(sample)
