@@ -115,6 +115,11 @@ class Settings:
     # tasks go after requests of conversations: OpenWebUI sends a new chat's title task just before the chat's own
     # request, and the user's answer should not wait for the title. 0: side tasks queue like any request.
     side_task_hold_seconds: float = 0.25
+    # Router mode (llama-server --models-dir or --models-preset): how many models are loaded at once (0: the router's
+    # own --models-max), and how long a request for a model that is not loaded waits for the turns of the model that
+    # makes room for it to end, before it fails in its client's dialect.
+    max_loaded: int = 0
+    swap_wait_seconds: float = 300.0
     log_level: str = "info"
     # One JSON object per log line (the request line's fields as keys) instead of text.
     log_json: bool = False
@@ -273,6 +278,10 @@ class Settings:
             raise ValueError("--shutdown-timeout and --start-timeout must be more than 0 seconds")
         if self.backend_wait_seconds < 0:
             raise ValueError("--backend-wait-seconds must be 0 (fail at once) or more")
+        if self.max_loaded < 0:
+            raise ValueError("--max-loaded must be 0 (the router's own --models-max) or more")
+        if self.swap_wait_seconds < 0:
+            raise ValueError("--swap-wait-seconds must be 0 or more")
         if self.side_task_hold_seconds < 0:
             raise ValueError("--side-task-hold-seconds must be 0 (no hold) or more")
 

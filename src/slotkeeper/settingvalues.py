@@ -148,6 +148,8 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "upstream_read_timeout": float,
     "backend_wait_seconds": float,
     "side_task_hold_seconds": float,
+    "max_loaded": int,
+    "swap_wait_seconds": float,
     "load_factor": float,
     "shared_endpoint": lambda v: str(v).rstrip("/"),
     "replica_url": lambda v: str(v).rstrip("/"),
@@ -178,11 +180,11 @@ _SECRETS = frozenset({"api_key", "admin_key", "replica_secret"})
 # What a TOML value may be, per setting (default: a string).
 _FILE_TYPES: dict[str, tuple[type, ...]] = {
     **{name: (int,) for name in ("port", "ctx_size", "parallel", "min_restore_tokens", "block_tokens", "max_queue",
-                                 "cache_ram_mib",
+                                 "cache_ram_mib", "max_loaded",
                                  "max_body_bytes")},
     **{name: (int, float) for name in ("save_idle_seconds", "slot_op_timeout", "upstream_read_timeout",
                                        "backend_wait_seconds", "start_timeout", "shutdown_timeout",
-                                       "side_task_hold_seconds", "load_factor")},
+                                       "side_task_hold_seconds", "swap_wait_seconds", "load_factor")},
     "launch_command": (list, str),
     "session_headers": (list, str),
     "allowed_hosts": (list, str),

@@ -69,8 +69,9 @@ class Snapshots:
     """One backend's snapshots. Opened at start (`open`: the directories, the index, a reconcile); the slot pool then
     `attach`es the backend they belong to, which saving and every fingerprint-checked lookup need."""
 
-    def __init__(self, store: SnapshotStore) -> None:
+    def __init__(self, store: SnapshotStore, owns_store: bool = True) -> None:
         self._store = store
+        self._owns_store = owns_store  # a view of another backend's store (`sharing`) leaves closing it to that one
         self._writes = PendingWrites()
         self._lookups = Lookups(store, self._writes, self._evicted)
         # Snapshots brought in and handed out (imports, exports, the shared tier's transfers): a part of its own,
@@ -127,9 +128,17 @@ class Snapshots:
         self._lookups.attach(fingerprint)
         self.transfers.attach(fingerprint, self._inspect)
 
+    def sharing(self) -> Snapshots:
+        """Another backend's snapshots in this one's slot dir, index and disk budget (the models of one llama-server
+        router, which all save into its one --slot-save-path); their rows and files are told apart by their keys'
+        model and fingerprint. Closing it leaves the store open: this one closes it."""
+        return Snapshots(self._store, owns_store=False)
+
     async def close(self, drop_ram_copies: bool = False) -> None:
         """Close the index (after the pool's `aclose`); `drop_ram_copies` once every save is committed and the
         server that read the RAM dir is gone, so all of it is on disk."""
+        if not self._owns_store:
+            return
         self._store.close()
         if drop_ram_copies and self._store.ram is not None:
             await asyncio.to_thread(self._store.ram.remove_all)

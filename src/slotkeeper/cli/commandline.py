@@ -125,6 +125,13 @@ def _parser() -> argparse.ArgumentParser:
                        "request comes, before it asks for a slot, and goes after conversations' requests, so a new "
                        "chat's answer is not held up by its title "
                        "(default 0.25; 0: no hold)")
+    serve.add_argument("--max-loaded", type=int, metavar="N",
+                       help="in front of a llama-server router (--models-dir or --models-preset): at most N models "
+                       "loaded at once; to load another, slotkeeper saves the changed slots of the least recently "
+                       "used one and unloads it (default 0: the router's own --models-max)")
+    serve.add_argument("--swap-wait-seconds", type=float, metavar="S",
+                       help="router mode: a request for a model that is not loaded waits up to S seconds for the "
+                       "answers running on the model that makes room for it (default 300)")
     serve.add_argument("--load-factor", type=float, metavar="F",
                        help="a model on several backends (config file: several [[backends]] of one name): a new "
                        "session goes to a backend owning at most F times the mean of active sessions, and a "

@@ -59,7 +59,7 @@ async def discover(client: UpstreamClient, snapshots: Snapshots, alias: str | No
     n_slots = int(props.get("total_slots") or len(slots) or 1)
     n_ctx_slot = int(slots[0].get("n_ctx") or props["default_generation_settings"]["n_ctx"])
     model_path = str(props.get("model_path") or "")
-    meta = (models.get("data") or [{}])[0].get("meta") or {}
+    meta = _own_entry(models.get("data") or [{}], client.model).get("meta") or {}
     local = local_model_path(props)
     if local is not None:
         identity = await asyncio.to_thread(snapshots.model_identity, local)
@@ -86,6 +86,12 @@ async def discover(client: UpstreamClient, snapshots: Snapshots, alias: str | No
         meta=meta,
         kv_base=base,
     )
+
+
+def _own_entry(entries: list[Any], model: str | None) -> dict[str, Any]:
+    """The backend's own entry of its /v1/models: the first, or (a router's list of all its models) the model's."""
+    own = [e for e in entries if isinstance(e, dict) and (model is None or e.get("id") == model)]
+    return own[0] if own else {}
 
 
 def kv_fingerprint(base: str, setting: str) -> str:

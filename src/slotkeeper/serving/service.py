@@ -41,6 +41,9 @@ class SharedBring(Protocol):
 BodyBuilder = Callable[[int], Mapping[str, Any]]
 # Whether the client hung up (Starlette's Request.is_disconnected): a request waiting for the backend stops then.
 HungUp = Callable[[], Awaitable[bool]]
+# Lets a turn run on a model of a router (serving/swaps.py: loading it first when it is not); returns what the turn
+# calls when it ends.
+Admit = Callable[[HungUp | None], Awaitable[Callable[[], None]]]
 
 
 @dataclass
@@ -56,6 +59,7 @@ class TurnRecord:
     end: TurnEnd = TurnEnd.CANCELLED
     journal: RequestJournal | None = None
     backend: str = ""  # the URL of the backend that ran the turn
+    on_finish: Callable[[], None] | None = None  # the turn leaves its model's admission (swaps.py)
 
     def headers(self) -> dict[str, str]:
         headers = {"X-Slotkeeper-Session": header_safe(self.key.session_id),
@@ -88,6 +92,8 @@ class TurnRecord:
         log.info("%s", entry.log_line(), extra={"request": entry})
         if self.journal is not None:
             self.journal.add(entry)
+        if self.on_finish is not None:
+            self.on_finish()
 
 
 class TurnService:
@@ -103,11 +109,19 @@ class TurnService:
         # The shared tier (fleet/shared.py) when snapshots are kept in an object store too: a turn first brings in
         # the newest version of its session's and system prompt's snapshots when this host lacks them.
         self.shared: SharedBring | None = None
+        # A model of a router: each turn is admitted by the model switch (swaps.py), which loads the model first when
+        # it is not loaded, and never unloads it while the turn runs.
+        self.admit: Admit | None = None
 
-    async def _backend_up(self, hung_up: HungUp | None) -> None:
+    async def _backend_up(self, hung_up: HungUp | None) -> Callable[[], None] | None:
+        """Wait for the backend (or have a router's model loaded); returns what the turn calls at its end, if
+        anything."""
+        if self.admit is not None:
+            return await self.admit(hung_up)
         if not self.health.up:
             log.debug("waiting up to %g s for the backend at %s", self.backend_wait, self.client.base_url)
         await self.health.wait_up(self.backend_wait, hung_up)
+        return None
 
     async def unary(self, api: str, key: SessionKey, path: str, build: BodyBuilder,
                     side: bool = False, hung_up: HungUp | None = None,
@@ -120,9 +134,14 @@ class TurnService:
         `chat` is the chat body the turn stands for when the upstream body is not one, and `chain` the request's
         chain where it is not the body's message chain (an /infill's parts); see `_acquire`.
         """
-        await self._backend_up(hung_up)
-        record = TurnRecord(api, key, await self._acquire(key, build, side, chat=chat, chain=chain),
-                            journal=self.journal, backend=self.client.base_url)
+        leave = await self._backend_up(hung_up)
+        try:
+            lease = await self._acquire(key, build, side, chat=chat, chain=chain)
+        except BaseException:
+            if leave is not None:
+                leave()
+            raise
+        record = TurnRecord(api, key, lease, journal=self.journal, backend=self.client.base_url, on_finish=leave)
         end = TurnEnd.CANCELLED
         body = build(record.lease.slot_id)
         record.lease.replay = (path, body)
@@ -146,9 +165,14 @@ class TurnService:
                           chain: Sequence[Link] | None = None) -> StreamTurn:
         """Lease a slot and open the backend's stream; an error answer is raised before any byte reaches the client.
         The backend is waited for as in `unary`, and `chat` and `chain` are as there."""
-        await self._backend_up(hung_up)
-        lease = await self._acquire(key, build, side, chat=chat, chain=chain)
-        record = TurnRecord(api, key, lease, journal=self.journal, backend=self.client.base_url)
+        leave = await self._backend_up(hung_up)
+        try:
+            lease = await self._acquire(key, build, side, chat=chat, chain=chain)
+        except BaseException:
+            if leave is not None:
+                leave()
+            raise
+        record = TurnRecord(api, key, lease, journal=self.journal, backend=self.client.base_url, on_finish=leave)
         body = build(record.lease.slot_id)
         lease.replay = (path, body)
         context = self.client.stream(path, body)
@@ -220,15 +244,19 @@ class TurnService:
 
         Raises the backend's error when the warm-up fails; nothing is saved then.
         """
-        await self._backend_up(None)
-        started = time.perf_counter()
-        held = await self.pool.warm_lease(model, system)
-        end = TurnEnd.FAILED
+        leave = await self._backend_up(None)
         try:
-            snapshot = held.existing if held.existing is not None else await self._warm_up(held, progress)
-            end = TurnEnd.COMPLETED
+            started = time.perf_counter()
+            held = await self.pool.warm_lease(model, system)
+            end = TurnEnd.FAILED
+            try:
+                snapshot = held.existing if held.existing is not None else await self._warm_up(held, progress)
+                end = TurnEnd.COMPLETED
+            finally:
+                held.release(end)
         finally:
-            held.release(end)
+            if leave is not None:
+                leave()
         if snapshot is None:
             return Prewarm(system.digest, "too-short", self.pool.slots[held.slot_id].n_tokens, 0, False,
                            _ms_since(started))

@@ -6,6 +6,7 @@ The only place where transport errors (refused, reset, timed out) are turned int
 from __future__ import annotations
 
 import json
+import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,8 +28,15 @@ class SlotActionResult:
 
 
 class UpstreamClient:
-    def __init__(self, base_url: str, *, read_timeout: float = 600.0, slot_op_timeout: float = 120.0) -> None:
+    """The client of one server, or of one `model` of a llama-server in router mode: then every request names it (in
+    the query of a GET, in the JSON body of a POST, where the router reads it), and none is sent while `admitted` is
+    False (the model is unloaded: a request naming it would load it)."""
+
+    def __init__(self, base_url: str, *, read_timeout: float = 600.0, slot_op_timeout: float = 120.0,
+                 model: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.admitted = True
         self._slot_op_timeout = slot_op_timeout
         self._wire = WireClient(self.base_url, connect_timeout=5.0, read_timeout=read_timeout, write_timeout=60.0,
                                 headers={"User-Agent": f"slotkeeper/{__version__}"})
@@ -70,8 +78,9 @@ class UpstreamClient:
     async def stream(self, path: str, body: Mapping[str, Any]) -> AsyncIterator[WireResponse]:
         """Open a streaming POST. A non-2xx answer is read whole and raised as UpstreamError before any byte flows.
         Reading the body raises TransportError when the connection breaks (see iter_errors_as_unavailable)."""
+        path, scoped = self._scoped("POST", path, body)
         try:
-            response = await self._wire.request("POST", path, body=_encode(body), headers=_JSON)
+            response = await self._wire.request("POST", path, body=_encode(scoped or {}), headers=_JSON)
         except TransportError as exc:
             raise UpstreamUnavailable(_describe(exc, self.base_url)) from exc
         try:
@@ -88,6 +97,7 @@ class UpstreamClient:
     async def _request(self, method: str, path: str, body: Mapping[str, Any] | None,
                        timeout: float | None) -> tuple[int, bytes]:
         """One request read whole; `timeout` None is the client's read timeout."""
+        path, body = self._scoped(method, path, body)
         try:
             response = await self._wire.request(method, path, body=None if body is None else _encode(body),
                                                 headers=_JSON if body is not None else None, timeout=timeout)
@@ -98,6 +108,20 @@ class UpstreamClient:
         except TransportError as exc:
             raise UpstreamUnavailable(_describe(exc, self.base_url)) from exc
         return response.status_code, content
+
+
+    def _scoped(self, method: str, path: str,
+                body: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
+        """The request as sent: naming this client's model of a router (not its own /health, which loads none)."""
+        if self.model is None or path == "/health":
+            return path, body
+        if not self.admitted:
+            raise UpstreamUnavailable(f"the model {self.model!r} is not loaded on the router at {self.base_url}")
+        if body is not None:
+            return path, {**body, "model": self.model}
+        if method == "GET":
+            path += ("&" if "?" in path else "?") + "model=" + urllib.parse.quote(self.model, safe="")
+        return path, body
 
 
 _JSON = {"Content-Type": "application/json"}

@@ -23,10 +23,12 @@ async def list_sessions(request: Request) -> dict[str, Any]:
     kind = _kind_filter(request)
     model = request.query_params.get("model")
     group = request.query_params.get("group")
-    states = backends(request).members_of(model)
+    served = backends(request)
+    states = served.members_of(model)
     sessions = []
     for state in states:
-        snapshots = await state.snapshots.list(None, kind)
+        # A router's models share one store: each lists its own.
+        snapshots = await state.snapshots.list(state.backend.model_id if served.router is not None else None, kind)
         sessions += [_snapshot_json(s, _hot_slot(state, s.model, s.session_id)) for s in snapshots
                      if group is None or session_group(s.session_id) == group]
     sessions.sort(key=lambda s: s["last_used"], reverse=True)

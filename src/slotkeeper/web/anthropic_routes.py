@@ -18,7 +18,7 @@ from slotkeeper.serving.identity import is_side_task, resolve_session
 from slotkeeper.serving.service import StreamTurn
 from slotkeeper.web.openapi import JSON, answers, json_body
 from slotkeeper.web.replicas import turns_for
-from slotkeeper.web.state import app_state
+from slotkeeper.web.state import turn_state
 from slotkeeper.web.streaming import TurnStreamResponse
 
 router = APIRouter()
@@ -29,7 +29,7 @@ router = APIRouter()
 async def create_message(request: Request) -> Response:
     raw = openai.parse_body(await request.body())
     message = anthropic.parse_messages_request(raw)
-    state = app_state(request, message.model)
+    state = await turn_state(request, message.model)
     if not state.settings.keep_attribution_block:
         message, _ = anthropic.without_attribution(message)  # before hashing and before forwarding
     chat = anthropic.chat_body(message, raw)
@@ -64,7 +64,7 @@ async def create_message(request: Request) -> Response:
 async def count_tokens(request: Request) -> dict[str, int]:
     """Counted by the backend's own template and tokenizer; takes no slot, so it never waits for a turn."""
     counted = anthropic.parse_count_tokens_request(openai.parse_body(await request.body()))
-    state = app_state(request, counted.model)
+    state = await turn_state(request, counted.model)
     body = anthropic.count_tokens_body(counted)
     try:
         data = await state.client.post_json("/v1/chat/completions/input_tokens", body)

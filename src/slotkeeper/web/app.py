@@ -30,6 +30,7 @@ from slotkeeper.web import (
 from slotkeeper.web.errors import error_response
 from slotkeeper.web.openapi import SlotkeeperAPI
 from slotkeeper.web.replicas import Replicas, join_replicas
+from slotkeeper.web.routermode import RouterRuntime, start_runtime
 from slotkeeper.web.runtime import RunningBackend, form_groups
 from slotkeeper.web.security import Guard
 from slotkeeper.web.state import Backends, backends
@@ -40,15 +41,22 @@ log = logging.getLogger("slotkeeper")
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        running: list[RunningBackend] = []
+        running: list[RunningBackend | RouterRuntime] = []
         joined: Replicas | None = None
         heartbeat: asyncio.Task[None] | None = None
         try:
             for backend_settings in settings.backend_settings():
-                running.append(await RunningBackend.start(backend_settings))
-            await form_groups([r.state for r in running], settings.load_factor)
-            app.state.backends = Backends([r.state for r in running])
-            app.state.slotkeeper = running[0].state
+                running.append(await start_runtime(backend_settings))
+            routers = [r for r in running if isinstance(r, RouterRuntime)]
+            if routers and len(running) > 1:
+                raise SlotkeeperError("a llama-server router serves every model itself: give slotkeeper that one "
+                                      "backend, not several [[backends]]")
+            singles = [r.state for r in running if isinstance(r, RunningBackend)]
+            await form_groups(singles, settings.load_factor)
+            served = app.state.backends = Backends(singles + (routers[0].states if routers else []),
+                                                   routers[0] if routers else None)
+            if routers:
+                routers[0].on_state = served.add
             if settings.directory is not None:
                 joined = app.state.replicas = join_replicas(settings, app.state.backends)
                 await joined.directory.beat()
@@ -87,7 +95,10 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        states = backends(request).all
+        served = backends(request)
+        if served.router is not None:
+            return _router_health(served)
+        states = served.all
         ups = await asyncio.gather(*(s.client.healthy() for s in states))
         # A model on several backends is served while one of them is up.
         serving = {s.backend.model_id for s, ok in zip(states, ups, strict=True) if ok}
@@ -113,6 +124,16 @@ def create_app(settings: Settings) -> FastAPI:
     for router in (admin.router, metrics.router, activity.router, dashboard.router, ollama_routes.router):
         app.include_router(router)
     return app
+
+
+def _router_health(served: Backends) -> JSONResponse:
+    """In front of a router: up while the router answers; each model with whether it is loaded."""
+    router = served.router
+    assert isinstance(router, RouterRuntime)
+    up = router.switch.health.up
+    body = {"status": "ok" if up else "backend unavailable", "backend": router.url,
+            "models": [{"model": e.name, "status": e.status} for e in router.switch.entries.values()]}
+    return JSONResponse(body, status_code=200 if up else 503)
 
 
 def _routing_error(request: Request, exc: HTTPException) -> SlotkeeperError:

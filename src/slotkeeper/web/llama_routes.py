@@ -20,7 +20,7 @@ from slotkeeper.serving.identity import is_side_task, resolve_session
 from slotkeeper.types import IdSource, SessionKey
 from slotkeeper.web.openapi import JSON, answers, json_body
 from slotkeeper.web.replicas import turns_for
-from slotkeeper.web.state import app_state
+from slotkeeper.web.state import app_state, turn_state
 from slotkeeper.web.streaming import TurnStreamResponse
 
 router = APIRouter()
@@ -61,7 +61,7 @@ def _passed_through(path: str) -> Callable[[Request], Any]:
         """Passed through without a slot lease: it does not touch a conversation's KV state. The backend's own
         answer, an error included (a backend without --embeddings or --reranking answers 501), is passed on."""
         body = openai.parse_body(await request.body())
-        state = app_state(request, _model_of(body))
+        state = await turn_state(request, _model_of(body))
         forwarded = {k: v for k, v in openai.without_own_fields(body).items() if k not in ("id_slot", "cache_prompt")}
         return JSONResponse(await state.client.post_json(path, forwarded))
 
@@ -103,7 +103,7 @@ async def _turn(request: Request, path: str, api: str, check: Callable[[Mapping[
                 infill: bool = False) -> Response:
     body = openai.parse_body(await request.body())
     check(body)
-    state = app_state(request, _model_of(body))
+    state = await turn_state(request, _model_of(body))
     model = state.backend.model_id
     key = resolve_session(model, request.headers, body, [], state.settings.session_headers)
     if infill and key.is_default:

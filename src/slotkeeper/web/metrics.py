@@ -47,7 +47,7 @@ class Metrics:
     def __init__(self, served: Backends, directory: Directory | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        several = label_names(served.all)
+        several = ("model",) if served.router is not None else label_names(served.all)
         by_model = list(several)
         self.requests = Counter("slotkeeper_requests", "Requests by API and how their slot got its state "
                                 "(hot, restored, prefix, cold).", ["api", "cache", *by_model], registry=r)
@@ -82,13 +82,17 @@ class Metrics:
         r.register(_StateCollector(served.all, several))
         if directory is not None:
             r.register(_DirectoryCollector(directory))
-        for state in served.all:
-            labels = _model_labels(state, several)
-            journal = state.service.journal
-            journal.subscribe(_RequestObserver(self, journal, labels))
-            state.pool.events.subscribe(_CacheObserver(self, labels))
         self._served = served
         self._several = several
+        for state in served.all:
+            self._observe(state)
+        served.on_add.append(self._observe)  # a router's model, first loaded
+
+    def _observe(self, state: AppState) -> None:
+        labels = _model_labels(state, self._several)
+        journal = state.service.journal
+        journal.subscribe(_RequestObserver(self, journal, labels))
+        state.pool.events.subscribe(_CacheObserver(self, labels))
 
     def observe_request(self, entry: RequestEntry, journal: RequestJournal, model: Sequence[str] = ()) -> None:
         self.requests.labels(entry.api, entry.cache, *model).inc()
@@ -281,7 +285,7 @@ class _StateCollector(Collector):
     """Reads each backend's counters, slots and snapshot index when scraped."""
 
     def __init__(self, states: Sequence[AppState], several: tuple[str, ...]) -> None:
-        self._states = list(states)
+        self._states = states  # the Backends' own list: a router's model first loaded later is in it
         self._by_model = list(several)
         self._several = several
 

@@ -22,7 +22,7 @@ from slotkeeper.dialects.ollama import AnswerShape, ChatRequest, GenerateRequest
 from slotkeeper.errors import BadRequest, NotSupported, SlotkeeperError
 from slotkeeper.serving.identity import is_side_task, resolve_session
 from slotkeeper.serving.service import StreamTurn, TurnRecord, header_safe
-from slotkeeper.types import SessionKey
+from slotkeeper.types import BackendInfo, SessionKey
 from slotkeeper.web.openapi import JSON as JSON_TYPE
 from slotkeeper.web.openapi import answers, json_body
 from slotkeeper.web.replicas import turns_for
@@ -52,21 +52,29 @@ async def version() -> dict[str, str]:
 
 @router.api_route("/api/tags", methods=["GET", "HEAD"])
 async def tags(request: Request) -> dict[str, Any]:
-    return {"models": [ollama.tags_entry(await _facts(state)) for state in backends(request).models]}
+    return {"models": [ollama.tags_entry(await _facts_of(info, started)) for info, started in _listed(request)]}
 
 
 @router.get("/api/ps")
 async def ps(request: Request) -> dict[str, Any]:
     # llama-server keeps its model loaded for as long as it runs: "expires" a century from now.
     expires = _timestamp(datetime.now(UTC) + timedelta(days=36500))
-    return {"models": [ollama.ps_entry(await _facts(state), expires) for state in backends(request).models]}
+    served = backends(request)
+    if served.router is not None:  # the models loaded now
+        loaded = [s for s in served.models if s.client.admitted]
+        return {"models": [ollama.ps_entry(await _facts(state), expires) for state in loaded]}
+    return {"models": [ollama.ps_entry(await _facts(state), expires) for state in served.models]}
 
 
 @router.post("/api/show", openapi_extra=json_body(ModelRequest))
 async def show(request: Request) -> dict[str, Any]:
     req = ollama.parse(ModelRequest, await _body(request))
-    state = _served_by(request, req.model_name)
-    return ollama.show_answer(await _facts(state))
+    if not req.model_name:
+        raise BadRequest("'model' is required")
+    for info, started in _listed(request):  # a router's model is described without loading it
+        if ollama.is_served(req.model_name, info.model_id):
+            return ollama.show_answer(await _facts_of(info, started))
+    raise ollama.model_not_found(req.model_name)
 
 
 @router.post("/api/chat", openapi_extra=json_body(ChatRequest), responses=answers(JSON_TYPE, NDJSON))
@@ -74,7 +82,7 @@ async def chat(request: Request) -> Response:
     started = time.perf_counter_ns()
     body = await _body(request)
     req = ollama.parse(ChatRequest, body)
-    state = _served_by(request, req.model)
+    state = await _served_by(request, req.model)
     if not req.messages:
         return JSONResponse(ollama.load_answer("chat", req.model, _now(), ollama.unloads(req)), media_type=JSON)
     ollama.check_images(ollama.all_images(req), _vision(state))
@@ -92,7 +100,7 @@ async def generate(request: Request) -> Response:
     started = time.perf_counter_ns()
     body = await _body(request)
     req = ollama.parse(GenerateRequest, body)
-    state = _served_by(request, req.model)
+    state = await _served_by(request, req.model)
     ollama.check_generate(req)
     if not req.prompt and not req.images:
         return JSONResponse(ollama.load_answer("generate", req.model, _now(), ollama.unloads(req)), media_type=JSON)
@@ -111,7 +119,7 @@ async def generate(request: Request) -> Response:
 async def embed(request: Request) -> dict[str, Any]:
     started = time.perf_counter_ns()
     req = ollama.parse(ollama.EmbedRequest, await _body(request))
-    state = _served_by(request, req.model)
+    state = await _served_by(request, req.model)
     # Embeddings need a backend started with --embeddings, which then serves nothing else: no session can be on
     # it, so the request goes straight to the backend without a slot lease. Without the flag its 501 is passed on.
     data = await state.client.post_json("/v1/embeddings", ollama.embed_body(req))
@@ -121,7 +129,7 @@ async def embed(request: Request) -> dict[str, Any]:
 @router.post("/api/embeddings", openapi_extra=json_body(ollama.EmbeddingsRequest))
 async def embeddings(request: Request) -> dict[str, Any]:
     req = ollama.parse(ollama.EmbeddingsRequest, await _body(request))
-    state = _served_by(request, req.model)
+    state = await _served_by(request, req.model)
     data = await state.client.post_json("/v1/embeddings", {"input": [req.prompt]})
     return ollama.embeddings_answer(data)
 
@@ -129,8 +137,9 @@ async def embeddings(request: Request) -> dict[str, Any]:
 @router.post("/api/pull", openapi_extra=json_body(ModelRequest), responses=answers(JSON_TYPE, NDJSON))
 async def pull(request: Request) -> Response:
     req = ollama.parse(ModelRequest, await _body(request))
-    served = [ollama.advertised_name(s.backend.model_id) for s in backends(request).models]
-    if not any(ollama.is_served(req.model_name, s.backend.model_id) for s in backends(request).models):
+    listed = [info.model_id for info, _ in _listed(request)]
+    served = [ollama.advertised_name(name) for name in listed]
+    if not any(ollama.is_served(req.model_name, name) for name in listed):
         raise ollama.model_not_found(req.model_name, "', '".join(served))
     if not req.stream:
         return JSONResponse({"status": "success"}, media_type=JSON)
@@ -224,14 +233,30 @@ async def _body(request: Request) -> dict[str, Any]:
     return openai.parse_body(await request.body())
 
 
-def _served_by(request: Request, requested: str) -> AppState:
-    """The backend serving the requested model (Ollama's names: `name` and `name:latest` are the same)."""
+async def _served_by(request: Request, requested: str) -> AppState:
+    """The backend serving the requested model (Ollama's names: `name` and `name:latest` are the same); a router's
+    model is loaded the first time, while the client waits."""
     if not requested:
         raise BadRequest("'model' is required")
-    for state in backends(request).models:
+    served = backends(request)
+    if served.router is not None:
+        for name in served.router.names():
+            if ollama.is_served(requested, name):
+                return await served.ready(name, request.is_disconnected)
+        raise ollama.model_not_found(requested)
+    for state in served.models:
         if ollama.is_served(requested, state.backend.model_id):
             return state
     raise ollama.model_not_found(requested)
+
+
+def _listed(request: Request) -> list[tuple[BackendInfo, float]]:
+    """Every model to list, with when slotkeeper started serving it: a router's, loaded or not."""
+    served = backends(request)
+    if served.router is not None:
+        started = {s.backend.model_id: s.started for s in served.models}
+        return [(info, started.get(info.model_id, time.time())) for info in served.router.listed()]
+    return [(s.backend, s.started) for s in served.models]
 
 
 def _vision(state: AppState) -> bool:
@@ -242,15 +267,19 @@ _architectures: dict[str, str | None] = {}
 
 
 async def _facts(state: AppState) -> ollama.ModelFacts:
-    path = Path(state.backend.model_path)
-    if state.backend.model_path not in _architectures:
-        _architectures[state.backend.model_path] = await asyncio.to_thread(_gguf_architecture, path)
+    return await _facts_of(state.backend, state.started)
+
+
+async def _facts_of(backend: BackendInfo, started: float) -> ollama.ModelFacts:
+    path = Path(backend.model_path)
+    if backend.model_path not in _architectures:
+        _architectures[backend.model_path] = await asyncio.to_thread(_gguf_architecture, path)
     try:
         modified = (await asyncio.to_thread(path.stat)).st_mtime
     except OSError:
-        modified = state.started  # the model file is on another machine
+        modified = started  # the model file is on another machine
     modified_at = _timestamp(datetime.fromtimestamp(modified, UTC))
-    return ollama.model_facts(state.backend, _architectures[state.backend.model_path], modified_at)
+    return ollama.model_facts(backend, _architectures[backend.model_path], modified_at)
 
 
 def _gguf_architecture(path: Path) -> str | None:

@@ -3,6 +3,7 @@ through, and the model listing (shaped to satisfy both the OpenAI and the Anthro
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -13,9 +14,10 @@ from fastapi.responses import JSONResponse, Response
 from slotkeeper.dialects import openai
 from slotkeeper.errors import NotFound
 from slotkeeper.serving.identity import is_side_task, resolve_session
+from slotkeeper.types import BackendInfo
 from slotkeeper.web.openapi import JSON, answers, json_body
 from slotkeeper.web.replicas import turns_for
-from slotkeeper.web.state import AppState, app_state, backends
+from slotkeeper.web.state import backends, turn_state
 from slotkeeper.web.streaming import TurnStreamResponse
 
 router = APIRouter()
@@ -57,22 +59,22 @@ async def embeddings(request: Request) -> Response:
     without --embeddings answers 501 itself, and that answer is passed on."""
     body = openai.parse_body(await request.body())
     openai.check_embeddings_request(body)
-    state = app_state(request, _model_of(body))
+    state = await turn_state(request, _model_of(body))
     return JSONResponse(await state.client.post_json("/v1/embeddings", openai.without_own_fields(body)))
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    entries = [_model_entry(state) for state in backends(request).models]
-    return {"object": "list", "data": entries, "has_more": False, "first_id": entries[0]["id"],
-            "last_id": entries[-1]["id"]}
+    entries = [_model_entry(info, started) for info, started in _models(request)]
+    return {"object": "list", "data": entries, "has_more": False, "first_id": entries[0]["id"] if entries else None,
+            "last_id": entries[-1]["id"] if entries else None}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
-    for state in backends(request).models:
-        if model_id.removesuffix(":latest") == state.backend.model_id:
-            return _model_entry(state)
+    for info, started in _models(request):
+        if model_id.removesuffix(":latest") == info.model_id:
+            return _model_entry(info, started)
     raise NotFound(f"model '{model_id}' not found")
 
 
@@ -87,7 +89,7 @@ async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping
     and side-task check; the body itself goes to the backend as it is."""
     body = openai.parse_body(await request.body())
     check(body)
-    state = app_state(request, _model_of(body))
+    state = await turn_state(request, _model_of(body))
     chat = as_chat(body) if as_chat is not None else None
     messages = (chat if chat is not None else body).get("messages")
     key = resolve_session(state.backend.model_id, request.headers, body, system(body), state.settings.session_headers,
@@ -114,16 +116,25 @@ def _model_of(body: Mapping[str, Any]) -> str | None:
     return model if isinstance(model, str) else None
 
 
-def _model_entry(state: AppState) -> dict[str, Any]:
+def _models(request: Request) -> list[tuple[BackendInfo, float]]:
+    """Every model served, with when slotkeeper started serving it: each of a router's, loaded or not."""
+    served = backends(request)
+    if served.router is None:
+        return [(s.backend, s.started) for s in served.models]
+    started = {s.backend.model_id: s.started for s in served.models}
+    return [(info, started.get(info.model_id, time.time())) for info in served.router.listed()]
+
+
+def _model_entry(backend: BackendInfo, started: float) -> dict[str, Any]:
     """One entry both clients parse: OpenAI's (object, created, owned_by) and Anthropic's (type, display_name,
     created_at in RFC 3339)."""
     return {
-        "id": state.backend.model_id,
+        "id": backend.model_id,
         "object": "model",
-        "created": int(state.started),
+        "created": int(started),
         "owned_by": "slotkeeper",
         "type": "model",
-        "display_name": state.backend.model_id,
-        "created_at": datetime.fromtimestamp(int(state.started), UTC).isoformat().replace("+00:00", "Z"),
-        "meta": {"n_ctx": state.backend.n_ctx_slot, "n_slots": state.backend.n_slots},
+        "display_name": backend.model_id,
+        "created_at": datetime.fromtimestamp(int(started), UTC).isoformat().replace("+00:00", "Z"),
+        "meta": {"n_ctx": backend.n_ctx_slot, "n_slots": backend.n_slots},
     }

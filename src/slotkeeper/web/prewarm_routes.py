@@ -16,7 +16,7 @@ from slotkeeper.dialects import openai
 from slotkeeper.dialects.prewarm import parse_prewarm_request, upstream_chat_body
 from slotkeeper.errors import BadRequest, SlotkeeperError
 from slotkeeper.serving.service import Prewarm
-from slotkeeper.web.state import app_state
+from slotkeeper.web.state import turn_state
 
 router = APIRouter()
 # Pre-warms whose client hung up: they run to the end (the backend cannot stop a prefill) and are kept referenced.
@@ -26,7 +26,7 @@ _detached: set[asyncio.Task[Prewarm]] = set()
 @router.post("/api/sessions/prewarm")
 async def prewarm(request: Request) -> Response:
     body = parse_prewarm_request(openai.parse_body(await request.body()))
-    state = app_state(request, body.model)
+    state = await turn_state(request, body.model)
     model = state.backend.model_id
     system = system_prompt_of(upstream_chat_body(body, model))
     if system is None:

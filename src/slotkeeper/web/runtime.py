@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from slotkeeper.cache.budget import DiskBudget
+from slotkeeper.cache.capability import Capability
 from slotkeeper.cache.operations import flush, import_snapshot
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.ramdir import RamDir
@@ -29,6 +30,7 @@ from slotkeeper.serving.backend import capability_of, discover
 from slotkeeper.serving.kvcheck import KvCheck
 from slotkeeper.serving.service import TurnService
 from slotkeeper.serving.watch import BackendWatch
+from slotkeeper.types import BackendInfo
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import BackendHealth
 from slotkeeper.upstream.launcher import StartedBackend, start_backend
@@ -52,18 +54,13 @@ class RunningBackend:
 
     @classmethod
     async def start(cls, settings: Settings) -> RunningBackend:
-        make_private_dir(settings.cache_dir)
-        slot_dir = settings.effective_slot_dir()
-        ram = open_ram_dir(settings, slot_dir)
-        snapshots = await asyncio.to_thread(Snapshots.open, slot_dir, settings.index_path, ram,
-                                            settings.block_tokens)
-        try:
-            started = await start_backend(settings, slot_dir, None if ram is None else ram.path)
-        except BaseException:
-            await snapshots.close()
-            raise
-        client = UpstreamClient(started.url, read_timeout=settings.upstream_read_timeout,
-                                slot_op_timeout=settings.slot_op_timeout)
+        return await cls.assemble(settings, *await open_backend(settings))
+
+    @classmethod
+    async def assemble(cls, settings: Settings, snapshots: Snapshots, started: StartedBackend,
+                       client: UpstreamClient) -> RunningBackend:
+        """Discover the backend `open_backend` started (or named) and make everything that serves it."""
+        slot_dir = snapshots.slot_dir
         try:
             backend = await discover(client, snapshots, settings.model_alias or started.model_alias,
                                      started.kv_settings)
@@ -74,11 +71,7 @@ class RunningBackend:
             raise
         capability = await asyncio.to_thread(capability_of, backend.props, started.embedded)
         health = BackendHealth(client.base_url)  # the one answer to "is the backend up?"
-        pool = SlotPool(backend.n_slots, client, snapshots, backend.fingerprint, backend.n_ctx_slot,
-                        settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue,
-                        settings.system_snapshots, DiskBudget(settings.disk_budget, settings.max_snapshot_age,
-                                                              settings.max_system_snapshots, SIDE_STATES_KEPT),
-                        capability, health, settings.side_task_hold_seconds)
+        pool = make_pool(settings, backend, client, snapshots, capability, health)
         await asyncio.to_thread(pool.learn_from_disk)
         await snapshots.enforce_budget()
         service = TurnService(client, pool, health, settings.backend_wait_seconds)
@@ -142,6 +135,33 @@ class RunningBackend:
         await self._started.stop(budget.stopping)
         # Every save committed (pool.aclose) and the server that read the RAM dir gone: all of it is on disk.
         await self._snapshots.close(drop_ram_copies=committed and self._started.server is not None)
+
+
+async def open_backend(settings: Settings) -> tuple[Snapshots, StartedBackend, UpstreamClient]:
+    """The snapshots (the slot dir and index, opened and reconciled) and the backend (started, or named in attach
+    mode, and answering /health), with a client for it; nothing is asked of it yet."""
+    make_private_dir(settings.cache_dir)
+    slot_dir = settings.effective_slot_dir()
+    ram = open_ram_dir(settings, slot_dir)
+    snapshots = await asyncio.to_thread(Snapshots.open, slot_dir, settings.index_path, ram, settings.block_tokens)
+    try:
+        started = await start_backend(settings, slot_dir, None if ram is None else ram.path)
+    except BaseException:
+        await snapshots.close()
+        raise
+    client = UpstreamClient(started.url, read_timeout=settings.upstream_read_timeout,
+                            slot_op_timeout=settings.slot_op_timeout)
+    return snapshots, started, client
+
+
+def make_pool(settings: Settings, backend: BackendInfo, client: UpstreamClient, snapshots: Snapshots,
+              capability: Capability, health: BackendHealth) -> SlotPool:
+    """The slot pool of one discovered backend, under these settings."""
+    return SlotPool(backend.n_slots, client, snapshots, backend.fingerprint, backend.n_ctx_slot,
+                    settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue,
+                    settings.system_snapshots, DiskBudget(settings.disk_budget, settings.max_snapshot_age,
+                                                          settings.max_system_snapshots, SIDE_STATES_KEPT),
+                    capability, health, settings.side_task_hold_seconds)
 
 
 async def form_groups(states: list[AppState], load_factor: float) -> list[BackendGroup]:

@@ -5,7 +5,7 @@ by its members' states, that sends each turn to its session's owner."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -16,7 +16,7 @@ from slotkeeper.cache.pool import SlotPool
 from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.config import Settings
-from slotkeeper.errors import NotFound
+from slotkeeper.errors import BadRequest, NotFound
 from slotkeeper.fleet.group import BackendGroup
 from slotkeeper.serving.service import (
     BodyBuilder,
@@ -80,21 +80,73 @@ class AppState:
         return name in (self.backend.model_id, self.settings.model_alias)
 
 
+class RouterModels(Protocol):
+    """The models of a llama-server router (web/routermode.py): a state each, made when the model is first loaded."""
+
+    def names(self) -> list[str]: ...
+    def state_of(self, name: str) -> AppState | None: ...
+    async def ready(self, name: str, hung_up: HungUp | None = None) -> AppState: ...
+    def listed(self) -> list[BackendInfo]: ...
+
+
 class Backends:
     """Every backend, in configuration order (`all`), and one state per model (`models`: a model's first backend,
     whose `turns` go to the whole group). With one model, every request goes to it whatever model it names (the
-    dialects decide whether a wrong name is an error); with several, the model name picks the model."""
+    dialects decide whether a wrong name is an error); with several, the model name picks the model.
 
-    def __init__(self, states: Sequence[AppState]) -> None:
-        assert states
+    In front of a router (`router`), a model's state is made when it is first loaded: `ready` makes it (a turn's
+    way in), `for_model` only finds it (an operator's view, which loads nothing); `add` takes each new one and tells
+    `on_add`."""
+
+    def __init__(self, states: Sequence[AppState], router: RouterModels | None = None) -> None:
+        assert states or router is not None
         self.all = list(states)
         self.models = [s for s in self.all if s.group is None or s.group.members[0] is s]
+        self.router = router
+        self.on_add: list[Callable[[AppState], None]] = []
+
+    def add(self, state: AppState) -> None:
+        self.all.append(state)
+        self.models.append(state)
+        for listener in self.on_add:
+            listener(state)
 
     @property
     def default(self) -> AppState:
         return self.models[0]
 
+    def router_name(self, model: str | None) -> str:
+        """The router's name for a requested model (`name:latest` is `name`; no name: its only model)."""
+        assert self.router is not None
+        names = self.router.names()
+        if not model:
+            if len(names) == 1:
+                return names[0]
+            raise BadRequest(f"name a model: the router offers {', '.join(repr(n) for n in names)}")
+        if model in names:
+            return model
+        name = model.removesuffix(":latest")
+        if name in names:
+            return name
+        offered = ", ".join(repr(n) for n in names) or "none"
+        raise NotFound(f"model '{model}' not found: the router offers {offered}")
+
+    async def ready(self, model: str | None, hung_up: HungUp | None = None) -> AppState:
+        """The state a turn of `model` runs on; in front of a router, loading the model the first time."""
+        if self.router is None:
+            return self.for_model(model)
+        return await self.router.ready(self.router_name(model), hung_up)
+
     def for_model(self, model: str | None) -> AppState:
+        if self.router is not None:
+            if not model and self.models:  # an operator's view without a name: a loaded model, else any known
+                return next((s for s in self.models if s.client.admitted), self.models[0])
+            name = self.router_name(model)
+            found = self.router.state_of(name)
+            if found is None:
+                raise NotFound(f"model '{name}' has not been loaded since slotkeeper started: nothing of it is "
+                               "known yet")
+            return found
         if len(self.models) == 1 or not model:
             return self.default
         for state in self.models:
@@ -123,5 +175,11 @@ def backends(request: Request) -> Backends:
 
 
 def app_state(request: Request, model: str | None = None) -> AppState:
-    """The backend a request goes to: the one serving `model` (the default one without a name)."""
+    """The backend an operator's request is about: the one serving `model` (the default one without a name)."""
     return backends(request).for_model(model)
+
+
+async def turn_state(request: Request, model: str | None = None) -> AppState:
+    """The backend a turn of `model` goes to (in front of a router: loading the model the first time, while the
+    client waits)."""
+    return await backends(request).ready(model, request.is_disconnected)

@@ -1,0 +1,294 @@
+"""Which models of a llama-server router are loaded, decided here: a model is loaded when a turn asks for it, and a
+model makes room for it only once its own turns are over and its slots' unsaved states are saved.
+
+Each model has an Admission: turns enter it while the model is loaded (and checked) and leave when they end. To
+unload a model the switch closes its admission, waits for the turns inside to end (bounded by the swap wait: the
+turn that wants the room fails past it, in its client's dialect), saves every changed slot, stops its client from
+sending anything (a request naming an unloaded model would load it again), and asks the router to unload it; what its
+slots held is then forgotten, and each conversation's next turn there restores its state from disk, as after a
+restart. Loading is the other way round; a model loaded again gets its KV setting checked again (its `reverify`)
+before a turn is admitted, so a state saved under other settings is never restored.
+
+The router may also unload a model on its own (a child that died, a client of the router's own port): the watch
+reads `/models` (which loads nothing) and treats a model no longer loaded as a backend that lost its slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from slotkeeper.cache.operations import flush
+from slotkeeper.cache.pool import SlotPool
+from slotkeeper.errors import NotFound, SlotkeeperError, UpstreamUnavailable
+from slotkeeper.upstream.client import UpstreamClient
+from slotkeeper.upstream.health import BackendHealth, Probe
+from slotkeeper.upstream.router import LOADED, RouterApi, RouterModel
+
+log = logging.getLogger("slotkeeper.swaps")
+
+HungUp = Callable[[], Awaitable[bool]]
+# How often the watch reads the router's model list.
+WATCH_SECONDS = 1.0
+
+
+class ModelBackend(Protocol):
+    """What the switch needs of one model's backend (the web layer's state for it)."""
+
+    @property
+    def client(self) -> UpstreamClient: ...
+    @property
+    def pool(self) -> SlotPool: ...
+
+    async def reverify(self) -> None:
+        """The model was loaded again: check its KV setting before any turn runs on it."""
+
+
+class Admission:
+    """The turns running on one model, and whether new ones may start (the model is loaded and checked)."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> bool:
+        if not self.open:
+            return False
+        self.in_flight += 1
+        self._idle.clear()
+        return True
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight <= 0:
+            self.in_flight = 0
+            self._idle.set()
+
+    async def drained(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until no turn is inside; True when none is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+@dataclass
+class ModelEntry:
+    """One model the router offers: its status as last read or made, its backend once it was first loaded, and its
+    turns."""
+
+    name: str
+    status: str
+    backend: ModelBackend | None = None
+    admission: Admission = field(default_factory=Admission)
+    last_used: float = 0.0
+    loads: int = 0
+    unloads: int = 0
+    saved_at_unload: int = 0  # changed slots saved at its last unload
+
+
+StartModel = Callable[[str], Awaitable[ModelBackend]]
+
+
+class ModelSwitch:
+    def __init__(self, api: RouterApi, max_loaded: int, start: StartModel, *, health: BackendHealth,
+                 swap_wait: float, load_timeout: float, backend_wait: float) -> None:
+        self.api = api
+        self.max_loaded = max_loaded  # 0: no bound of our own (the router's --models-max)
+        self._start = start
+        self.health = health  # the router's: up while it answers
+        self._swap_wait = swap_wait
+        self._load_timeout = load_timeout
+        self._backend_wait = backend_wait
+        self.entries: dict[str, ModelEntry] = {}
+        self.args: dict[str, tuple[str, ...]] = {}  # each model's child command line, as the router last listed it
+        self._lock = asyncio.Lock()  # one load or unload at a time
+        self._swapping: set[str] = set()  # models the switch is loading or unloading now (the watch leaves them)
+
+    def learn(self, models: list[RouterModel]) -> None:
+        """Take the router's model list: new models are added, gone ones dropped unless they have a backend."""
+        names = {m.name for m in models}
+        for model in models:
+            if model.args:
+                self.args[model.name] = model.args
+            entry = self.entries.get(model.name)
+            if entry is None:
+                self.entries[model.name] = ModelEntry(model.name, model.status)
+            elif model.name not in self._swapping:
+                entry.status = model.status
+        for name in [n for n, e in self.entries.items() if n not in names and e.backend is None]:
+            del self.entries[name]
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def loaded(self) -> list[str]:
+        return [n for n, e in self.entries.items() if e.status == LOADED]
+
+    def entry(self, name: str) -> ModelEntry:
+        found = self.entries.get(name)
+        if found is None:
+            offered = ", ".join(repr(n) for n in self.entries) or "none"
+            raise NotFound(f"model '{name}' not found: the router offers {offered}")
+        return found
+
+    async def adopt(self, name: str) -> ModelBackend:
+        """At start: take a model the router already has loaded (its backend is made now; nothing else loads)."""
+        entry = self.entry(name)
+        entry.backend = await self._start(name)
+        entry.status, entry.last_used = LOADED, time.time()
+        entry.admission.open = True
+        return entry.backend
+
+    async def backend(self, name: str, hung_up: HungUp | None = None) -> ModelBackend:
+        """The model's backend, made (the model loaded, and discovered) the first time a client asks for it."""
+        entry = self.entry(name)
+        if entry.backend is None:
+            await self.ready(name, hung_up)
+        assert entry.backend is not None
+        return entry.backend
+
+    async def admit(self, name: str, hung_up: HungUp | None = None) -> Callable[[], None]:
+        """Let a turn run on `name`, loading it first when it is not loaded; returns what the turn calls when it
+        ends. Raises when the model cannot be loaded, or room for it is not made within the swap wait."""
+        entry = self.entry(name)
+        while not entry.admission.enter():
+            await self.ready(name, hung_up)
+        entry.last_used = time.time()
+        return entry.admission.leave
+
+    async def ready(self, name: str, hung_up: HungUp | None = None) -> None:
+        """Load `name` (making room first) unless it is loaded; returns once its turns are admitted."""
+        entry = self.entry(name)
+        if entry.admission.open:
+            return
+        await self.health.wait_up(self._backend_wait, hung_up)
+        async with self._lock:
+            if entry.admission.open:
+                return
+            self._swapping.add(name)
+            try:
+                await self._make_room(name)
+                started = time.perf_counter()
+                if entry.backend is not None:
+                    entry.backend.client.admitted = True  # before the load: a check must reach it
+                await self.api.load(name, self._load_timeout)
+                entry.status = LOADED
+                entry.loads += 1
+                if entry.backend is None:
+                    entry.backend = await self._start(name)
+                else:
+                    await entry.backend.reverify()
+                entry.last_used = time.time()
+                entry.admission.open = True
+                log.info("model %r loaded in %.0f ms; its conversations restore their states from disk", name,
+                         (time.perf_counter() - started) * 1000)
+            except BaseException:
+                if entry.backend is not None and not entry.admission.open:
+                    entry.backend.client.admitted = False
+                raise
+            finally:
+                self._swapping.discard(name)
+
+    async def _make_room(self, wanted: str) -> None:
+        """Unload the least recently used loaded models until `wanted` fits within the bound."""
+        if self.max_loaded <= 0:
+            return
+        while True:
+            others = [e for e in self.entries.values() if e.status == LOADED and e.name != wanted]
+            if len(others) < self.max_loaded:
+                return
+            victim = min(others, key=lambda e: e.last_used)
+            await self._unload(victim, f"to make room for {wanted!r}")
+
+    async def unload(self, name: str, why: str) -> None:
+        """Save the model's changed slots and unload it (an operator's or a client's ask)."""
+        entry = self.entry(name)
+        async with self._lock:
+            if entry.status == LOADED:
+                await self._unload(entry, why)
+
+    async def _unload(self, entry: ModelEntry, why: str) -> None:
+        self._swapping.add(entry.name)
+        admission = entry.admission
+        admission.open = False
+        try:
+            if not await admission.drained(self._swap_wait):
+                admission.open = entry.backend is not None
+                raise UpstreamUnavailable(
+                    f"model {entry.name!r} is still answering {admission.in_flight} request(s) after "
+                    f"{self._swap_wait:g} s, and it is not unloaded under a running answer; try again later")
+            backend = entry.backend
+            saved = 0
+            if backend is not None:
+                flushed = await flush(backend.pool)
+                saved = flushed.saved
+                if flushed.failed:
+                    log.warning("model %r: saving %d changed slot(s) before its unload failed; they lose their "
+                                "latest turns", entry.name, flushed.failed)
+                observed = backend.pool.generations()
+                backend.client.admitted = False
+            await self.api.unload(entry.name, self._load_timeout)
+            entry.status = "unloaded"
+            entry.unloads += 1
+            entry.saved_at_unload = saved
+            if backend is not None:
+                backend.pool.reset_slots(observed, f"model {entry.name!r} was unloaded")
+            log.info("model %r unloaded (%s); %d changed slot(s) were saved first", entry.name, why, saved)
+        except BaseException:
+            if entry.backend is not None and entry.status == LOADED:
+                entry.backend.client.admitted = True
+                admission.open = True
+            raise
+        finally:
+            self._swapping.discard(entry.name)
+
+    def lost(self, entry: ModelEntry, reason: str) -> None:
+        """The router no longer has the model loaded, though the switch did not unload it: what its slots held is
+        gone. Turns admitted before fail as their connection does; the next one loads it again."""
+        entry.status = "unloaded"
+        entry.admission.open = False
+        backend = entry.backend
+        if backend is not None:
+            backend.client.admitted = False
+            backend.pool.reset_slots(backend.pool.generations(), reason)
+        log.warning("model %r is no longer loaded on the router (%s): its conversations restore from disk at their "
+                    "next turn", entry.name, reason)
+
+    async def watch(self) -> None:
+        while True:
+            await self.check()
+            await asyncio.sleep(WATCH_SECONDS)
+
+    async def check(self) -> None:
+        """Read the router's model list (and health) once, and take any model it unloaded on its own for lost."""
+        probe = await self.api.client.probe()
+        self.health.probed(probe)
+        if probe is not Probe.OK:
+            if probe is Probe.REFUSED:
+                for entry in self.entries.values():
+                    if entry.status == LOADED and entry.name not in self._swapping:
+                        self.lost(entry, "the router is not answering")
+            return
+        try:
+            models = await self.api.models()
+        except SlotkeeperError as exc:
+            log.debug("reading the router's models failed: %s", exc)
+            return
+        now = {m.name: m for m in models}
+        for entry in list(self.entries.values()):
+            if entry.name in self._swapping:
+                continue
+            seen = now.get(entry.name)
+            if entry.status == LOADED and (seen is None or not seen.loaded):
+                self.lost(entry, "the router unloaded it, or its server stopped")
+        self.learn(models)
+        if not self.health.up:
+            self.health.mark_up()

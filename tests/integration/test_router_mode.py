@@ -1,0 +1,217 @@
+"""slotkeeper in front of llama-server's router mode (the real binary, `--models-dir` with two dense models and a
+hybrid one, `--models-max 1`): launched by slotkeeper (one router shared by the module's tests) and attached to.
+A swap saves the unloaded model's slots first and its conversations restore after it comes back; an answer is never
+cut off by a request for another model; nothing slotkeeper does on its own loads a model; the model lists show every
+model the router offers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
+from tests.support import Slotkeeper, free_port, llama_server_binary, timings, wait_healthy, wait_until, words
+
+pytestmark = [pytest.mark.backend, pytest.mark.timeout(300)]
+
+MODELS = {"alpha": TinyModelSpec(seed=11, name="alpha"), "beta": TinyModelSpec(seed=12, name="beta"),
+          "gamma": TinyModelSpec(arch="jamba", seed=13, name="gamma")}
+
+
+def router_args(models_dir: Path) -> list[str]:
+    return [str(llama_server_binary()), "--models-dir", str(models_dir), "--models-max", "1", "-c", "4096", "-np", "1",
+            "--cache-ram", "0", "-t", "2"]
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("router-models")
+    for name, spec in MODELS.items():
+        write_tiny_model(path / f"{name}.gguf", spec)
+    return path
+
+
+@pytest.fixture(scope="module")
+def keeper(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slotkeeper]:
+    """slotkeeper launching the router itself."""
+    root = tmp_path_factory.mktemp("router-launch")
+    started = Slotkeeper(root / "cache", root / "slotkeeper.log",
+                         extra_args=("--swap-wait-seconds", "60", "--", *router_args(models_dir))).start(timeout=120)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def conversation(tag: str, n_words: int = 600) -> list[dict[str, str]]:
+    return [{"role": "system", "content": f"You are {tag}. " + words(n_words, hash(tag) % 1000)},
+            {"role": "user", "content": f"a first question for {tag}"}]
+
+
+def ask(client: httpx.Client, model: str, messages: list[dict[str, str]], max_tokens: int = 3) -> httpx.Response:
+    response = client.post("/v1/chat/completions", json={"model": model, "messages": messages,
+                                                         "max_tokens": max_tokens, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response
+
+
+def loaded(client: httpx.Client) -> dict[str, str]:
+    return {m["model"]: m["status"] for m in client.get("/health").json()["models"]}
+
+
+@pytest.mark.parametrize("model", ["alpha", "gamma"])
+def test_a_model_back_after_a_swap_restores_its_conversation(keeper: Slotkeeper, model: str) -> None:
+    """A, then B (which unloads A: --models-max 1), then A again: A's return turn reuses all it had (>= 90 % of its
+    prompt) from the state saved before the unload, on a dense and on a hybrid model."""
+    with httpx.Client(base_url=keeper.url, timeout=300) as client:
+        messages = conversation(f"{model}-swap")
+        first = ask(client, model, messages)
+        messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "and a second one"}]
+        other = "beta"
+        ask(client, other, conversation(f"{other}-for-{model}"))
+        assert loaded(client)[model] != "loaded"
+        back = timings(ask(client, model, messages))
+        prompt = back["cache_n"] + back["prompt_n"]
+        assert back["cache_n"] >= 0.9 * prompt, back
+        log = keeper.log_text()
+        assert f"model '{model}' unloaded (to make room for '{other}'); 1 changed slot(s) were saved first" in log
+
+
+def test_a_request_for_another_model_never_cuts_a_running_answer_off(keeper: Slotkeeper) -> None:
+    """A long streamed answer of alpha runs while beta is asked for: alpha's answer ends by its length, whole, and
+    beta's request is answered after it."""
+    with httpx.Client(base_url=keeper.url, timeout=300) as client:
+        ask(client, "alpha", conversation("alpha-warm", 50))  # alpha loaded, so the stream starts at once
+    chunks: list[str] = []
+    finish: list[str | None] = []
+
+    def stream_alpha() -> None:
+        sdk = openai.OpenAI(base_url=f"{keeper.url}/v1", api_key="unused", timeout=300)
+        stream = sdk.chat.completions.create(model="alpha", messages=conversation("alpha-long", 50),  # type: ignore[arg-type]
+                                             max_tokens=400, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
+        for chunk in stream:
+            if chunk.choices:
+                chunks.append(chunk.choices[0].delta.content or "")
+                if chunk.choices[0].finish_reason is not None:
+                    finish.append(chunk.choices[0].finish_reason)
+
+    runner = threading.Thread(target=stream_alpha)
+    runner.start()
+    assert wait_until(lambda: len(chunks) >= 5, 60)
+    with httpx.Client(base_url=keeper.url, timeout=300) as client:
+        ask(client, "beta", conversation("beta-waits", 50))
+        ended_first = not runner.is_alive()
+    runner.join(120)
+    assert finish == ["length"]
+    assert ended_first  # beta's answer came once alpha's was over
+
+
+def test_model_lists_show_every_model_and_loading_is_a_clients_ask(keeper: Slotkeeper) -> None:
+    with httpx.Client(base_url=keeper.url, timeout=300) as client:
+        before = loaded(client)
+        tags = {m["name"] for m in client.get("/api/tags").json()["models"]}
+        assert tags == {"alpha:latest", "beta:latest", "gamma:latest"}
+        assert {m["id"] for m in client.get("/v1/models").json()["data"]} == set(MODELS)
+        shown = client.post("/api/show", json={"model": "gamma"})
+        assert shown.status_code == 200
+        assert loaded(client) == before  # listing and describing load nothing
+        ps = {m["name"] for m in client.get("/api/ps").json()["models"]}
+        assert ps == {f"{n}:latest" for n, s in before.items() if s == "loaded"}
+        # An Ollama chat with no messages loads the model (Ollama's way to load one).
+        assert client.post("/api/chat", json={"model": "beta", "messages": []}).status_code == 200
+        assert loaded(client)["beta"] == "loaded"
+        assert {m["name"] for m in client.get("/api/ps").json()["models"]} == {"beta:latest"}
+        unknown = client.post("/api/chat", json={"model": "delta", "messages": [{"role": "user", "content": "x"}]})
+        assert unknown.status_code == 404 and "delta" in unknown.json()["error"]
+        missing = client.post("/v1/chat/completions", json={"model": "delta", "messages": [{"role": "user",
+                                                                                             "content": "x"}]})
+        assert missing.status_code == 404
+
+
+def test_a_killed_child_costs_a_restore_and_nothing_saved(keeper: Slotkeeper, models_dir: Path) -> None:
+    """kill -9 of the model's own server (a child of the router): its next turn restores the last saved state."""
+    with httpx.Client(base_url=keeper.url, timeout=300) as client:
+        messages = conversation("alpha-kill")
+        first = ask(client, "alpha", messages)
+        messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "after the kill"}]
+        # The state is saved when it leaves its slot: another conversation of alpha takes the one slot.
+        ask(client, "alpha", conversation("alpha-other", 100))
+        child = _child_pid(models_dir / "alpha.gguf")
+        os.kill(child, signal.SIGKILL)
+        assert wait_until(lambda: loaded(client)["alpha"] != "loaded", 30)
+        back = timings(ask(client, "alpha", messages))
+        assert back["cache_n"] >= 0.9 * (back["cache_n"] + back["prompt_n"]), back
+
+
+def _child_pid(model: Path) -> int:
+    """The pid of the router's child serving the model file `model` (its command line names it)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(model).encode() in argv and b"--alias" in argv:
+            return int(entry.name)
+    raise AssertionError(f"no child server of {model}")
+
+
+def test_attach_to_a_running_router_loads_nothing_at_start(models_dir: Path, tmp_path: Path) -> None:
+    """slotkeeper attached to a router someone else runs: it starts without loading any model, and a turn then
+    loads the one it names; its slot saves land in the router's --slot-save-path."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    port = free_port()
+    argv = [*router_args(models_dir), "--host", "127.0.0.1", "--port", str(port), "--slot-save-path", f"{slots}/"]
+    with (tmp_path / "router.log").open("ab") as log:
+        router = subprocess_popen(argv, log)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", router, 60)
+        keeper = Slotkeeper(tmp_path / "cache", tmp_path / "slotkeeper.log",
+                            extra_args=("--upstream", f"http://127.0.0.1:{port}", "--slot-dir", str(slots)))
+        keeper.start(timeout=60)
+        try:
+            with httpx.Client(base_url=keeper.url, timeout=300) as client:
+                assert set(loaded(client).values()) == {"unloaded"}
+                ask(client, "beta", conversation("beta-attach", 100))
+                assert loaded(client)["beta"] == "loaded"
+                ask(client, "beta", conversation("beta-attach-2", 100))  # the first one's state is saved
+            rows = keeper.index_rows()
+        finally:
+            keeper.stop()
+        assert {r["model"] for r in rows} == {"beta"} and any(r["n_tokens"] > 100 for r in rows)
+        assert any(slots.iterdir())
+    finally:
+        router.terminate()
+        router.wait(10)
+
+
+def subprocess_popen(argv: list[str], log: Any) -> Any:
+    import subprocess
+
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_nothing_of_its_own_loads_a_model(keeper: Slotkeeper) -> None:
+    """A minute of slotkeeper's own work (watch, idle saves, metrics, the dashboard's reads) while one model is
+    loaded: the others stay unloaded."""
+    with httpx.Client(base_url=keeper.url, timeout=300) as client:
+        ask(client, "gamma", conversation("gamma-alone", 100))
+        for path in ("/metrics", "/api/sessions", "/api/tags", "/v1/models", "/api/ps", "/health", "/props?model=gamma",
+                     "/slots?model=gamma"):
+            assert client.get(path).status_code == 200, path
+        time.sleep(3)
+        assert loaded(client) == {"alpha": "unloaded", "beta": "unloaded", "gamma": "loaded"}
