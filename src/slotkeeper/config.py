@@ -120,6 +120,9 @@ class Settings:
     # makes room for it to end, before it fails in its client's dialect.
     max_loaded: int = 0
     swap_wait_seconds: float = 300.0
+    # Router mode: seconds a model stays loaded after its last turn when the request named no keep_alive (Ollama's
+    # OLLAMA_KEEP_ALIVE); negative: until another model needs its room. Its changed slots are saved before it goes.
+    keep_alive: float = -1.0
     log_level: str = "info"
     # One JSON object per log line (the request line's fields as keys) instead of text.
     log_json: bool = False

@@ -85,6 +85,14 @@ def parse_duration(value: Any) -> float:
     return _with_unit(value, _DURATION_UNITS, "a duration such as 90s, 12h or 7d")
 
 
+def _keep_alive(value: Any) -> float:
+    """Seconds from a duration ("5m", "1h", 300), or -1 for "never" (any negative value)."""
+    text = str(value).strip()
+    if text.startswith("-"):
+        return -1.0
+    return parse_duration(value)
+
+
 def _command(value: Any) -> tuple[str, ...]:
     """A command line: a list of words (TOML, the CLI), or one string split like a shell would (the environment)."""
     if isinstance(value, str):
@@ -149,6 +157,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "backend_wait_seconds": float,
     "side_task_hold_seconds": float,
     "max_loaded": int,
+    "keep_alive": lambda v: _keep_alive(v),
     "swap_wait_seconds": float,
     "load_factor": float,
     "shared_endpoint": lambda v: str(v).rstrip("/"),
@@ -186,6 +195,7 @@ _FILE_TYPES: dict[str, tuple[type, ...]] = {
                                        "backend_wait_seconds", "start_timeout", "shutdown_timeout",
                                        "side_task_hold_seconds", "swap_wait_seconds", "load_factor")},
     "launch_command": (list, str),
+    "keep_alive": (int, float, str),
     "session_headers": (list, str),
     "allowed_hosts": (list, str),
     "replicas": (list, str),

@@ -132,6 +132,13 @@ def test_model_lists_show_every_model_and_loading_is_a_clients_ask(keeper: Slotk
         assert client.post("/api/chat", json={"model": "beta", "messages": []}).status_code == 200
         assert loaded(client)["beta"] == "loaded"
         assert {m["name"] for m in client.get("/api/ps").json()["models"]} == {"beta:latest"}
+        # keep_alive: a duration shows in /api/ps; 0 unloads at once (nothing loads it meanwhile).
+        assert client.post("/api/generate", json={"model": "beta", "keep_alive": "10m"}).status_code == 200
+        [running] = client.get("/api/ps").json()["models"]
+        assert running["expires_at"] < "2100"  # ten minutes from now, not Ollama's "for ever"
+        unload = client.post("/api/generate", json={"model": "beta", "keep_alive": 0})
+        assert unload.status_code == 200 and unload.json()["done_reason"] == "unload"
+        assert loaded(client)["beta"] == "unloaded" and client.get("/api/ps").json()["models"] == []
         unknown = client.post("/api/chat", json={"model": "delta", "messages": [{"role": "user", "content": "x"}]})
         assert unknown.status_code == 404 and "delta" in unknown.json()["error"]
         missing = client.post("/v1/chat/completions", json={"model": "delta", "messages": [{"role": "user",
@@ -153,6 +160,39 @@ def test_a_killed_child_costs_a_restore_and_nothing_saved(keeper: Slotkeeper, mo
         assert wait_until(lambda: loaded(client)["alpha"] != "loaded", 30)
         back = timings(ask(client, "alpha", messages))
         assert back["cache_n"] >= 0.9 * (back["cache_n"] + back["prompt_n"]), back
+
+
+def test_a_killed_router_is_started_again_and_costs_a_restore(keeper: Slotkeeper, models_dir: Path) -> None:
+    """kill -9 of the router slotkeeper launched: it is started again, and the conversation's next turn restores."""
+    with httpx.Client(base_url=keeper.url, timeout=300) as client:
+        messages = conversation("gamma-router-kill")
+        first = ask(client, "gamma", messages)
+        messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "after the router's kill"}]
+        ask(client, "gamma", conversation("gamma-other", 100))  # the first conversation's state leaves its slot
+        router = _pid_with(str(models_dir).encode(), b"--models-dir")
+        os.kill(router, signal.SIGKILL)
+        assert wait_until(lambda: _pid_with(str(models_dir).encode(), b"--models-dir", missing_ok=True)
+                          not in (None, router), 60)
+        assert wait_until(lambda: client.get("/health").status_code == 200, 60)
+        back = timings(ask(client, "gamma", messages))
+        assert back["cache_n"] >= 0.9 * (back["cache_n"] + back["prompt_n"]), back
+
+
+def _pid_with(*words: bytes, missing_ok: bool = False) -> int | None:
+    """The pid of the llama-server whose command line has each of `words` (whole)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0] == str(llama_server_binary()).encode() and all(w in argv for w in words):
+            return int(entry.name)
+    if missing_ok:
+        return None
+    raise AssertionError(f"no process with {words}")
 
 
 def _child_pid(model: Path) -> int:

@@ -132,6 +132,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--swap-wait-seconds", type=float, metavar="S",
                        help="router mode: a request for a model that is not loaded waits up to S seconds for the "
                        "answers running on the model that makes room for it (default 300)")
+    serve.add_argument("--keep-alive", metavar="DURATION",
+                       help="router mode: how long a model stays loaded after its last turn when a request names no "
+                       "keep_alive, e.g. 5m (its changed slots are saved before it is unloaded; default -1: until "
+                       "another model needs its room)")
     serve.add_argument("--load-factor", type=float, metavar="F",
                        help="a model on several backends (config file: several [[backends]] of one name): a new "
                        "session goes to a backend owning at most F times the mean of active sessions, and a "

@@ -92,6 +92,10 @@ class ModelEntry:
     loads: int = 0
     unloads: int = 0
     saved_at_unload: int = 0  # changed slots saved at its last unload
+    # Ollama's keep_alive: seconds the model stays loaded after its last turn, as its last request asked (None: the
+    # switch's default; negative: for ever); and when (wall clock) that runs out, None for never.
+    keep_alive: float | None = None
+    expires: float | None = None
 
 
 StartModel = Callable[[str], Awaitable[ModelBackend]]
@@ -99,8 +103,9 @@ StartModel = Callable[[str], Awaitable[ModelBackend]]
 
 class ModelSwitch:
     def __init__(self, api: RouterApi, max_loaded: int, start: StartModel, *, health: BackendHealth,
-                 swap_wait: float, load_timeout: float, backend_wait: float) -> None:
+                 swap_wait: float, load_timeout: float, backend_wait: float, keep_alive: float = -1.0) -> None:
         self.api = api
+        self.keep_alive = keep_alive  # the default (--keep-alive): negative keeps a model loaded until room is needed
         self.max_loaded = max_loaded  # 0: no bound of our own (the router's --models-max)
         self._start = start
         self.health = health  # the router's: up while it answers
@@ -145,6 +150,7 @@ class ModelSwitch:
         entry.backend = await self._start(name)
         entry.status, entry.last_used = LOADED, time.time()
         entry.admission.open = True
+        self._idle_from_now(entry)
         return entry.backend
 
     async def backend(self, name: str, hung_up: HungUp | None = None) -> ModelBackend:
@@ -162,7 +168,38 @@ class ModelSwitch:
         while not entry.admission.enter():
             await self.ready(name, hung_up)
         entry.last_used = time.time()
-        return entry.admission.leave
+        entry.expires = None  # not while a turn runs
+
+        def leave() -> None:
+            entry.admission.leave()
+            if entry.admission.in_flight == 0:
+                self._idle_from_now(entry)
+
+        return leave
+
+    def keep(self, name: str, seconds: float | None) -> None:
+        """A request's keep_alive for `name` (None: the default), which counts from the end of its turns."""
+        entry = self.entry(name)
+        entry.keep_alive = seconds
+        if entry.admission.open and entry.admission.in_flight == 0:
+            self._idle_from_now(entry)
+
+    def _idle_from_now(self, entry: ModelEntry) -> None:
+        seconds = entry.keep_alive if entry.keep_alive is not None else self.keep_alive
+        entry.expires = None if seconds < 0 else time.time() + seconds
+        if seconds == 0:
+            asyncio.get_running_loop().create_task(self._expire())
+
+    async def _expire(self) -> None:
+        """Unload every loaded model whose keep_alive ran out and that runs no turn (its states saved first)."""
+        now = time.time()
+        for entry in list(self.entries.values()):
+            if (entry.status == LOADED and entry.expires is not None and entry.expires <= now
+                    and entry.admission.in_flight == 0):
+                try:
+                    await self.unload(entry.name, "its keep_alive ran out", expired=True)
+                except SlotkeeperError as exc:
+                    log.warning("unloading model %r after its keep_alive failed: %s", entry.name, exc.message)
 
     async def ready(self, name: str, hung_up: HungUp | None = None) -> None:
         """Load `name` (making room first) unless it is loaded; returns once its turns are admitted."""
@@ -188,6 +225,7 @@ class ModelSwitch:
                     await entry.backend.reverify()
                 entry.last_used = time.time()
                 entry.admission.open = True
+                self._idle_from_now(entry)
                 log.info("model %r loaded in %.0f ms; its conversations restore their states from disk", name,
                          (time.perf_counter() - started) * 1000)
             except BaseException:
@@ -208,12 +246,16 @@ class ModelSwitch:
             victim = min(others, key=lambda e: e.last_used)
             await self._unload(victim, f"to make room for {wanted!r}")
 
-    async def unload(self, name: str, why: str) -> None:
-        """Save the model's changed slots and unload it (an operator's or a client's ask)."""
+    async def unload(self, name: str, why: str, expired: bool = False) -> None:
+        """Save the model's changed slots and unload it (a client's keep_alive 0, an operator's ask); `expired`:
+        only if its keep_alive still has run out once the switch is free (a turn may have come meanwhile)."""
         entry = self.entry(name)
         async with self._lock:
-            if entry.status == LOADED:
-                await self._unload(entry, why)
+            if entry.status != LOADED:
+                return
+            if expired and (entry.expires is None or entry.expires > time.time() or entry.admission.in_flight):
+                return
+            await self._unload(entry, why)
 
     async def _unload(self, entry: ModelEntry, why: str) -> None:
         self._swapping.add(entry.name)
@@ -239,6 +281,7 @@ class ModelSwitch:
             entry.status = "unloaded"
             entry.unloads += 1
             entry.saved_at_unload = saved
+            entry.expires = None
             if backend is not None:
                 backend.pool.reset_slots(observed, f"model {entry.name!r} was unloaded")
             log.info("model %r unloaded (%s); %d changed slot(s) were saved first", entry.name, why, saved)
@@ -265,6 +308,7 @@ class ModelSwitch:
     async def watch(self) -> None:
         while True:
             await self.check()
+            await self._expire()
             await asyncio.sleep(WATCH_SECONDS)
 
     async def check(self) -> None:

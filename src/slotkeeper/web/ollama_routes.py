@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from slotkeeper import __version__
 from slotkeeper.dialects import ollama, openai
 from slotkeeper.dialects.ollama import AnswerShape, ChatRequest, GenerateRequest, ModelRequest, Sampling
+from slotkeeper.dialects.ollama.requests import Generation
 from slotkeeper.errors import BadRequest, NotSupported, SlotkeeperError
 from slotkeeper.serving.identity import is_side_task, resolve_session
 from slotkeeper.serving.service import StreamTurn, TurnRecord, header_safe
@@ -26,7 +27,7 @@ from slotkeeper.types import BackendInfo, SessionKey
 from slotkeeper.web.openapi import JSON as JSON_TYPE
 from slotkeeper.web.openapi import answers, json_body
 from slotkeeper.web.replicas import turns_for
-from slotkeeper.web.state import AppState, backends
+from slotkeeper.web.state import AppState, Backends, backends
 from slotkeeper.web.streaming import TurnStreamResponse
 
 log = logging.getLogger("slotkeeper.ollama")
@@ -60,9 +61,14 @@ async def ps(request: Request) -> dict[str, Any]:
     # llama-server keeps its model loaded for as long as it runs: "expires" a century from now.
     expires = _timestamp(datetime.now(UTC) + timedelta(days=36500))
     served = backends(request)
-    if served.router is not None:  # the models loaded now
-        loaded = [s for s in served.models if s.client.admitted]
-        return {"models": [ollama.ps_entry(await _facts(state), expires) for state in loaded]}
+    if served.router is not None:  # the models loaded now, each with when its keep_alive runs out
+        entries = []
+        for state in served.models:
+            if state.client.admitted:
+                until = served.router.expires(state.backend.model_id)
+                at = expires if until is None else _timestamp(datetime.fromtimestamp(until, UTC))
+                entries.append(ollama.ps_entry(await _facts(state), at))
+        return {"models": entries}
     return {"models": [ollama.ps_entry(await _facts(state), expires) for state in served.models]}
 
 
@@ -82,9 +88,10 @@ async def chat(request: Request) -> Response:
     started = time.perf_counter_ns()
     body = await _body(request)
     req = ollama.parse(ChatRequest, body)
-    state = await _served_by(request, req.model)
     if not req.messages:
-        return JSONResponse(ollama.load_answer("chat", req.model, _now(), ollama.unloads(req)), media_type=JSON)
+        return await _load_or_unload(request, "chat", req)
+    state = await _served_by(request, req.model)
+    _keep(request, state, req)
     ollama.check_images(ollama.all_images(req), _vision(state))
     opts = _sampling(req, state)
     upstream = ollama.chat_body(req, opts)
@@ -100,10 +107,11 @@ async def generate(request: Request) -> Response:
     started = time.perf_counter_ns()
     body = await _body(request)
     req = ollama.parse(GenerateRequest, body)
-    state = await _served_by(request, req.model)
     ollama.check_generate(req)
     if not req.prompt and not req.images:
-        return JSONResponse(ollama.load_answer("generate", req.model, _now(), ollama.unloads(req)), media_type=JSON)
+        return await _load_or_unload(request, "generate", req)
+    state = await _served_by(request, req.model)
+    _keep(request, state, req)
     ollama.check_images(ollama.all_images(req), _vision(state))
     opts = _sampling(req, state)
     path, upstream = ollama.generate_body(req, opts)
@@ -240,14 +248,42 @@ async def _served_by(request: Request, requested: str) -> AppState:
         raise BadRequest("'model' is required")
     served = backends(request)
     if served.router is not None:
-        for name in served.router.names():
-            if ollama.is_served(requested, name):
-                return await served.ready(name, request.is_disconnected)
-        raise ollama.model_not_found(requested)
+        return await served.ready(_router_model(served, requested), request.is_disconnected)
     for state in served.models:
         if ollama.is_served(requested, state.backend.model_id):
             return state
     raise ollama.model_not_found(requested)
+
+
+def _router_model(served: Backends, requested: str) -> str:
+    """The router's name of the requested model (Ollama's names: `name` and `name:latest` are the same)."""
+    assert served.router is not None
+    for name in served.router.names():
+        if ollama.is_served(requested, name):
+            return name
+    raise ollama.model_not_found(requested)
+
+
+async def _load_or_unload(request: Request, kind: Literal["chat", "generate"], req: Generation) -> Response:
+    """An empty chat or prompt: Ollama's way to load a model, or with keep_alive 0 to unload it. In front of a router
+    that is done (an unload saves the model's changed slots first); a single backend stays loaded."""
+    served = backends(request)
+    unload = ollama.unloads(req)
+    if served.router is not None and unload:
+        if not req.model:
+            raise BadRequest("'model' is required")
+        await served.router.unload(_router_model(served, req.model), "a client asked: keep_alive 0")
+    else:
+        state = await _served_by(request, req.model)
+        _keep(request, state, req)
+    return JSONResponse(ollama.load_answer(kind, req.model, _now(), unload), media_type=JSON)
+
+
+def _keep(request: Request, state: AppState, req: Generation) -> None:
+    """In front of a router: the request's keep_alive (or the default) for its model, from the end of its turn."""
+    router = backends(request).router
+    if router is not None:
+        router.keep(state.backend.model_id, ollama.keep_alive_seconds(req.keep_alive))
 
 
 def _listed(request: Request) -> list[tuple[BackendInfo, float]]:

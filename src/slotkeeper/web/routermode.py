@@ -98,7 +98,8 @@ class RouterRuntime:
         self.switch = ModelSwitch(
             RouterApi(client), settings.max_loaded or max_instances(props), self._start_model,
             health=BackendHealth(client.base_url), swap_wait=settings.swap_wait_seconds,
-            load_timeout=settings.start_timeout, backend_wait=settings.backend_wait_seconds)
+            load_timeout=settings.start_timeout, backend_wait=settings.backend_wait_seconds,
+            keep_alive=settings.keep_alive)
         self._tasks: list[asyncio.Task[None]] = []
         self._by_name: dict[str, AppState] = {}
 
@@ -142,6 +143,16 @@ class RouterRuntime:
 
     def names(self) -> list[str]:
         return self.switch.names()
+
+    def keep(self, name: str, seconds: float | None) -> None:
+        self.switch.keep(name, seconds)
+
+    async def unload(self, name: str, why: str) -> None:
+        await self.switch.unload(name, why)
+
+    def expires(self, name: str) -> float | None:
+        """When (wall clock) the loaded model `name` is unloaded unless a turn comes; None: not by time."""
+        return self.switch.entry(name).expires
 
     def state_of(self, name: str) -> AppState | None:
         return self._by_name.get(name)
