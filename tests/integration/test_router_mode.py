@@ -7,6 +7,7 @@ model the router offers."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -84,7 +85,8 @@ def test_a_model_back_after_a_swap_restores_its_conversation(keeper: Slotkeeper,
         prompt = back["cache_n"] + back["prompt_n"]
         assert back["cache_n"] >= 0.9 * prompt, back
         log = keeper.log_text()
-        assert f"model '{model}' unloaded (to make room for '{other}'); 1 changed slot(s) were saved first" in log
+        assert re.search(rf"model '{model}' unloaded \(to make room for '{other}'\) in \d+ ms \(saving \d+ ms\); "
+                         r"1 changed slot\(s\) were saved first", log)
 
 
 def test_a_request_for_another_model_never_cuts_a_running_answer_off(keeper: Slotkeeper) -> None:
@@ -237,6 +239,54 @@ def test_attach_to_a_running_router_loads_nothing_at_start(models_dir: Path, tmp
     finally:
         router.terminate()
         router.wait(10)
+
+
+def test_a_router_started_again_with_other_kv_types_restores_nothing_saved_under_the_old(
+        models_dir: Path, tmp_path: Path) -> None:
+    """The router slotkeeper is attached to is started again with bf16 K/V (the same port, slot dir and model files):
+    a state saved under f16 is not restored under bf16; with f16 again, the states saved under it are."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    port = free_port()
+
+    def start(*extra: str) -> Any:
+        argv = [*router_args(models_dir), "--host", "127.0.0.1", "--port", str(port), "--slot-save-path", f"{slots}/",
+                *extra]
+        with (tmp_path / "router.log").open("ab") as log:
+            process = subprocess_popen(argv, log)
+        wait_healthy(f"http://127.0.0.1:{port}", process, 60)
+        return process
+
+    router = start()
+    keeper = Slotkeeper(tmp_path / "cache", tmp_path / "slotkeeper.log",
+                        extra_args=("--upstream", f"http://127.0.0.1:{port}", "--slot-dir", str(slots)))
+    keeper.start(timeout=60)
+    try:
+        with httpx.Client(base_url=keeper.url, timeout=300) as client:
+            talks = {tag: conversation(tag, 300) for tag in ("alpha-x", "alpha-y")}
+            for messages in talks.values():  # each saved when the next one takes the slot
+                first = ask(client, "alpha", messages)
+                messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                             {"role": "user", "content": "and then"}]
+            ask(client, "alpha", conversation("alpha-z", 50))
+            for kv, tag, reused in ((("-ctk", "bf16", "-ctv", "bf16"), "alpha-x", False), ((), "alpha-y", True)):
+                router.terminate()
+                router.wait(30)
+                router = start(*kv)
+                assert wait_until(lambda: loaded(client).get("alpha") == "unloaded", 30)
+                back = timings(ask(client, "alpha", talks[tag]))
+                prompt = back["cache_n"] + back["prompt_n"]
+                if reused:
+                    assert back["cache_n"] >= 0.9 * prompt, back
+                else:
+                    assert back["cache_n"] < 0.1 * prompt, back
+                ask(client, "alpha", conversation(f"alpha-after-{tag}", 50))
+    finally:
+        keeper.stop()
+        router.terminate()
+        router.wait(30)
+    log = keeper.log_text()
+    assert "the KV check" in log
 
 
 def subprocess_popen(argv: list[str], log: Any) -> Any:

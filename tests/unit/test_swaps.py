@@ -85,8 +85,9 @@ class FakeBackend:
         self.pool = FakePool()
         self.reverified = 0
 
-    async def reverify(self) -> None:
+    async def reverify(self, child: tuple[object, ...]) -> bool:
         self.reverified += 1
+        return True
 
 
 def switch_of(router: FakeRouter, max_loaded: int = 1, swap_wait: float = 5.0, load_timeout: float = 5.0,
@@ -155,7 +156,7 @@ def test_a_refused_or_slow_load_fails_only_its_turn() -> None:
         assert switch.entries["b"].status == "unloaded" and not switch.entries["b"].admission.open
         router.refuse.clear()
         router.load_seconds = 1.0
-        with pytest.raises(UpstreamUnavailable, match="within 0.1 s"):
+        with pytest.raises(UpstreamUnavailable, match=r"within 0\.1 s"):
             await switch.admit("b")
         router.load_seconds = 0.0
         leave = await switch.admit("b")  # the next try loads it

@@ -226,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "`slotkeeper serve -- llama-server -m model.gguf -np 2`", file=sys.stderr)
             return 2
         return _serve(args, tuple(launch or ()))
-    if args.command in ("sessions", "backends", "doctor", "prewarm", "export", "import"):
+    if args.command in ("sessions", "backends", "models", "doctor", "prewarm", "export", "import"):
         from slotkeeper.cli.manage import run
 
         try:

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any, TextIO
@@ -85,6 +86,11 @@ def add_commands(sub: Any) -> None:
         action = verbs.add_parser(verb, parents=[common], help=what)
         action.add_argument("backend", metavar="URL", help="the backend's URL, as `slotkeeper backends ls` shows it")
 
+    sub.add_parser("models", parents=[common], help="each model: loaded or not, its loads and unloads, what its last "
+                   "unload saved",
+                   description="The models a running slotkeeper serves. In front of a llama-server router they take "
+                   "turns: each one's state (loaded, unloaded, loading), its running turns, how often it was loaded "
+                   "and unloaded, the conversations its last unload saved first, and when its keep_alive runs out.")
     sub.add_parser("doctor", parents=[common], help="check the backend's settings, slot dir, fingerprints and "
                    "restores, and say what to change",
                    description="Check a running slotkeeper and its backend; exit status 1 if a check fails.")
@@ -126,6 +132,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
             return _prewarm(client, args, out, err)
         if args.command == "backends":
             return _backends(client, args, out)
+        if args.command == "models":
+            return _models(client, args, out)
         action = args.command if args.command in ("export", "import") else args.action
         return _SESSION_ACTIONS[action](client, args, out)
     except CommandError as exc:
@@ -150,6 +158,20 @@ def _backends(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int
              b["moved_in"]] for b in listed]
     print(table(["BACKEND", "STATE", "DRAINING", "ACTIVE SESSIONS", "MOVED IN"], rows), file=out)
     print(f"model {model}: {len(listed)} backends", file=out)
+    return 0
+
+
+def _models(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
+    data = client.call("GET", "/api/models")
+    if args.json:
+        print_json(data, out)
+        return 0
+    now = time.time()
+    rows = [[m["model"], m["status"], m["turns_running"], m["loads"], m["unloads"],
+             ", ".join(m["saved_at_last_unload"]) or "-",
+             "-" if m["expires_at"] is None else f"in {max(0.0, m['expires_at'] - now):.0f} s"]
+            for m in data["models"]]
+    print(table(["MODEL", "STATE", "TURNS", "LOADS", "UNLOADS", "SAVED AT LAST UNLOAD", "UNLOADED"], rows), file=out)
     return 0
 
 

@@ -44,8 +44,10 @@ class ModelBackend(Protocol):
     @property
     def pool(self) -> SlotPool: ...
 
-    async def reverify(self) -> None:
-        """The model was loaded again: check its KV setting before any turn runs on it."""
+    async def reverify(self, child: tuple[object, ...]) -> bool:
+        """The model was loaded again, its child server started as `child` says (its command line and the router
+        process's generation): check its KV setting before any turn runs on it (True: it was probed; False: nothing
+        it depends on changed since the last probe)."""
 
 
 class Admission:
@@ -91,7 +93,7 @@ class ModelEntry:
     last_used: float = 0.0
     loads: int = 0
     unloads: int = 0
-    saved_at_unload: int = 0  # changed slots saved at its last unload
+    saved_at_unload: list[str] = field(default_factory=list)  # the conversations its last unload saved
     # Ollama's keep_alive: seconds the model stays loaded after its last turn, as its last request asked (None: the
     # switch's default; negative: for ever); and when (wall clock) that runs out, None for never.
     keep_alive: float | None = None
@@ -99,6 +101,21 @@ class ModelEntry:
 
 
 StartModel = Callable[[str], Awaitable[ModelBackend]]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    """One model's state for an operator: loaded or not, its running turns, its loads and unloads, the conversations
+    its last unload saved, and when its keep_alive runs out (wall clock; None: not by time)."""
+
+    model: str
+    status: str
+    turns_running: int
+    loads: int
+    unloads: int
+    saved_at_last_unload: list[str]
+    expires_at: float | None
+    last_used: float | None
 
 
 class ModelSwitch:
@@ -133,6 +150,11 @@ class ModelSwitch:
 
     def names(self) -> list[str]:
         return list(self.entries)
+
+    def status(self) -> list[ModelStatus]:
+        """Each model as an operator sees it (`slotkeeper models`, the dashboard)."""
+        return [ModelStatus(e.name, e.status, e.admission.in_flight, e.loads, e.unloads, list(e.saved_at_unload),
+                            e.expires, e.last_used or None) for e in self.entries.values()]
 
     def loaded(self) -> list[str]:
         return [n for n, e in self.entries.items() if e.status == LOADED]
@@ -217,17 +239,22 @@ class ModelSwitch:
                 if entry.backend is not None:
                     entry.backend.client.admitted = True  # before the load: a check must reach it
                 await self.api.load(name, self._load_timeout)
+                loaded = time.perf_counter()
                 entry.status = LOADED
                 entry.loads += 1
                 if entry.backend is None:
                     entry.backend = await self._start(name)
+                    then = "its discovery"
+                elif await entry.backend.reverify((self.args.get(name, ()), self.health.recoveries)):
+                    then = "the KV check"
                 else:
-                    await entry.backend.reverify()
+                    then = "no KV check: the same command line, router and file as at the last one,"
                 entry.last_used = time.time()
                 entry.admission.open = True
                 self._idle_from_now(entry)
-                log.info("model %r loaded in %.0f ms; its conversations restore their states from disk", name,
-                         (time.perf_counter() - started) * 1000)
+                log.info("model %r loaded in %.0f ms (the router's load %.0f ms, then %s %.0f ms); its conversations "
+                         "restore their states from disk", name, (time.perf_counter() - started) * 1000,
+                         (loaded - started) * 1000, then, (time.perf_counter() - loaded) * 1000)
             except BaseException:
                 if entry.backend is not None and not entry.admission.open:
                     entry.backend.client.admitted = False
@@ -267,16 +294,19 @@ class ModelSwitch:
                 raise UpstreamUnavailable(
                     f"model {entry.name!r} is still answering {admission.in_flight} request(s) after "
                     f"{self._swap_wait:g} s, and it is not unloaded under a running answer; try again later")
+            started = time.perf_counter()
             backend = entry.backend
-            saved = 0
+            saved: list[str] = []
             if backend is not None:
+                changed = [str(s.occupant) for s in backend.pool.slots if s.dirty and s.occupant is not None]
                 flushed = await flush(backend.pool)
-                saved = flushed.saved
+                saved = changed if not flushed.failed else []
                 if flushed.failed:
                     log.warning("model %r: saving %d changed slot(s) before its unload failed; they lose their "
                                 "latest turns", entry.name, flushed.failed)
                 observed = backend.pool.generations()
                 backend.client.admitted = False
+            flushed_at = time.perf_counter()
             await self.api.unload(entry.name, self._load_timeout)
             entry.status = "unloaded"
             entry.unloads += 1
@@ -284,7 +314,9 @@ class ModelSwitch:
             entry.expires = None
             if backend is not None:
                 backend.pool.reset_slots(observed, f"model {entry.name!r} was unloaded")
-            log.info("model %r unloaded (%s); %d changed slot(s) were saved first", entry.name, why, saved)
+            log.info("model %r unloaded (%s) in %.0f ms (saving %.0f ms); %d changed slot(s) were saved first%s",
+                     entry.name, why, (time.perf_counter() - started) * 1000, (flushed_at - started) * 1000,
+                     len(saved), f": {', '.join(saved)}" if saved else "")
         except BaseException:
             if entry.backend is not None and entry.status == LOADED:
                 entry.backend.client.admitted = True

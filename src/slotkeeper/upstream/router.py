@@ -18,7 +18,7 @@ from slotkeeper.upstream.client import UpstreamClient
 LOADED = "loaded"
 UNLOADED = "unloaded"
 # How often a load or unload is checked for being done.
-STATUS_POLL_SECONDS = 0.1
+STATUS_POLL_SECONDS = 0.01
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ embedded modes `/api/backend` also names the server process slotkeeper runs (pid
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from slotkeeper import __version__
 from slotkeeper.dialects.openai import parse_body
 from slotkeeper.errors import BadRequest, NotFound
 from slotkeeper.journal import RECENT_REQUESTS
+from slotkeeper.serving.swaps import ModelStatus
 from slotkeeper.web.openapi import json_body
 from slotkeeper.web.state import AppState, app_state, backends
 
@@ -51,7 +53,7 @@ async def recent_requests(request: Request) -> dict[str, Any]:
              "seconds_saved": round(t.seconds_saved, 3), "last_request": t.last_request}
             for (name, session), t in totals
         ],
-        "ms_per_token": journals[0].ms_per_token,
+        "ms_per_token": journals[0].ms_per_token if journals else None,
     }
 
 
@@ -97,6 +99,19 @@ async def backend_info(request: Request) -> dict[str, Any]:
             "is_sleeping": props.get("is_sleeping"),
         },
     }
+
+
+@router.get("/models")
+async def models(request: Request) -> dict[str, Any]:
+    """Each model served: loaded or not (in front of a router, where models take turns), its running turns, its loads
+    and unloads, the conversations its last unload saved first, and when its keep_alive runs out."""
+    served = backends(request)
+    if served.router is not None:
+        listed = served.router.status()
+    else:
+        listed = [ModelStatus(s.backend.model_id, "loaded", sum(1 for slot in s.pool.slots if slot.busy), 1, 0, [],
+                              None, None) for s in served.models]
+    return {"router": served.router is not None, "models": [dataclasses.asdict(m) for m in listed]}
 
 
 @router.post("/backend/drain", openapi_extra=json_body(_DRAIN, "A backend of a model that runs on several."))

@@ -32,7 +32,9 @@ async def list_sessions(request: Request) -> dict[str, Any]:
         sessions += [_snapshot_json(s, _hot_slot(state, s.model, s.session_id)) for s in snapshots
                      if group is None or session_group(s.session_id) == group]
     sessions.sort(key=lambda s: s["last_used"], reverse=True)
-    return {"slot_dir": str(states[0].snapshots.slot_dir), "sessions": sessions}
+    # A router's models before the first is loaded: its slot dir.
+    slot_dir = states[0].snapshots.slot_dir if states or served.router is None else served.router.slot_dir
+    return {"slot_dir": str(slot_dir), "sessions": sessions}
 
 
 @router.get("/current")

@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from slotkeeper.cache.operations import flush
@@ -19,7 +21,7 @@ from slotkeeper.config import Settings
 from slotkeeper.errors import SlotkeeperError
 from slotkeeper.serving.backend import capability_of, discover, kv_fingerprint, kv_setting
 from slotkeeper.serving.service import HungUp, TurnService
-from slotkeeper.serving.swaps import ModelSwitch
+from slotkeeper.serving.swaps import ModelStatus, ModelSwitch
 from slotkeeper.types import BackendInfo
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import BackendHealth
@@ -58,9 +60,12 @@ async def start_runtime(settings: Settings) -> RunningBackend | RouterRuntime:
 class RouterModelState:
     """One model of the router, once it was first loaded: its state (as any backend's) and its KV check on reload."""
 
-    def __init__(self, state: AppState, snapshots: Snapshots) -> None:
+    def __init__(self, state: AppState, snapshots: Snapshots, child: tuple[object, ...]) -> None:
         self.state = state
         self._snapshots = snapshots
+        # What the KV setting was last probed under: the child's command line and the router process's generation,
+        # and the model file's size and modification time.
+        self._checked = (child, _file_stat(state.backend.model_path))
 
     @property
     def client(self) -> UpstreamClient:
@@ -70,10 +75,17 @@ class RouterModelState:
     def pool(self) -> SlotPool:
         return self.state.pool
 
-    async def reverify(self) -> None:
+    async def reverify(self, child: tuple[object, ...]) -> bool:
         """The model was loaded again (its child is another process): probe its KV setting in slot 0, which holds
-        nothing now, and save and look up under what it shows (the same fingerprint when nothing changed)."""
+        nothing now, and save and look up under what it shows (the same fingerprint when nothing changed).
+
+        Not when nothing its KV bytes depend on can have changed since the last probe: the same command line from
+        the same router process (so the same environment) and the same model file (size and modification time, as
+        the model's identity is cached by); a child of that kind runs the same setting. True when it probed."""
         backend = self.state.backend
+        checked = (child, _file_stat(backend.model_path))
+        if checked == self._checked and checked[1] is not None:
+            return False
         setting = await kv_setting(self.client, self._snapshots, backend.kv_base, backend.meta)
         fingerprint = kv_fingerprint(backend.kv_base, setting)
         if fingerprint != backend.fingerprint:
@@ -81,6 +93,8 @@ class RouterModelState:
                         "not restored under them", backend.model_id, fingerprint, backend.fingerprint)
         self._snapshots.refingerprint(fingerprint)
         self.state.backend = dataclasses.replace(backend, fingerprint=fingerprint)
+        self._checked = checked
+        return True
 
 
 class RouterRuntime:
@@ -141,8 +155,15 @@ class RouterRuntime:
     def url(self) -> str:
         return self._client.base_url
 
+    @property
+    def slot_dir(self) -> Path:
+        return self._snapshots.slot_dir
+
     def names(self) -> list[str]:
         return self.switch.names()
+
+    def status(self) -> list[ModelStatus]:
+        return self.switch.status()
 
     def keep(self, name: str, seconds: float | None) -> None:
         self.switch.keep(name, seconds)
@@ -216,7 +237,7 @@ class RouterRuntime:
             self.on_state(state)
         log.info("router model %r: %d slot(s) of %d tokens, fingerprint %s", name, backend.n_slots,
                  backend.n_ctx_slot, backend.fingerprint)
-        return RouterModelState(state, snapshots)
+        return RouterModelState(state, snapshots, (args, self.switch.health.recoveries))
 
     async def stop(self) -> None:
         """Save every loaded model's changed slots (within half the shutdown bound), then stop what was started."""
@@ -242,6 +263,16 @@ class RouterRuntime:
         await self._client.aclose()
         await self._started.stop(budget.stopping)
         await self._snapshots.close()
+
+
+def _file_stat(path: str) -> tuple[int, int] | None:
+    """A model file's size and modification time (ns), None when it is not readable from here (then every reload
+    is probed)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def _int(value: str | None) -> int | None:

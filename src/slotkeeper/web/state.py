@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -27,6 +28,7 @@ from slotkeeper.serving.service import (
     TurnRecord,
     TurnService,
 )
+from slotkeeper.serving.swaps import ModelStatus
 from slotkeeper.types import BackendInfo, SessionKey
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.process import ServerProcess
@@ -88,6 +90,9 @@ class RouterModels(Protocol):
     def keep(self, name: str, seconds: float | None) -> None: ...
     async def unload(self, name: str, why: str) -> None: ...
     def expires(self, name: str) -> float | None: ...
+    def status(self) -> list[ModelStatus]: ...
+    @property
+    def slot_dir(self) -> Path: ...
     async def ready(self, name: str, hung_up: HungUp | None = None) -> AppState: ...
     def listed(self) -> list[BackendInfo]: ...
 
@@ -144,6 +149,9 @@ class Backends:
         if self.router is not None:
             if not model and self.models:  # an operator's view without a name: a loaded model, else any known
                 return next((s for s in self.models if s.client.admitted), self.models[0])
+            if not model:
+                raise NotFound("no model of the router has been loaded since slotkeeper started: the first request "
+                               "that names one loads it")
             name = self.router_name(model)
             found = self.router.state_of(name)
             if found is None:

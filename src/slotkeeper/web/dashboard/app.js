@@ -153,6 +153,23 @@ function renderModels(backend) {
   modelSelect.value = models.includes(chosen) ? chosen : models[0];
 }
 
+function renderModelStates(data) {
+  const section = document.getElementById("models-section");
+  section.hidden = !data || !data.router;
+  if (section.hidden) return;
+  const now = Date.now() / 1000;
+  fillBody("models", data.models.map((m) => {
+    const tr = document.createElement("tr");
+    tr.dataset.model = m.model;
+    const until = m.expires_at === null ? "when another model needs the room"
+      : "in " + Math.max(0, Math.round(m.expires_at - now)) + " s";
+    tr.append(cell(m.model), cell(m.status, "state"), cell(m.turns_running, "num"), cell(m.loads, "num"),
+      cell(m.unloads, "num"), cell(m.saved_at_last_unload.join(", ") || "-", "session"),
+      cell(m.status === "loaded" ? until : "-"));
+    return tr;
+  }));
+}
+
 function renderSummary(current, sessions, systems, backend) {
   const items = [
     ["model", current.model],
@@ -211,7 +228,9 @@ function renderSlots(current) {
     const state = [slot.busy ? "busy" : "idle", slot.dirty ? "unsaved changes" : "saved"].join(", ");
     const clear = button("clear", "danger clear", "Save this slot's session if it changed, then erase the slot",
       () => clearSlot(slot.id, model));
-    tr.append(cell(slot.id, "num"), cell(slot.session || "(empty)", "session"), cell(slot.model),
+    // A slot whose conversation was saved and then cut back to its system part still holds that part's tokens.
+    const holds = slot.session || (slot.n_tokens > 0 ? "(a shared beginning, no conversation)" : "(empty)");
+    tr.append(cell(slot.id, "num"), cell(holds, "session"), cell(slot.model),
       cell(slot.n_tokens, "num"), cell(state), actions(clear));
     return tr;
   }));
@@ -353,6 +372,10 @@ async function refresh() {
   const seq = ++refreshes;
   try {
     const model = { model: chosenModel() };
+    // First, and on its own: in front of a router, the rest answers only once a model was loaded.
+    const models = await api("GET", "/api/models").catch(() => null);
+    if (seq !== refreshes) return;
+    renderModelStates(models);
     const [current, listed, recent, disk, backend] = await Promise.all([
       api("GET", withParams("/api/sessions/current", model)), api("GET", "/api/sessions?kind=all"),
       api("GET", "/api/requests/recent"), api("GET", withParams("/api/sessions/disk", model)),
