@@ -38,6 +38,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("router-models")
     for name, spec in MODELS.items():
         write_tiny_model(path / f"{name}.gguf", spec)
+    (path / "broken.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 64)  # listed by the router; its load fails
     return path
 
 
@@ -123,8 +124,8 @@ def test_model_lists_show_every_model_and_loading_is_a_clients_ask(keeper: Slotk
     with httpx.Client(base_url=keeper.url, timeout=300) as client:
         before = loaded(client)
         tags = {m["name"] for m in client.get("/api/tags").json()["models"]}
-        assert tags == {"alpha:latest", "beta:latest", "gamma:latest"}
-        assert {m["id"] for m in client.get("/v1/models").json()["data"]} == set(MODELS)
+        assert tags == {"alpha:latest", "beta:latest", "gamma:latest", "broken:latest"}
+        assert {m["id"] for m in client.get("/v1/models").json()["data"]} == {*MODELS, "broken"}
         shown = client.post("/api/show", json={"model": "gamma"})
         assert shown.status_code == 200
         assert loaded(client) == before  # listing and describing load nothing
@@ -146,6 +147,16 @@ def test_model_lists_show_every_model_and_loading_is_a_clients_ask(keeper: Slotk
         missing = client.post("/v1/chat/completions", json={"model": "delta", "messages": [{"role": "user",
                                                                                              "content": "x"}]})
         assert missing.status_code == 404
+        # A model the router cannot load: the client's own error, and the other models go on.
+        ask(client, "alpha", conversation("alpha-before-broken", 50))
+        refused = client.post("/api/chat", json={"model": "broken", "messages": [{"role": "user", "content": "x"}]})
+        assert refused.status_code == 502 and "did not start" in refused.json()["error"]
+        sdk = openai.OpenAI(base_url=f"{keeper.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as raised:
+            sdk.chat.completions.create(model="broken", messages=[{"role": "user", "content": "x"}])
+        assert raised.value.status_code == 502
+        assert loaded(client)["broken"] == "unloaded"
+        ask(client, "alpha", conversation("alpha-after-broken", 50))
 
 
 def test_a_killed_child_costs_a_restore_and_nothing_saved(keeper: Slotkeeper, models_dir: Path) -> None:
@@ -304,4 +315,4 @@ def test_nothing_of_its_own_loads_a_model(keeper: Slotkeeper) -> None:
                      "/slots?model=gamma"):
             assert client.get(path).status_code == 200, path
         time.sleep(3)
-        assert loaded(client) == {"alpha": "unloaded", "beta": "unloaded", "gamma": "loaded"}
+        assert loaded(client) == {"alpha": "unloaded", "beta": "unloaded", "gamma": "loaded", "broken": "unloaded"}

@@ -218,7 +218,9 @@ def test_a_model_the_router_dropped_is_loaded_again_and_checked() -> None:
 
 def test_the_router_model_list_is_read_defensively() -> None:
     models = parse_models({"data": [{"id": "a", "status": {"value": "loaded", "args": ["x", "-c", "8"]}},
-                                    {"id": ""}, "junk", {"id": "b"}]})
-    assert models == [RouterModel("a", "loaded", ("x", "-c", "8")), RouterModel("b", "", ())]
+                                    {"id": ""}, "junk", {"id": "b"},
+                                    {"id": "c", "status": {"value": "unloaded", "failed": True, "exit_code": 1}}]})
+    assert models == [RouterModel("a", "loaded", ("x", "-c", "8")), RouterModel("b", "", ()),
+                      RouterModel("c", "unloaded", (), True)]
     with pytest.raises(UpstreamError):
         parse_models({"models": []})

@@ -28,6 +28,7 @@ class RouterModel:
     name: str
     status: str  # "loaded", "unloaded", "loading", or whatever a later build says
     args: tuple[str, ...]  # its child's command line (empty before the router planned one)
+    failed: bool = False  # its child's last start failed, or it exited on its own (with `exit_code`)
 
     @property
     def loaded(self) -> bool:
@@ -59,7 +60,8 @@ def parse_models(answer: Any) -> list[RouterModel]:
         value = status.get("value")
         args = status.get("args")
         models.append(RouterModel(entry["id"], value if isinstance(value, str) else "",
-                                  tuple(str(a) for a in args) if isinstance(args, list) else ()))
+                                  tuple(str(a) for a in args) if isinstance(args, list) else (),
+                                  status.get("failed") is True))
     return models
 
 
@@ -119,8 +121,9 @@ class RouterApi:
                 failures += 1
             if found is not None and done(found):
                 return found
-            if (found is not None and found.status == "failed") or failures >= 50:
-                raise UpstreamUnavailable(f"the router could not get model {name!r} {what}")
+            if (found is not None and found.failed and found.status not in (LOADED, "loading")) or failures >= 100:
+                raise UpstreamUnavailable(f"the router could not get model {name!r} {what}: its server did not "
+                                          "start (the router's log says why)")
             if time.monotonic() >= deadline:
                 raise UpstreamUnavailable(f"the router did not get model {name!r} {what} within {timeout:g} s")
             await asyncio.sleep(STATUS_POLL_SECONDS)
