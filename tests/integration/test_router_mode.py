@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -300,10 +302,24 @@ def test_a_router_started_again_with_other_kv_types_restores_nothing_saved_under
     assert "the KV check" in log
 
 
-def subprocess_popen(argv: list[str], log: Any) -> Any:
-    import subprocess
-
+def subprocess_popen(argv: list[str], log: Any) -> subprocess.Popen[bytes]:
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_slotkeeper_models_shows_each_model_and_what_its_unload_saved(keeper: Slotkeeper) -> None:
+    with httpx.Client(base_url=keeper.url, timeout=300) as client:
+        ask(client, "beta", conversation("beta-shown", 100))
+        ask(client, "alpha", conversation("alpha-shown", 100))
+        listed = {m["model"]: m for m in client.get("/api/models").json()["models"]}
+    assert listed["alpha"]["status"] == "loaded" and listed["beta"]["status"] == "unloaded"
+    assert listed["beta"]["unloads"] >= 1 and len(listed["beta"]["saved_at_last_unload"]) == 1
+    run = subprocess.run([sys.executable, "-m", "slotkeeper.cli", "models", "--url", keeper.url],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].split()[:3] == ["MODEL", "STATE", "TURNS"]
+    beta = next(line for line in lines if line.startswith("beta "))
+    assert "unloaded" in beta and listed["beta"]["saved_at_last_unload"][0] in beta
 
 
 def test_nothing_of_its_own_loads_a_model(keeper: Slotkeeper) -> None:
@@ -316,3 +332,41 @@ def test_nothing_of_its_own_loads_a_model(keeper: Slotkeeper) -> None:
             assert client.get(path).status_code == 200, path
         time.sleep(3)
         assert loaded(client) == {"alpha": "unloaded", "beta": "unloaded", "gamma": "loaded", "broken": "unloaded"}
+
+
+def test_own_backends_take_turns_within_max_loaded(models_dir: Path, tmp_path: Path) -> None:
+    """slotkeeper's own two `[[backends]]` (the binary and the embedded server) with `max_loaded = 1`: only one runs at
+    a time; the one stopped saved its changed slots first, and its conversation restores when it runs again."""
+    config = tmp_path / "slotkeeper.toml"
+    config.write_text(f"""
+max_loaded = 1
+
+[[backends]]
+name = "alpha"
+launch_command = ["{llama_server_binary()}", "-m", "{models_dir / 'alpha.gguf'}", "-c", "4096", "-np", "1",
+                  "--cache-ram", "0", "-t", "2"]
+
+[[backends]]
+name = "beta"
+model = "{models_dir / 'beta.gguf'}"
+ctx_size = 4096
+""")
+    keeper = Slotkeeper(tmp_path / "cache", tmp_path / "slotkeeper.log", extra_args=("--config", str(config)))
+    keeper.start(timeout=120)
+    try:
+        with httpx.Client(base_url=keeper.url, timeout=300) as client:
+            assert loaded(client) == {"alpha": "loaded", "beta": "unloaded"}  # the first max_loaded start with it
+            messages = conversation("own-alpha")
+            first = ask(client, "alpha", messages)
+            messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "and again"}]
+            ask(client, "beta", conversation("own-beta", 100))
+            assert loaded(client) == {"alpha": "unloaded", "beta": "loaded"}
+            assert _pid_with(str(models_dir / "alpha.gguf").encode(), missing_ok=True) is None  # its server stopped
+            back = timings(ask(client, "alpha", messages))
+            assert back["cache_n"] >= 0.9 * (back["cache_n"] + back["prompt_n"]), back
+            models = {m["model"]: m for m in client.get("/api/models").json()["models"]}
+            assert models["beta"]["unloads"] == 1 and len(models["beta"]["saved_at_last_unload"]) == 1
+            assert {m["name"] for m in client.get("/api/tags").json()["models"]} == {"alpha:latest", "beta:latest"}
+    finally:
+        keeper.stop()

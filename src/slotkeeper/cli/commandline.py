@@ -126,9 +126,10 @@ def _parser() -> argparse.ArgumentParser:
                        "chat's answer is not held up by its title "
                        "(default 0.25; 0: no hold)")
     serve.add_argument("--max-loaded", type=int, metavar="N",
-                       help="in front of a llama-server router (--models-dir or --models-preset): at most N models "
-                       "loaded at once; to load another, slotkeeper saves the changed slots of the least recently "
-                       "used one and unloads it (default 0: the router's own --models-max)")
+                       help="at most N models loaded at once, in front of a llama-server router (--models-dir or "
+                       "--models-preset) or among the config file's [[backends]] that slotkeeper starts; to load "
+                       "another, slotkeeper saves the changed slots of the least recently used one and unloads it "
+                       "(default 0: the router's own --models-max; every [[backends]] table running)")
     serve.add_argument("--swap-wait-seconds", type=float, metavar="S",
                        help="router mode: a request for a model that is not loaded waits up to S seconds for the "
                        "answers running on the model that makes room for it (default 300)")

@@ -40,6 +40,13 @@ class KvCheck:
         self._apply(f"unverified-{secrets.token_hex(4)}")
         self._task = asyncio.create_task(self._probe_again())
 
+    async def probe_now(self) -> None:
+        """The backend was started again on purpose and nothing runs on it yet: probe its KV setting before a turn
+        does (its slots were already forgotten), and use the fingerprint it shows."""
+        if self._task is not None:
+            self._task.cancel()
+        await self._probe_again()
+
     async def _probe_again(self) -> None:
         slot = self._pool.slots[0]
         await self._pool.take(slot)

@@ -27,7 +27,7 @@ from slotkeeper.cache.pool import SlotPool
 from slotkeeper.errors import NotFound, SlotkeeperError, UpstreamUnavailable
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import BackendHealth, Probe
-from slotkeeper.upstream.router import LOADED, RouterApi, RouterModel
+from slotkeeper.upstream.router import LOADED, RouterModel
 
 log = logging.getLogger("slotkeeper.swaps")
 
@@ -48,6 +48,22 @@ class ModelBackend(Protocol):
         """The model was loaded again, its child server started as `child` says (its command line and the router
         process's generation): check its KV setting before any turn runs on it (True: it was probed; False: nothing
         it depends on changed since the last probe)."""
+
+
+class Prober(Protocol):
+    async def probe(self, timeout: float = 2.0) -> Probe: ...
+
+
+class ModelLoader(Protocol):
+    """What loads and unloads the models (upstream/router.py's RouterApi; web/localmodels.py's servers of
+    slotkeeper's own): their list and status, a load and an unload, each waited for; `client` is probed for health."""
+
+    @property
+    def client(self) -> Prober: ...
+
+    async def models(self) -> list[RouterModel]: ...
+    async def load(self, name: str, timeout: float) -> RouterModel: ...
+    async def unload(self, name: str, timeout: float) -> None: ...
 
 
 class Admission:
@@ -119,7 +135,7 @@ class ModelStatus:
 
 
 class ModelSwitch:
-    def __init__(self, api: RouterApi, max_loaded: int, start: StartModel, *, health: BackendHealth,
+    def __init__(self, api: ModelLoader, max_loaded: int, start: StartModel, *, health: BackendHealth,
                  swap_wait: float, load_timeout: float, backend_wait: float, keep_alive: float = -1.0) -> None:
         self.api = api
         self.keep_alive = keep_alive  # the default (--keep-alive): negative keeps a model loaded until room is needed
@@ -248,11 +264,11 @@ class ModelSwitch:
                 elif await entry.backend.reverify((self.args.get(name, ()), self.health.recoveries)):
                     then = "the KV check"
                 else:
-                    then = "no KV check: the same command line, router and file as at the last one,"
+                    then = "no KV check: nothing it depends on changed since the last one,"
                 entry.last_used = time.time()
                 entry.admission.open = True
                 self._idle_from_now(entry)
-                log.info("model %r loaded in %.0f ms (the router's load %.0f ms, then %s %.0f ms); its conversations "
+                log.info("model %r loaded in %.0f ms (its server's start %.0f ms, then %s %.0f ms); its conversations "
                          "restore their states from disk", name, (time.perf_counter() - started) * 1000,
                          (loaded - started) * 1000, then, (time.perf_counter() - loaded) * 1000)
             except BaseException:

@@ -34,6 +34,11 @@ class BackendWatch:
         self._tasks: TaskIds | None = None  # each slot's id_task at the last reading of /slots
         self._tasks_recoveries = 0  # health.recoveries then: after a recovery the watch did not see, it is stale
 
+    def forget(self) -> None:
+        """The backend is a new process slotkeeper started on purpose (its model was loaded again: swaps.py), whose
+        slots were already forgotten: its first reading is not compared with the old process's."""
+        self._tasks = None
+
     async def run(self) -> None:
         while True:
             await self.check()  # the first reading at once: a restart in the first second is another process too

@@ -29,8 +29,8 @@ class SlotActionResult:
 
 class UpstreamClient:
     """The client of one server, or of one `model` of a llama-server in router mode: then every request names it (in
-    the query of a GET, in the JSON body of a POST, where the router reads it), and none is sent while `admitted` is
-    False (the model is unloaded: a request naming it would load it)."""
+    the query of a GET, in the JSON body of a POST, where the router reads it). None is sent while `admitted` is
+    False: the model is unloaded (a request naming it would load it), or its server stopped on purpose."""
 
     def __init__(self, base_url: str, *, read_timeout: float = 600.0, slot_op_timeout: float = 120.0,
                  model: str | None = None) -> None:
@@ -113,10 +113,14 @@ class UpstreamClient:
     def _scoped(self, method: str, path: str,
                 body: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
         """The request as sent: naming this client's model of a router (not its own /health, which loads none)."""
-        if self.model is None or path == "/health":
+        if path == "/health":
             return path, body
         if not self.admitted:
-            raise UpstreamUnavailable(f"the model {self.model!r} is not loaded on the router at {self.base_url}")
+            what = f"the model {self.model!r}" if self.model else "this backend's model"
+            raise UpstreamUnavailable(f"{what} is not loaded at {self.base_url}: nothing is sent to it until a turn "
+                                      "loads it")
+        if self.model is None:
+            return path, body
         if body is not None:
             return path, {**body, "model": self.model}
         if method == "GET":

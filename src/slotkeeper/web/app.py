@@ -28,6 +28,7 @@ from slotkeeper.web import (
     transfer_routes,
 )
 from slotkeeper.web.errors import error_response
+from slotkeeper.web.localmodels import LocalModels
 from slotkeeper.web.openapi import SlotkeeperAPI
 from slotkeeper.web.replicas import Replicas, join_replicas
 from slotkeeper.web.routermode import RouterRuntime, start_runtime
@@ -41,22 +42,25 @@ log = logging.getLogger("slotkeeper")
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        running: list[RunningBackend | RouterRuntime] = []
+        running: list[RunningBackend | RouterRuntime | LocalModels] = []
         joined: Replicas | None = None
         heartbeat: asyncio.Task[None] | None = None
         try:
-            for backend_settings in settings.backend_settings():
-                running.append(await start_runtime(backend_settings))
-            routers = [r for r in running if isinstance(r, RouterRuntime)]
-            if routers and len(running) > 1:
+            if settings.backends and settings.max_loaded > 0:  # slotkeeper's own models, taking turns
+                running.append(await LocalModels.start(settings, settings.backend_settings()))
+            else:
+                for backend_settings in settings.backend_settings():
+                    running.append(await start_runtime(backend_settings))
+            turns = [r for r in running if not isinstance(r, RunningBackend)]  # models that take turns
+            if turns and len(running) > 1:
                 raise SlotkeeperError("a llama-server router serves every model itself: give slotkeeper that one "
                                       "backend, not several [[backends]]")
             singles = [r.state for r in running if isinstance(r, RunningBackend)]
             await form_groups(singles, settings.load_factor)
-            served = app.state.backends = Backends(singles + (routers[0].states if routers else []),
-                                                   routers[0] if routers else None)
-            if routers:
-                routers[0].on_state = served.add
+            served = app.state.backends = Backends(singles + (turns[0].states if turns else []),
+                                                   turns[0] if turns else None)
+            if turns:
+                turns[0].on_state = served.add
             if settings.directory is not None:
                 joined = app.state.replicas = join_replicas(settings, app.state.backends)
                 await joined.directory.beat()
@@ -127,12 +131,13 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 def _router_health(served: Backends) -> JSONResponse:
-    """In front of a router: up while the router answers; each model with whether it is loaded."""
+    """Models that take turns (a router's, or slotkeeper's own under max_loaded): up while they can be served; each
+    model with whether it is loaded."""
     router = served.router
-    assert isinstance(router, RouterRuntime)
-    up = router.switch.health.up
-    body = {"status": "ok" if up else "backend unavailable", "backend": router.url,
-            "models": [{"model": e.name, "status": e.status} for e in router.switch.entries.values()]}
+    assert router is not None
+    up = router.up
+    body = {"status": "ok" if up else "backend unavailable",
+            "models": [{"model": m.model, "status": m.status} for m in router.status()]}
     return JSONResponse(body, status_code=200 if up else 503)
 
 

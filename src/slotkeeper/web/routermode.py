@@ -156,6 +156,11 @@ class RouterRuntime:
         return self._client.base_url
 
     @property
+    def up(self) -> bool:
+        """Whether the router answers."""
+        return self.switch.health.up
+
+    @property
     def slot_dir(self) -> Path:
         return self._snapshots.slot_dir
 

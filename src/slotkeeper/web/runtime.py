@@ -43,7 +43,8 @@ log = logging.getLogger("slotkeeper")
 class RunningBackend:
     def __init__(self, state: AppState, snapshots: Snapshots, started: StartedBackend,
                  tasks: list[asyncio.Task[None]], shared: SharedTier | None = None,
-                 uploader: asyncio.Task[None] | None = None, kv_check: KvCheck | None = None) -> None:
+                 uploader: asyncio.Task[None] | None = None, kv_check: KvCheck | None = None,
+                 watch: BackendWatch | None = None) -> None:
         self.state = state
         self._snapshots = snapshots
         self._started = started
@@ -51,6 +52,39 @@ class RunningBackend:
         self._shared = shared
         self._uploader = uploader  # the shared tier's (runs until the last saves are uploaded)
         self.kv_check = kv_check
+        self._watch = watch
+        self._server_tasks: list[asyncio.Task[None]] = []  # the watch's and the supervisor's
+
+    def watch_server(self) -> None:
+        """Run the backend's watch and (for a server slotkeeper runs) its supervisor."""
+        if self._watch is not None:
+            self._server_tasks.append(asyncio.create_task(self._watch.run()))
+        if self.state.supervisor is not None:
+            self._server_tasks.append(asyncio.create_task(self.state.supervisor.run()))
+
+    async def stop_server(self) -> None:
+        """Stop the server slotkeeper runs, on purpose (its model makes room for another: serving/swaps.py): the
+        watch and supervisor first, so that the stop is not taken for a crash and the server is not started again.
+        The pool, snapshots and state stay."""
+        for task in self._server_tasks:
+            task.cancel()
+        await asyncio.gather(*self._server_tasks, return_exceptions=True)
+        self._server_tasks = []
+        await self._started.stop(self.state.settings.shutdown_budget.stopping)
+
+    async def start_server(self) -> None:
+        """Start the server stopped by `stop_server` again, wait until it answers, and watch it again."""
+        server = self._started.server
+        assert server is not None
+        server.spawn()
+        try:
+            await server.wait_ready(self.state.settings.start_timeout)
+        except BaseException:
+            await asyncio.shield(server.stop(2.0))
+            raise
+        if self._watch is not None:
+            self._watch.forget()
+        self.watch_server()
 
     @classmethod
     async def start(cls, settings: Settings) -> RunningBackend:
@@ -95,19 +129,18 @@ class RunningBackend:
         log.info("serving model %r from %s: %d slot(s) of %d tokens, fingerprint %s, snapshots in %s",
                  backend.model_id, started.url, backend.n_slots, backend.n_ctx_slot, backend.fingerprint, slot_dir)
         log.info("restores (%s strategy): %s", pool.policy.strategy, pool.policy.capability.reason())
-        tasks = [asyncio.create_task(watch.run()), asyncio.create_task(_keep_budget(snapshots)),
-                 asyncio.create_task(_index_old_states(snapshots))]
-        if supervisor is not None:
-            tasks.append(asyncio.create_task(supervisor.run()))
-        return cls(state, snapshots, started, tasks, shared, uploader, kv_check)
+        tasks = [asyncio.create_task(_keep_budget(snapshots)), asyncio.create_task(_index_old_states(snapshots))]
+        running = cls(state, snapshots, started, tasks, shared, uploader, kv_check, watch)
+        running.watch_server()
+        return running
 
     async def stop(self) -> None:
         """Save every changed slot (within half the shutdown bound, commits included), then stop what was started."""
         state, budget = self.state, self.state.settings.shutdown_budget
         # The supervisor goes first, so that stopping the server below is not taken for a crash.
-        for task in self._tasks:
+        for task in (*self._server_tasks, *self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._server_tasks, *self._tasks, return_exceptions=True)
         if self.kv_check is not None:
             await self.kv_check.aclose()
         loop = asyncio.get_running_loop()
