@@ -413,3 +413,22 @@ def test_blocks(blocks_results: Path) -> None:
         for ratios in part["ratios"].values():
             assert positive(ratios["of_medians"])
     assert set(summary["by_block_tokens"]) == set(modes)
+
+
+def test_swap(tmp_path: Path) -> None:
+    """`--scenario swap` (opt-in, so run on its own): two models behind a router with --models-max 1, through
+    slotkeeper and to the router alone. The counts are what the workload implies: the router alone prefills A's
+    return turn whole, slotkeeper restores all but the new message."""
+    run = subprocess.run([sys.executable, "-m", "bench", "--scenario", "swap", "--small", "--out", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    data = load(tmp_path, "swap")
+    summary = data["summary"]
+    assert {s["target"] for s in data["samples"]} == {"router alone", "slotkeeper"}
+    assert len(data["samples"]) == 2 * data["config"]["rounds"]
+    alone, keeper = summary["targets"]["router alone"], summary["targets"]["slotkeeper"]
+    assert alone["return_cache_n_median"] == 0 and alone["return_prompt_n_median"] > 500
+    assert keeper["return_cache_n_median"] >= 500 and keeper["return_prompt_n_median"] < 100
+    assert all(s["cache"] == "restored" for s in data["samples"] if s["target"] == "slotkeeper")
+    assert positive(summary["router_load_ms"]) and positive(summary["slotkeeper_restore_ms"])
+    assert all(positive(v) for v in summary["ratios"].values())

@@ -320,6 +320,10 @@ def test_slotkeeper_models_shows_each_model_and_what_its_unload_saved(keeper: Sl
     assert lines[0].split()[:3] == ["MODEL", "STATE", "TURNS"]
     beta = next(line for line in lines if line.startswith("beta "))
     assert "unloaded" in beta and listed["beta"]["saved_at_last_unload"][0] in beta
+    sessions = subprocess.run([sys.executable, "-m", "slotkeeper.cli", "sessions", "ls", "--url", keeper.url],
+                              capture_output=True, text=True, timeout=60)
+    assert sessions.returncode == 0, sessions.stderr
+    assert "alpha loaded" in sessions.stdout.splitlines()[-1] and "beta unloaded" in sessions.stdout
 
 
 def test_nothing_of_its_own_loads_a_model(keeper: Slotkeeper) -> None:

@@ -13,7 +13,7 @@ import pytest
 from slotkeeper.errors import UpstreamError, UpstreamUnavailable
 from slotkeeper.serving.swaps import ModelSwitch
 from slotkeeper.upstream.health import BackendHealth, Probe
-from slotkeeper.upstream.router import RouterModel, parse_models
+from slotkeeper.upstream.router import RouterModel, child_command, parse_models
 
 
 class FakeRouterClient:
@@ -224,3 +224,11 @@ def test_the_router_model_list_is_read_defensively() -> None:
                       RouterModel("c", "unloaded", (), True)]
     with pytest.raises(UpstreamError):
         parse_models({"models": []})
+
+
+def test_a_childs_command_is_compared_without_its_port() -> None:
+    before = ("llama-server", "--port", "0", "--model", "a.gguf", "-ctk", "f16")
+    after = ("llama-server", "--port", "41234", "--model", "a.gguf", "-ctk", "f16")
+    assert child_command(before) == child_command(after) == ("llama-server", "--model", "a.gguf", "-ctk", "f16")
+    assert child_command((*after[:-1], "bf16")) != child_command(after)
+    assert child_command(("x", "--port=9", "-c", "8")) == ("x", "-c", "8")

@@ -183,6 +183,7 @@ def _ls(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
         return 0
     if not sessions:
         print(f"no saved sessions in {data['slot_dir']}", file=out)
+        _model_states(client, out)
         return 0
     rows = [[s["session"], s["model"], s["kind"], s["tokens"], human_bytes(s["bytes"]), since(s["last_used"]),
              s["hits"], "yes" if s["pinned"] else "no", "" if s["hot_in_slot"] is None else s["hot_in_slot"]]
@@ -190,7 +191,19 @@ def _ls(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     print(table(["SESSION", "MODEL", "KIND", "TOKENS", "SIZE", "LAST USED", "HITS", "PINNED", "SLOT"], rows), file=out)
     total = sum(s["bytes"] for s in sessions)
     print(f"{len(sessions)} session(s), {human_bytes(total)} in {data['slot_dir']}", file=out)
+    _model_states(client, out)
     return 0
+
+
+def _model_states(client: AdminClient, out: TextIO) -> None:
+    """Where models take turns (a router's, or max_loaded): one line with each model's state (`slotkeeper models`
+    has the rest)."""
+    try:
+        data = client.call("GET", "/api/models")
+    except CommandError:
+        return  # an older slotkeeper: no model states
+    if data.get("take_turns"):
+        print("models: " + ", ".join(f"{m['model']} {m['status']}" for m in data["models"]), file=out)
 
 
 def _show(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:

@@ -27,7 +27,7 @@ from slotkeeper.cache.pool import SlotPool
 from slotkeeper.errors import NotFound, SlotkeeperError, UpstreamUnavailable
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import BackendHealth, Probe
-from slotkeeper.upstream.router import LOADED, RouterModel
+from slotkeeper.upstream.router import LOADED, RouterModel, child_command
 
 log = logging.getLogger("slotkeeper.swaps")
 
@@ -261,7 +261,7 @@ class ModelSwitch:
                 if entry.backend is None:
                     entry.backend = await self._start(name)
                     then = "its discovery"
-                elif await entry.backend.reverify((self.args.get(name, ()), self.health.recoveries)):
+                elif await entry.backend.reverify((child_command(self.args.get(name, ())), self.health.recoveries)):
                     then = "the KV check"
                 else:
                     then = "no KV check: nothing it depends on changed since the last one,"

@@ -77,6 +77,21 @@ def child_option(args: Sequence[str], *names: str) -> str | None:
     return found
 
 
+def child_command(args: Sequence[str]) -> tuple[str, ...]:
+    """A child's command line without its port (`0` before it starts, a free one after): what stays the same from
+    one load of the model to the next unless its settings change."""
+    out: list[str] = []
+    skip = False
+    for word in args:
+        if skip:
+            skip = False
+        elif word == "--port":
+            skip = True
+        elif not word.startswith("--port="):
+            out.append(word)
+    return tuple(out)
+
+
 class RouterApi:
     """The router's own routes, through a client that names no model."""
 

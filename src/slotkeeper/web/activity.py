@@ -111,7 +111,7 @@ async def models(request: Request) -> dict[str, Any]:
     else:
         listed = [ModelStatus(s.backend.model_id, "loaded", sum(1 for slot in s.pool.slots if slot.busy), 1, 0, [],
                               None, None) for s in served.models]
-    return {"router": served.router is not None, "models": [dataclasses.asdict(m) for m in listed]}
+    return {"take_turns": served.router is not None, "models": [dataclasses.asdict(m) for m in listed]}
 
 
 @router.post("/backend/drain", openapi_extra=json_body(_DRAIN, "A backend of a model that runs on several."))

@@ -27,7 +27,7 @@ from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import BackendHealth
 from slotkeeper.upstream.launchargs import kv_arguments
 from slotkeeper.upstream.launcher import StartedBackend
-from slotkeeper.upstream.router import RouterApi, child_option, is_router, max_instances
+from slotkeeper.upstream.router import RouterApi, child_command, child_option, is_router, max_instances
 from slotkeeper.upstream.supervisor import Supervisor
 from slotkeeper.web.runtime import RunningBackend, make_pool, open_backend
 from slotkeeper.web.state import AppState
@@ -242,7 +242,7 @@ class RouterRuntime:
             self.on_state(state)
         log.info("router model %r: %d slot(s) of %d tokens, fingerprint %s", name, backend.n_slots,
                  backend.n_ctx_slot, backend.fingerprint)
-        return RouterModelState(state, snapshots, (args, self.switch.health.recoveries))
+        return RouterModelState(state, snapshots, (child_command(args), self.switch.health.recoveries))
 
     async def stop(self) -> None:
         """Save every loaded model's changed slots (within half the shutdown bound), then stop what was started."""

@@ -155,7 +155,7 @@ function renderModels(backend) {
 
 function renderModelStates(data) {
   const section = document.getElementById("models-section");
-  section.hidden = !data || !data.router;
+  section.hidden = !data || !data.take_turns;
   if (section.hidden) return;
   const now = Date.now() / 1000;
   fillBody("models", data.models.map((m) => {
