@@ -456,3 +456,32 @@ def blocks(r: dict[str, Any]) -> list[str]:
                      f"| {m['disk_over_today']:.3f}x | {m['written_over_new_kv_plus_tail']:.3f}x "
                      f"| {m['written_over_today']:.3f}x | {m['uploaded_over_today']:.3f}x |")
     return [*lines, ""]
+
+
+def swap(r: dict[str, Any]) -> list[str]:
+    """bench/results/README.md's section for the `swap` scenario."""
+    s, c = r["summary"], r["config"]
+    a, k = s["targets"]["router alone"], s["targets"]["slotkeeper"]
+    q = s["ratios"]
+    return [
+        "## swap: models taking turns behind a llama-server router",
+        "",
+        "Two models behind a router with `--models-max 1`, through slotkeeper (which launches its own) and to a "
+        f"router alone, taking turns; {c['rounds']} rounds of: a conversation of about {c['tokens'][0]} words on A "
+        f"(A not loaded: its first turn), a turn on B (which unloads A), A's return turn. {_model(r)}",
+        "",
+        "| target | A's first turn, TTFT median ms | A's return, TTFT median ms | return: prompt_n | return: cache_n |",
+        "|---|---:|---:|---:|---:|",
+        f"| router alone | {_fmt(a['first_ttft_ms']['median'], 0)} | {_fmt(a['return_ttft_ms']['median'], 0)} "
+        f"| {a['return_prompt_n_median']:g} | {a['return_cache_n_median']:g} |",
+        f"| slotkeeper | {_fmt(k['first_ttft_ms']['median'], 0)} | {_fmt(k['return_ttft_ms']['median'], 0)} "
+        f"| {k['return_prompt_n_median']:g} | {k['return_cache_n_median']:g} |",
+        "",
+        f"Router alone / slotkeeper on A's return: **{q['router_alone_over_slotkeeper_return']:.1f}x**. The router's "
+        f"load of A {_fmt(s['router_load_ms'], 0)} ms plus slotkeeper's restore {_fmt(s['slotkeeper_restore_ms'], 0)} "
+        f"ms: slotkeeper's return is {q['return_over_load_plus_restore']:.2f}x that, "
+        f"{q['return_but_new_tokens_over_load_plus_restore']:.2f}x without its new message's prefill "
+        f"({_fmt(s['slotkeeper_return_new_tokens_prompt_ms'], 0)} ms). First turn on a model not loaded, slotkeeper / "
+        f"router alone: {q['first_turn_slotkeeper_over_alone']:.2f}x.",
+        "",
+    ]

@@ -89,6 +89,7 @@ def _round(client: httpx.Client, url: str, target: str, r: int, tokens: int, ans
     back = stream_chat(client, url, next_turn(messages, 9500 + r), session, answer, model=MODELS[0])
     sample: dict[str, Any] = {
         "target": target, "round": r, "first_ttft_ms": first.ttft_ms, "first_prompt_n": first.prompt_n,
+        "first_prompt_ms": first.prompt_ms,
         "return_ttft_ms": back.ttft_ms, "return_prompt_n": back.prompt_n, "return_cache_n": back.cache_n,
         # What the backend says it spent on the prompt tokens it evaluated (the new message, through slotkeeper).
         "return_prompt_ms": back.prompt_ms,
@@ -106,15 +107,24 @@ def _load_time(client: httpx.Client, router: str) -> float:
     """Milliseconds the router alone takes to load A (unloaded, B loaded): POST /models/load until /models says so;
     B is loaded again after, as the rounds expect."""
     started = time.perf_counter()
-    client.post(f"{router}/models/load", json={"model": MODELS[0]}).raise_for_status()
+    _post(client, f"{router}/models/load", {"model": MODELS[0]}).raise_for_status()
     while True:
         models = client.get(f"{router}/models").json()["data"]
         if any(m["id"] == MODELS[0] and m["status"]["value"] == "loaded" for m in models):
             break
         time.sleep(0.005)
     took = (time.perf_counter() - started) * 1000
-    client.post(f"{router}/models/load", json={"model": MODELS[1]})
+    _post(client, f"{router}/models/load", {"model": MODELS[1]})
     return took
+
+
+def _post(client: httpx.Client, url: str, body: dict[str, Any]) -> httpx.Response:
+    """A POST, sent once more when the pooled connection turns out to have been closed by the server while idle (the
+    request was then never processed)."""
+    try:
+        return client.post(url, json=body)
+    except httpx.RemoteProtocolError:
+        return client.post(url, json=body)
 
 
 def summarize(samples: list[dict[str, Any]], tokens: int) -> dict[str, Any]:

@@ -95,6 +95,7 @@ def test_a_model_back_after_a_swap_restores_its_conversation(keeper: Slotkeeper,
 def test_a_request_for_another_model_never_cuts_a_running_answer_off(keeper: Slotkeeper) -> None:
     """A long streamed answer of alpha runs while beta is asked for: alpha's answer ends by its length, whole, and
     beta's request is answered after it."""
+    start = len(keeper.log_text().splitlines())
     with httpx.Client(base_url=keeper.url, timeout=300) as client:
         ask(client, "alpha", conversation("alpha-warm", 50))  # alpha loaded, so the stream starts at once
     chunks: list[str] = []
@@ -103,7 +104,7 @@ def test_a_request_for_another_model_never_cuts_a_running_answer_off(keeper: Slo
     def stream_alpha() -> None:
         sdk = openai.OpenAI(base_url=f"{keeper.url}/v1", api_key="unused", timeout=300)
         stream = sdk.chat.completions.create(model="alpha", messages=conversation("alpha-long", 50),  # type: ignore[arg-type]
-                                             max_tokens=400, temperature=0, stream=True,
+                                             max_tokens=1000, temperature=0, stream=True,
                                              extra_body={"ignore_eos": True})
         for chunk in stream:
             if chunk.choices:
@@ -118,8 +119,13 @@ def test_a_request_for_another_model_never_cuts_a_running_answer_off(keeper: Slo
         ask(client, "beta", conversation("beta-waits", 50))
         ended_first = not runner.is_alive()
     runner.join(120)
-    assert finish == ["length"]
+    assert finish == ["length"] and len(chunks) > 500
     assert ended_first  # beta's answer came once alpha's was over
+    # and alpha was unloaded only after its two turns had ended (each turn's line is written at its end)
+    log = keeper.log_text().splitlines()[start:]
+    turns = [i for i, line in enumerate(log) if "openai.chat session=alpha/" in line and "end=completed" in line]
+    [unloaded] = [i for i, line in enumerate(log) if "model 'alpha' unloaded (to make room for 'beta')" in line]
+    assert len(turns) == 2 and max(turns) < unloaded
 
 
 def test_model_lists_show_every_model_and_loading_is_a_clients_ask(keeper: Slotkeeper) -> None:

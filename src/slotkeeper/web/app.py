@@ -52,6 +52,9 @@ def create_app(settings: Settings) -> FastAPI:
                 for backend_settings in settings.backend_settings():
                     running.append(await start_runtime(backend_settings))
             turns = [r for r in running if not isinstance(r, RunningBackend)]  # models that take turns
+            if turns and settings.directory is not None:
+                raise SlotkeeperError("several replicas (--directory) do not work with models that take turns (a "
+                                      "router, or max_loaded) yet: run one slotkeeper in front of them")
             if turns and len(running) > 1:
                 raise SlotkeeperError("a llama-server router serves every model itself: give slotkeeper that one "
                                       "backend, not several [[backends]]")

@@ -132,6 +132,9 @@ class RouterRuntime:
                  len(models), ", ".join(m.name for m in models) or "none",
                  ", ".join(switch.loaded()) or "none", f"at most {bound} loaded at once" if bound else
                  "no bound on loaded models", snapshots.slot_dir)
+        if settings.shared_store is not None:
+            log.warning("the shared store (--shared-store) is not used in front of a router yet: each model's "
+                        "snapshots stay on this host")
         runtime._tasks.append(asyncio.create_task(switch.watch()))
         supervisor = runtime._supervisor()
         if supervisor is not None:
