@@ -134,13 +134,7 @@ class TurnService:
         `chat` is the chat body the turn stands for when the upstream body is not one, and `chain` the request's
         chain where it is not the body's message chain (an /infill's parts); see `_acquire`.
         """
-        leave = await self._backend_up(hung_up)
-        try:
-            lease = await self._acquire(key, build, side, chat=chat, chain=chain)
-        except BaseException:
-            if leave is not None:
-                leave()
-            raise
+        lease, leave = await self._admitted(key, build, side, hung_up, chat, chain)
         record = TurnRecord(api, key, lease, journal=self.journal, backend=self.client.base_url, on_finish=leave)
         end = TurnEnd.CANCELLED
         body = build(record.lease.slot_id)
@@ -165,13 +159,7 @@ class TurnService:
                           chain: Sequence[Link] | None = None) -> StreamTurn:
         """Lease a slot and open the backend's stream; an error answer is raised before any byte reaches the client.
         The backend is waited for as in `unary`, and `chat` and `chain` are as there."""
-        leave = await self._backend_up(hung_up)
-        try:
-            lease = await self._acquire(key, build, side, chat=chat, chain=chain)
-        except BaseException:
-            if leave is not None:
-                leave()
-            raise
+        lease, leave = await self._admitted(key, build, side, hung_up, chat, chain)
         record = TurnRecord(api, key, lease, journal=self.journal, backend=self.client.base_url, on_finish=leave)
         body = build(record.lease.slot_id)
         lease.replay = (path, body)
@@ -187,6 +175,19 @@ class TurnService:
             record.finish(TurnEnd.FAILED if isinstance(exc, SlotkeeperError) else TurnEnd.CANCELLED)
             raise
         return StreamTurn(record, response, context, self.client.base_url)
+
+    async def _admitted(self, key: SessionKey, build: BodyBuilder, side: bool, hung_up: HungUp | None,
+                        chat: Mapping[str, Any] | None, chain: Sequence[Link] | None
+                        ) -> tuple[SlotLease, Callable[[], None] | None]:
+        """Wait for the backend (or have the router's model loaded), then lease a slot; returns the lease and what
+        the turn calls at its end (which is called here already if no lease was had)."""
+        leave = await self._backend_up(hung_up)
+        try:
+            return await self._acquire(key, build, side, chat=chat, chain=chain), leave
+        except BaseException:
+            if leave is not None:
+                leave()
+            raise
 
     async def _acquire(self, key: SessionKey, build: BodyBuilder, side: bool,
                        chat: Mapping[str, Any] | None = None, chain: Sequence[Link] | None = None) -> SlotLease:

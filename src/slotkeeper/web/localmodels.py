@@ -7,22 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from collections.abc import Callable
 from pathlib import Path
 
 from slotkeeper.cache.pool import SlotPool
 from slotkeeper.config import Settings
 from slotkeeper.errors import SlotkeeperError
-from slotkeeper.serving.service import HungUp
-from slotkeeper.serving.swaps import ModelStatus, ModelSwitch
+from slotkeeper.serving.swaps import ModelSwitch
 from slotkeeper.types import BackendInfo
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import BackendHealth, Probe
 from slotkeeper.upstream.launchargs import parse_command
 from slotkeeper.upstream.router import LOADED, RouterModel
 from slotkeeper.web.runtime import RunningBackend
-from slotkeeper.web.state import AppState
+from slotkeeper.web.takingturns import ModelsTakingTurns, file_stat
 
 log = logging.getLogger("slotkeeper")
 
@@ -50,7 +47,7 @@ class LocalModelState:
 
     def __init__(self, running: RunningBackend) -> None:
         self.running = running
-        self._checked = _file_stat(running.state.backend.model_path)
+        self._checked = file_stat(running.state.backend.model_path)
 
     @property
     def client(self) -> UpstreamClient:
@@ -63,7 +60,7 @@ class LocalModelState:
     async def reverify(self, child: tuple[object, ...]) -> bool:
         """Probe the KV setting of the server started again, unless its model file is the one last probed (the
         command line and slotkeeper's environment are the same by construction)."""
-        checked = _file_stat(self.running.state.backend.model_path)
+        checked = file_stat(self.running.state.backend.model_path)
         kv_check = self.running.kv_check
         if kv_check is None or (checked == self._checked and checked is not None):
             return False
@@ -99,17 +96,15 @@ class _Servers:
         self.loaded.discard(name)
 
 
-class LocalModels:
+class LocalModels(ModelsTakingTurns):
     """The backends of the `[[backends]]` tables, taking turns within `max_loaded`; a state each once first started
     (`on_state` is told)."""
 
     def __init__(self, settings: Settings, units: list[Settings]) -> None:
+        super().__init__()
         self.settings = settings
         self._units = {u.model_alias or "": u for u in units}
         self._servers = _Servers(list(self._units))
-        self._by_name: dict[str, AppState] = {}
-        self.states: list[AppState] = []
-        self.on_state: Callable[[AppState], None] | None = None
         self.switch = ModelSwitch(
             self._servers, settings.max_loaded, self._start_model,
             health=BackendHealth("slotkeeper's own backends"), swap_wait=settings.swap_wait_seconds,
@@ -136,17 +131,7 @@ class LocalModels:
     async def _start_model(self, name: str) -> LocalModelState:
         running = await RunningBackend.start(self._units[name])
         self._servers.running[name] = running
-        state = running.state
-        switch = self.switch
-
-        async def admit(hung_up: HungUp | None) -> Callable[[], None]:
-            return await switch.admit(name, hung_up)
-
-        state.service.admit = admit
-        self._by_name[name] = state
-        self.states.append(state)
-        if self.on_state is not None:
-            self.on_state(state)
+        self.add_state(name, running.state)
         return LocalModelState(running)
 
     # -- what the routes ask (state.RouterModels) ---------------------------------------------------------------
@@ -159,16 +144,6 @@ class LocalModels:
     def up(self) -> bool:
         """Whether every loaded model's server is up."""
         return all(s.service.health.up for s in self.states if s.client.admitted)
-
-    def names(self) -> list[str]:
-        return list(self._units)
-
-    def state_of(self, name: str) -> AppState | None:
-        return self._by_name.get(name)
-
-    async def ready(self, name: str, hung_up: HungUp | None = None) -> AppState:
-        await self.switch.backend(name, hung_up)
-        return self._by_name[name]
 
     def listed(self) -> list[BackendInfo]:
         out = []
@@ -186,27 +161,6 @@ class LocalModels:
                                    fingerprint=""))
         return out
 
-    def keep(self, name: str, seconds: float | None) -> None:
-        self.switch.keep(name, seconds)
-
-    async def unload(self, name: str, why: str) -> None:
-        await self.switch.unload(name, why)
-
-    def expires(self, name: str) -> float | None:
-        return self.switch.entry(name).expires
-
-    def status(self) -> list[ModelStatus]:
-        return self.switch.status()
-
     async def stop(self) -> None:
         """Stop every backend started (each saves its changed slots first, as a single backend does at exit)."""
         await asyncio.gather(*(running.stop() for running in self._servers.running.values()))
-
-
-def _file_stat(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns
-

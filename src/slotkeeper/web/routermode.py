@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +18,8 @@ from slotkeeper.cache.snapshots import Snapshots
 from slotkeeper.config import Settings
 from slotkeeper.errors import SlotkeeperError
 from slotkeeper.serving.backend import capability_of, discover, kv_fingerprint, kv_setting
-from slotkeeper.serving.service import HungUp, TurnService
-from slotkeeper.serving.swaps import ModelStatus, ModelSwitch
+from slotkeeper.serving.service import TurnService
+from slotkeeper.serving.swaps import ModelSwitch
 from slotkeeper.types import BackendInfo
 from slotkeeper.upstream.client import UpstreamClient
 from slotkeeper.upstream.health import BackendHealth
@@ -31,6 +29,7 @@ from slotkeeper.upstream.router import RouterApi, child_command, child_option, i
 from slotkeeper.upstream.supervisor import Supervisor
 from slotkeeper.web.runtime import RunningBackend, make_pool, open_backend
 from slotkeeper.web.state import AppState
+from slotkeeper.web.takingturns import ModelsTakingTurns, file_stat
 
 log = logging.getLogger("slotkeeper")
 
@@ -65,7 +64,7 @@ class RouterModelState:
         self._snapshots = snapshots
         # What the KV setting was last probed under: the child's command line and the router process's generation,
         # and the model file's size and modification time.
-        self._checked = (child, _file_stat(state.backend.model_path))
+        self._checked = (child, file_stat(state.backend.model_path))
 
     @property
     def client(self) -> UpstreamClient:
@@ -83,7 +82,7 @@ class RouterModelState:
         the same router process (so the same environment) and the same model file (size and modification time, as
         the model's identity is cached by); a child of that kind runs the same setting. True when it probed."""
         backend = self.state.backend
-        checked = (child, _file_stat(backend.model_path))
+        checked = (child, file_stat(backend.model_path))
         if checked == self._checked and checked[1] is not None:
             return False
         setting = await kv_setting(self.client, self._snapshots, backend.kv_base, backend.meta)
@@ -97,25 +96,23 @@ class RouterModelState:
         return True
 
 
-class RouterRuntime:
+class RouterRuntime(ModelsTakingTurns):
     """A router and the states of its models; `states` grows as models are first loaded (`on_state` is told)."""
 
     def __init__(self, settings: Settings, snapshots: Snapshots, started: StartedBackend, client: UpstreamClient,
                  props: dict[str, Any]) -> None:
+        super().__init__()
         self.settings = settings
         self._snapshots = snapshots
         self._started = started
         self._client = client
         self.props = props
-        self.states: list[AppState] = []
-        self.on_state: Callable[[AppState], None] | None = None
         self.switch = ModelSwitch(
             RouterApi(client), settings.max_loaded or max_instances(props), self._start_model,
             health=BackendHealth(client.base_url), swap_wait=settings.swap_wait_seconds,
             load_timeout=settings.start_timeout, backend_wait=settings.backend_wait_seconds,
             keep_alive=settings.keep_alive)
         self._tasks: list[asyncio.Task[None]] = []
-        self._by_name: dict[str, AppState] = {}
 
     @classmethod
     async def start(cls, settings: Settings, snapshots: Snapshots, started: StartedBackend, client: UpstreamClient,
@@ -167,33 +164,6 @@ class RouterRuntime:
     def slot_dir(self) -> Path:
         return self._snapshots.slot_dir
 
-    def names(self) -> list[str]:
-        return self.switch.names()
-
-    def status(self) -> list[ModelStatus]:
-        return self.switch.status()
-
-    def keep(self, name: str, seconds: float | None) -> None:
-        self.switch.keep(name, seconds)
-
-    async def unload(self, name: str, why: str) -> None:
-        await self.switch.unload(name, why)
-
-    def expires(self, name: str) -> float | None:
-        """When (wall clock) the loaded model `name` is unloaded unless a turn comes; None: not by time."""
-        return self.switch.entry(name).expires
-
-    def state_of(self, name: str) -> AppState | None:
-        return self._by_name.get(name)
-
-    async def ready(self, name: str, hung_up: HungUp | None = None) -> AppState:
-        """The state of the router's model `name`, made the first time (which loads the model)."""
-        state = self._by_name.get(name)
-        if state is not None:
-            return state
-        await self.switch.backend(name, hung_up)
-        return self._by_name[name]
-
     def listed(self) -> list[BackendInfo]:
         """Every model the router offers, as slotkeeper knows it: what its discovery read, once it was loaded, else
         what its child's arguments say."""
@@ -232,17 +202,8 @@ class RouterRuntime:
         pool = make_pool(settings, backend, client, snapshots, capability, health)
         await asyncio.to_thread(pool.learn_from_disk)
         service = TurnService(client, pool, health, settings.backend_wait_seconds)
-        switch = self.switch
-
-        async def admit(hung_up: HungUp | None) -> Callable[[], None]:
-            return await switch.admit(name, hung_up)
-
-        service.admit = admit
         state = AppState(settings, backend, client, pool, service, time.time())
-        self._by_name[name] = state
-        self.states.append(state)
-        if self.on_state is not None:
-            self.on_state(state)
+        self.add_state(name, state)
         log.info("router model %r: %d slot(s) of %d tokens, fingerprint %s", name, backend.n_slots,
                  backend.n_ctx_slot, backend.fingerprint)
         return RouterModelState(state, snapshots, (child_command(args), self.switch.health.recoveries))
@@ -271,16 +232,6 @@ class RouterRuntime:
         await self._client.aclose()
         await self._started.stop(budget.stopping)
         await self._snapshots.close()
-
-
-def _file_stat(path: str) -> tuple[int, int] | None:
-    """A model file's size and modification time (ns), None when it is not readable from here (then every reload
-    is probed)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns
 
 
 def _int(value: str | None) -> int | None:
