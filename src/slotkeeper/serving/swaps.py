@@ -149,6 +149,7 @@ class ModelSwitch:
         self.args: dict[str, tuple[str, ...]] = {}  # each model's child command line, as the router last listed it
         self._lock = asyncio.Lock()  # one load or unload at a time
         self._swapping: set[str] = set()  # models the switch is loading or unloading now (the watch leaves them)
+        self._expiring: set[asyncio.Task[None]] = set()  # unloads a keep_alive of 0 started (kept referenced)
 
     def learn(self, models: list[RouterModel]) -> None:
         """Take the router's model list: new models are added, gone ones dropped unless they have a backend."""
@@ -225,8 +226,10 @@ class ModelSwitch:
     def _idle_from_now(self, entry: ModelEntry) -> None:
         seconds = entry.keep_alive if entry.keep_alive is not None else self.keep_alive
         entry.expires = None if seconds < 0 else time.time() + seconds
-        if seconds == 0:
-            asyncio.get_running_loop().create_task(self._expire())
+        if seconds == 0:  # at once, not at the watch's next round
+            task = asyncio.get_running_loop().create_task(self._expire())
+            self._expiring.add(task)
+            task.add_done_callback(self._expiring.discard)
 
     async def _expire(self) -> None:
         """Unload every loaded model whose keep_alive ran out and that runs no turn (its states saved first)."""
