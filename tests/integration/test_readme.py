@@ -57,8 +57,8 @@ def test_the_run_command_serves_the_tiny_model(tmp_path: Path) -> None:
 def test_the_other_example_commands_read_as_documented(tmp_path: Path) -> None:
     examples = commands(BLOCKS[2])
     serve_lines = [line for line in examples if line.startswith("./scripts/serve.sh ")]
-    assert len(serve_lines) == 3
-    expected_modes = ["launch", "attach", "embedded"]
+    assert len(serve_lines) == 4
+    expected_modes = ["launch", "attach", "router", "embedded"]
     for line, mode in zip(serve_lines, expected_modes, strict=True):
         words = shlex.split(line)[1:]
         # --print-config before the command (anything after -- belongs to llama-server)
@@ -72,6 +72,8 @@ def test_the_other_example_commands_read_as_documented(tmp_path: Path) -> None:
             assert 'launch_command = ["/path/to/llama-server", "-m",' in printed
         elif mode == "attach":
             assert 'upstream = "http://127.0.0.1:8080"' in printed and "slot_dir = " in printed
+        elif mode == "router":
+            assert 'launch_command = ["/path/to/llama-server", "--models-dir",' in printed
         else:
             assert "ctx_size = 16384" in printed and "model = " in printed
     [tiny] = [line for line in examples if "tiny-model" in line]
