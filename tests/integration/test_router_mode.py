@@ -22,12 +22,15 @@ import openai
 import pytest
 
 from slotkeeper.tinymodel import TinyModelSpec, write_tiny_model
+from tests.integration.test_model_restores import assert_same_distribution, top_logprobs
 from tests.support import Slotkeeper, free_port, llama_server_binary, timings, wait_healthy, wait_until, words
 
 pytestmark = [pytest.mark.backend, pytest.mark.timeout(300)]
 
 MODELS = {"alpha": TinyModelSpec(seed=11, name="alpha"), "beta": TinyModelSpec(seed=12, name="beta"),
-          "gamma": TinyModelSpec(arch="jamba", seed=13, name="gamma")}
+          "gamma": TinyModelSpec(arch="jamba", seed=13, name="gamma"),
+          "recurrent": TinyModelSpec(arch="mamba", seed=14, name="recurrent"),
+          "sliding": TinyModelSpec(arch="gemma3", seed=15, name="sliding")}
 
 
 def router_args(models_dir: Path) -> list[str]:
@@ -72,10 +75,12 @@ def loaded(client: httpx.Client) -> dict[str, str]:
     return {m["model"]: m["status"] for m in client.get("/health").json()["models"]}
 
 
-@pytest.mark.parametrize("model", ["alpha", "gamma"])
+@pytest.mark.parametrize("model", ["alpha", "gamma", "recurrent", "sliding"])
 def test_a_model_back_after_a_swap_restores_its_conversation(keeper: Slotkeeper, model: str) -> None:
-    """A, then B (which unloads A: --models-max 1), then A again: A's return turn reuses all it had (>= 90 % of its
-    prompt) from the state saved before the unload, on a dense and on a hybrid model."""
+    """A, then B (which unloads A: --models-max 1), then A again: A's return turn (its history as the client keeps
+    it, not the tokens generated) gets the next token's log-probabilities a fresh prefill of the same prompt gets on
+    the router itself, on a dense, a hybrid, a recurrent and a sliding-window model; but for the last, it reuses all
+    it had (>= 90 % of its prompt) from the state saved before the unload."""
     with httpx.Client(base_url=keeper.url, timeout=300) as client:
         messages = conversation(f"{model}-swap")
         first = ask(client, model, messages)
@@ -84,9 +89,19 @@ def test_a_model_back_after_a_swap_restores_its_conversation(keeper: Slotkeeper,
         other = "beta"
         ask(client, other, conversation(f"{other}-for-{model}"))
         assert loaded(client)[model] != "loaded"
-        back = timings(ask(client, model, messages))
-        prompt = back["cache_n"] + back["prompt_n"]
-        assert back["cache_n"] >= 0.9 * prompt, back
+        probe = {"logprobs": True, "top_logprobs": 5, "grammar": "root ::= [a-z]+"}
+        back = client.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 1,
+                                                          "temperature": 0, **probe})
+        router = client.get("/api/backend", params={"model": model}).json()["url"]
+        fresh = httpx.post(f"{router}/v1/chat/completions", timeout=300, json={
+            "model": model, "messages": messages, "max_tokens": 1, "temperature": 0, "cache_prompt": False, **probe})
+        assert_same_distribution(top_logprobs(back), top_logprobs(fresh), f"{model} after a swap")
+        # The sliding-window model is prefilled: this build keeps no context checkpoints in its slot files, and
+        # slotkeeper restores such a state only where that is known to keep the answer (docs/architectures.md), as
+        # in front of a single server.
+        if model != "sliding":
+            reused = timings(back)
+            assert reused["cache_n"] >= 0.9 * (reused["cache_n"] + reused["prompt_n"]), reused
         log = keeper.log_text()
         assert re.search(rf"model '{model}' unloaded \(to make room for '{other}'\) in \d+ ms \(saving \d+ ms\); "
                          r"1 changed slot\(s\) were saved first", log)
@@ -100,13 +115,17 @@ def test_a_request_for_another_model_never_cuts_a_running_answer_off(keeper: Slo
         ask(client, "alpha", conversation("alpha-warm", 50))  # alpha loaded, so the stream starts at once
     chunks: list[str] = []
     finish: list[str | None] = []
+    generated: list[int] = []
 
     def stream_alpha() -> None:
         sdk = openai.OpenAI(base_url=f"{keeper.url}/v1", api_key="unused", timeout=300)
         stream = sdk.chat.completions.create(model="alpha", messages=conversation("alpha-long", 50),  # type: ignore[arg-type]
                                              max_tokens=1000, temperature=0, stream=True,
+                                             stream_options={"include_usage": True},
                                              extra_body={"ignore_eos": True})
         for chunk in stream:
+            if chunk.usage is not None:
+                generated.append(chunk.usage.completion_tokens)
             if chunk.choices:
                 chunks.append(chunk.choices[0].delta.content or "")
                 if chunk.choices[0].finish_reason is not None:
@@ -119,7 +138,7 @@ def test_a_request_for_another_model_never_cuts_a_running_answer_off(keeper: Slo
         ask(client, "beta", conversation("beta-waits", 50))
         ended_first = not runner.is_alive()
     runner.join(120)
-    assert finish == ["length"] and len(chunks) > 500
+    assert finish == ["length"] and generated == [1000]
     assert ended_first  # beta's answer came once alpha's was over
     # and alpha was unloaded only after its two turns had ended (each turn's line is written at its end)
     log = keeper.log_text().splitlines()[start:]
@@ -132,7 +151,7 @@ def test_model_lists_show_every_model_and_loading_is_a_clients_ask(keeper: Slotk
     with httpx.Client(base_url=keeper.url, timeout=300) as client:
         before = loaded(client)
         tags = {m["name"] for m in client.get("/api/tags").json()["models"]}
-        assert tags == {"alpha:latest", "beta:latest", "gamma:latest", "broken:latest"}
+        assert tags == {f"{name}:latest" for name in [*MODELS, "broken"]}
         assert {m["id"] for m in client.get("/v1/models").json()["data"]} == {*MODELS, "broken"}
         shown = client.post("/api/show", json={"model": "gamma"})
         assert shown.status_code == 200
@@ -341,7 +360,7 @@ def test_nothing_of_its_own_loads_a_model(keeper: Slotkeeper) -> None:
                      "/slots?model=gamma"):
             assert client.get(path).status_code == 200, path
         time.sleep(3)
-        assert loaded(client) == {"alpha": "unloaded", "beta": "unloaded", "gamma": "loaded", "broken": "unloaded"}
+        assert loaded(client) == {**dict.fromkeys([*MODELS, "broken"], "unloaded"), "gamma": "loaded"}
 
 
 def test_own_backends_take_turns_within_max_loaded(models_dir: Path, tmp_path: Path) -> None:
