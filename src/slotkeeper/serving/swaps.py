@@ -180,7 +180,7 @@ class ModelSwitch:
         found = self.entries.get(name)
         if found is None:
             offered = ", ".join(repr(n) for n in self.entries) or "none"
-            raise NotFound(f"model '{name}' not found: the router offers {offered}")
+            raise NotFound(f"model '{name}' not found: slotkeeper offers {offered}")
         return found
 
     async def adopt(self, name: str) -> ModelBackend:

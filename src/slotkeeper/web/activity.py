@@ -106,12 +106,12 @@ async def models(request: Request) -> dict[str, Any]:
     """Each model served: loaded or not (in front of a router, where models take turns), its running turns, its loads
     and unloads, the conversations its last unload saved first, and when its keep_alive runs out."""
     served = backends(request)
-    if served.router is not None:
-        listed = served.router.status()
+    if served.taking_turns is not None:
+        listed = served.taking_turns.status()
     else:
         listed = [ModelStatus(s.backend.model_id, "loaded", sum(1 for slot in s.pool.slots if slot.busy), 1, 0, [],
                               None, None) for s in served.models]
-    return {"take_turns": served.router is not None, "models": [dataclasses.asdict(m) for m in listed]}
+    return {"take_turns": served.taking_turns is not None, "models": [dataclasses.asdict(m) for m in listed]}
 
 
 @router.post("/backend/drain", openapi_extra=json_body(_DRAIN, "A backend of a model that runs on several."))

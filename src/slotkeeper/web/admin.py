@@ -28,12 +28,13 @@ async def list_sessions(request: Request) -> dict[str, Any]:
     sessions = []
     for state in states:
         # A router's models share one store: each lists its own.
-        snapshots = await state.snapshots.list(state.backend.model_id if served.router is not None else None, kind)
+        own = state.backend.model_id if served.taking_turns is not None else None
+        snapshots = await state.snapshots.list(own, kind)
         sessions += [_snapshot_json(s, _hot_slot(state, s.model, s.session_id)) for s in snapshots
                      if group is None or session_group(s.session_id) == group]
     sessions.sort(key=lambda s: s["last_used"], reverse=True)
     # A router's models before the first is loaded: its slot dir.
-    slot_dir = states[0].snapshots.slot_dir if states or served.router is None else served.router.slot_dir
+    slot_dir = states[0].snapshots.slot_dir if states or served.taking_turns is None else served.taking_turns.slot_dir
     return {"slot_dir": str(slot_dir), "sessions": sessions}
 
 

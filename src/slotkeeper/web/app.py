@@ -103,8 +103,8 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         served = backends(request)
-        if served.router is not None:
-            return _router_health(served)
+        if served.taking_turns is not None:
+            return _turns_health(served)
         states = served.all
         ups = await asyncio.gather(*(s.client.healthy() for s in states))
         # A model on several backends is served while one of them is up.
@@ -133,14 +133,14 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
-def _router_health(served: Backends) -> JSONResponse:
+def _turns_health(served: Backends) -> JSONResponse:
     """Models that take turns (a router's, or slotkeeper's own under max_loaded): up while they can be served; each
     model with whether it is loaded."""
-    router = served.router
-    assert router is not None
-    up = router.up
+    taking_turns = served.taking_turns
+    assert taking_turns is not None
+    up = taking_turns.up
     body = {"status": "ok" if up else "backend unavailable",
-            "models": [{"model": m.model, "status": m.status} for m in router.status()]}
+            "models": [{"model": m.model, "status": m.status} for m in taking_turns.status()]}
     return JSONResponse(body, status_code=200 if up else 503)
 
 

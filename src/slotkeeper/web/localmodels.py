@@ -134,7 +134,7 @@ class LocalModels(ModelsTakingTurns):
         self.add_state(name, running.state)
         return LocalModelState(running)
 
-    # -- what the routes ask (state.RouterModels) ---------------------------------------------------------------
+    # -- what the routes ask (state.TakingTurns) ---------------------------------------------------------------
 
     @property
     def slot_dir(self) -> Path:

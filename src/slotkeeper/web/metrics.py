@@ -47,7 +47,7 @@ class Metrics:
     def __init__(self, served: Backends, directory: Directory | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        several = ("model",) if served.router is not None else label_names(served.all)
+        several = ("model",) if served.taking_turns is not None else label_names(served.all)
         by_model = list(several)
         self.requests = Counter("slotkeeper_requests", "Requests by API and how their slot got its state "
                                 "(hot, restored, prefix, cold).", ["api", "cache", *by_model], registry=r)

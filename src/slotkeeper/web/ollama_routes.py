@@ -53,7 +53,8 @@ async def version() -> dict[str, str]:
 
 @router.api_route("/api/tags", methods=["GET", "HEAD"])
 async def tags(request: Request) -> dict[str, Any]:
-    return {"models": [ollama.tags_entry(await _facts_of(info, started)) for info, started in _listed(request)]}
+    listed = backends(request).listed()
+    return {"models": [ollama.tags_entry(await _facts_of(info, started)) for info, started in listed]}
 
 
 @router.get("/api/ps")
@@ -61,11 +62,11 @@ async def ps(request: Request) -> dict[str, Any]:
     # llama-server keeps its model loaded for as long as it runs: "expires" a century from now.
     expires = _timestamp(datetime.now(UTC) + timedelta(days=36500))
     served = backends(request)
-    if served.router is not None:  # the models loaded now, each with when its keep_alive runs out
+    if served.taking_turns is not None:  # the models loaded now, each with when its keep_alive runs out
         entries = []
         for state in served.models:
             if state.client.admitted:
-                until = served.router.expires(state.backend.model_id)
+                until = served.taking_turns.expires(state.backend.model_id)
                 at = expires if until is None else _timestamp(datetime.fromtimestamp(until, UTC))
                 entries.append(ollama.ps_entry(await _facts(state), at))
         return {"models": entries}
@@ -77,7 +78,7 @@ async def show(request: Request) -> dict[str, Any]:
     req = ollama.parse(ModelRequest, await _body(request))
     if not req.model_name:
         raise BadRequest("'model' is required")
-    for info, started in _listed(request):  # a router's model is described without loading it
+    for info, started in backends(request).listed():  # a router's model is described without loading it
         if ollama.is_served(req.model_name, info.model_id):
             return ollama.show_answer(await _facts_of(info, started))
     raise ollama.model_not_found(req.model_name)
@@ -145,7 +146,7 @@ async def embeddings(request: Request) -> dict[str, Any]:
 @router.post("/api/pull", openapi_extra=json_body(ModelRequest), responses=answers(JSON_TYPE, NDJSON))
 async def pull(request: Request) -> Response:
     req = ollama.parse(ModelRequest, await _body(request))
-    listed = [info.model_id for info, _ in _listed(request)]
+    listed = [info.model_id for info, _ in backends(request).listed()]
     served = [ollama.advertised_name(name) for name in listed]
     if not any(ollama.is_served(req.model_name, name) for name in listed):
         raise ollama.model_not_found(req.model_name, "', '".join(served))
@@ -247,18 +248,18 @@ async def _served_by(request: Request, requested: str) -> AppState:
     if not requested:
         raise BadRequest("'model' is required")
     served = backends(request)
-    if served.router is not None:
-        return await served.ready(_router_model(served, requested), request.is_disconnected)
+    if served.taking_turns is not None:
+        return await served.ready(_turns_model(served, requested), request.is_disconnected)
     for state in served.models:
         if ollama.is_served(requested, state.backend.model_id):
             return state
     raise ollama.model_not_found(requested)
 
 
-def _router_model(served: Backends, requested: str) -> str:
-    """The router's name of the requested model (Ollama's names: `name` and `name:latest` are the same)."""
-    assert served.router is not None
-    for name in served.router.names():
+def _turns_model(served: Backends, requested: str) -> str:
+    """The name of a requested model that takes turns (Ollama's names: `name` and `name:latest` are the same)."""
+    assert served.taking_turns is not None
+    for name in served.taking_turns.names():
         if ollama.is_served(requested, name):
             return name
     raise ollama.model_not_found(requested)
@@ -266,13 +267,14 @@ def _router_model(served: Backends, requested: str) -> str:
 
 async def _load_or_unload(request: Request, kind: Literal["chat", "generate"], req: Generation) -> Response:
     """An empty chat or prompt: Ollama's way to load a model, or with keep_alive 0 to unload it. In front of a router
-    that is done (an unload saves the model's changed slots first); a single backend stays loaded."""
+    that is done where models take turns (an unload saves the model's changed slots first); a single backend stays
+    loaded."""
     served = backends(request)
     unload = ollama.unloads(req)
-    if served.router is not None and unload:
+    if served.taking_turns is not None and unload:
         if not req.model:
             raise BadRequest("'model' is required")
-        await served.router.unload(_router_model(served, req.model), "a client asked: keep_alive 0")
+        await served.taking_turns.unload(_turns_model(served, req.model), "a client asked: keep_alive 0")
     else:
         state = await _served_by(request, req.model)
         _keep(request, state, req)
@@ -280,19 +282,10 @@ async def _load_or_unload(request: Request, kind: Literal["chat", "generate"], r
 
 
 def _keep(request: Request, state: AppState, req: Generation) -> None:
-    """In front of a router: the request's keep_alive (or the default) for its model, from the end of its turn."""
-    router = backends(request).router
-    if router is not None:
-        router.keep(state.backend.model_id, ollama.keep_alive_seconds(req.keep_alive))
-
-
-def _listed(request: Request) -> list[tuple[BackendInfo, float]]:
-    """Every model to list, with when slotkeeper started serving it: a router's, loaded or not."""
-    served = backends(request)
-    if served.router is not None:
-        started = {s.backend.model_id: s.started for s in served.models}
-        return [(info, started.get(info.model_id, time.time())) for info in served.router.listed()]
-    return [(s.backend, s.started) for s in served.models]
+    """Where models take turns: the request's keep_alive (or the default) for its model, from the end of its turn."""
+    taking_turns = backends(request).taking_turns
+    if taking_turns is not None:
+        taking_turns.keep(state.backend.model_id, ollama.keep_alive_seconds(req.keep_alive))
 
 
 def _vision(state: AppState) -> bool:

@@ -3,7 +3,6 @@ through, and the model listing (shaped to satisfy both the OpenAI and the Anthro
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -65,14 +64,14 @@ async def embeddings(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    entries = [_model_entry(info, started) for info, started in _models(request)]
+    entries = [_model_entry(info, started) for info, started in backends(request).listed()]
     return {"object": "list", "data": entries, "has_more": False, "first_id": entries[0]["id"] if entries else None,
             "last_id": entries[-1]["id"] if entries else None}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
-    for info, started in _models(request):
+    for info, started in backends(request).listed():
         if model_id.removesuffix(":latest") == info.model_id:
             return _model_entry(info, started)
     raise NotFound(f"model '{model_id}' not found")
@@ -114,15 +113,6 @@ async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping
 def _model_of(body: Mapping[str, Any]) -> str | None:
     model = body.get("model")
     return model if isinstance(model, str) else None
-
-
-def _models(request: Request) -> list[tuple[BackendInfo, float]]:
-    """Every model served, with when slotkeeper started serving it: each of a router's, loaded or not."""
-    served = backends(request)
-    if served.router is None:
-        return [(s.backend, s.started) for s in served.models]
-    started = {s.backend.model_id: s.started for s in served.models}
-    return [(info, started.get(info.model_id, time.time())) for info in served.router.listed()]
 
 
 def _model_entry(backend: BackendInfo, started: float) -> dict[str, Any]:

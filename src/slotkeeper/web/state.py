@@ -5,6 +5,7 @@ by its members' states, that sends each turn to its session's owner."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +83,7 @@ class AppState:
         return name in (self.backend.model_id, self.settings.model_alias)
 
 
-class RouterModels(Protocol):
+class TakingTurns(Protocol):
     """Models that take turns, a state each made when the model is first loaded: a llama-server router's
     (web/routermode.py), or slotkeeper's own under max_loaded (web/localmodels.py)."""
 
@@ -105,15 +106,15 @@ class Backends:
     whose `turns` go to the whole group). With one model, every request goes to it whatever model it names (the
     dialects decide whether a wrong name is an error); with several, the model name picks the model.
 
-    In front of a router (`router`), a model's state is made when it is first loaded: `ready` makes it (a turn's
-    way in), `for_model` only finds it (an operator's view, which loads nothing); `add` takes each new one and tells
-    `on_add`."""
+    Where models take turns (`taking_turns`: a router's, or max_loaded), a model's state is made when it is first
+    loaded: `ready` makes it (a turn's way in), `for_model` only finds it (an operator's view, which loads nothing);
+    `add` takes each new one and tells `on_add`."""
 
-    def __init__(self, states: Sequence[AppState], router: RouterModels | None = None) -> None:
-        assert states or router is not None
+    def __init__(self, states: Sequence[AppState], taking_turns: TakingTurns | None = None) -> None:
+        assert states or taking_turns is not None
         self.all = list(states)
         self.models = [s for s in self.all if s.group is None or s.group.members[0] is s]
-        self.router = router
+        self.taking_turns = taking_turns
         self.on_add: list[Callable[[AppState], None]] = []
 
     def add(self, state: AppState) -> None:
@@ -126,37 +127,37 @@ class Backends:
     def default(self) -> AppState:
         return self.models[0]
 
-    def router_name(self, model: str | None) -> str:
-        """The router's name for a requested model (`name:latest` is `name`; no name: its only model)."""
-        assert self.router is not None
-        names = self.router.names()
+    def turn_name(self, model: str | None) -> str:
+        """The name of a requested model that takes turns (`name:latest` is `name`; no name: the only model)."""
+        assert self.taking_turns is not None
+        names = self.taking_turns.names()
         if not model:
             if len(names) == 1:
                 return names[0]
-            raise BadRequest(f"name a model: the router offers {', '.join(repr(n) for n in names)}")
+            raise BadRequest(f"name a model: slotkeeper offers {', '.join(repr(n) for n in names)}")
         if model in names:
             return model
         name = model.removesuffix(":latest")
         if name in names:
             return name
         offered = ", ".join(repr(n) for n in names) or "none"
-        raise NotFound(f"model '{model}' not found: the router offers {offered}")
+        raise NotFound(f"model '{model}' not found: slotkeeper offers {offered}")
 
     async def ready(self, model: str | None, hung_up: HungUp | None = None) -> AppState:
-        """The state a turn of `model` runs on; in front of a router, loading the model the first time."""
-        if self.router is None:
+        """The state a turn of `model` runs on; where models take turns, loading the model the first time."""
+        if self.taking_turns is None:
             return self.for_model(model)
-        return await self.router.ready(self.router_name(model), hung_up)
+        return await self.taking_turns.ready(self.turn_name(model), hung_up)
 
     def for_model(self, model: str | None) -> AppState:
-        if self.router is not None:
+        if self.taking_turns is not None:
             if not model and self.models:  # an operator's view without a name: a loaded model, else any known
                 return next((s for s in self.models if s.client.admitted), self.models[0])
             if not model:
-                raise NotFound("no model of the router has been loaded since slotkeeper started: the first request "
-                               "that names one loads it")
-            name = self.router_name(model)
-            found = self.router.state_of(name)
+                raise NotFound("no model has been loaded since slotkeeper started: the first request that names one "
+                               "loads it")
+            name = self.turn_name(model)
+            found = self.taking_turns.state_of(name)
             if found is None:
                 raise NotFound(f"model '{name}' has not been loaded since slotkeeper started: nothing of it is "
                                "known yet")
@@ -168,6 +169,14 @@ class Backends:
                 return state
         served = ", ".join(repr(s.backend.model_id) for s in self.models)
         raise NotFound(f"model '{model}' not found: slotkeeper serves {served}")
+
+    def listed(self) -> list[tuple[BackendInfo, float]]:
+        """Every model served, with when slotkeeper started serving it: where models take turns, each of them, loaded
+        or not (a model never loaded is described from its settings)."""
+        if self.taking_turns is None:
+            return [(s.backend, s.started) for s in self.models]
+        started = {s.backend.model_id: s.started for s in self.models}
+        return [(info, started.get(info.model_id, time.time())) for info in self.taking_turns.listed()]
 
     def members_of(self, model: str | None) -> list[AppState]:
         """Every backend of the model `model` names (of every model without a name)."""
@@ -194,6 +203,6 @@ def app_state(request: Request, model: str | None = None) -> AppState:
 
 
 async def turn_state(request: Request, model: str | None = None) -> AppState:
-    """The backend a turn of `model` goes to (in front of a router: loading the model the first time, while the
+    """The backend a turn of `model` goes to (where models take turns: loading the model the first time, while the
     client waits)."""
     return await backends(request).ready(model, request.is_disconnected)
