@@ -280,13 +280,15 @@ def test_backends(results: Path) -> None:
         assert positive(t["requests_per_second"]) and positive(t["ttft_ms"]["p50"])
         assert t["prompt_tokens"] == traffic["prompt_tokens"] > t["shared_prefix_tokens"] > 0
         assert len(t["prompt_tokens_per_backend"]) == t["backends"] and sum(t["prompt_tokens_per_backend"]) > 0
-    # Sessions that stay where their state is prefill less than turns sent round the backends.
-    assert summary["slotkeeper, 3 backends"]["prefilled"] < summary["round-robin, 3 llama-servers"]["prefilled"]
-    # Two replicas over the same servers reuse some of what is shared, whichever replica a request reached. How much
-    # depends on how many first turns land while the replicas' snapshots are still being uploaded, which is timing:
-    # 46% to 66% in this short run on a 2-core machine, 96% in the full one (bench/results/backends.json). That a
-    # session keeps its state whichever replica it reaches is asserted by counts in tests/integration/test_replicas.py.
-    assert summary["slotkeeper, 2 replicas over 3 backends"]["reused"] > 0
+    # Several backends and two replicas over them reuse some of what is shared. How much, in this short run of nine
+    # conversations of three or four turns on one slot per backend, is timing: which turns wait for a busy backend,
+    # and how many first turns land while the replicas' snapshots are still being uploaded. On a 2-core machine three
+    # backends prefilled 14,787 to 16,936 tokens here and round-robin 16,628 to 18,200 (round-robin ahead once), and
+    # the replicas reused 46% to 70% of the shared prefix. The full run tells them apart (bench/results/backends.json:
+    # 25,218 against 44,505 prefilled); the claims are asserted by counts in tests/integration/test_several_backends.py
+    # (sessions stay on the backend that holds their state) and test_replicas.py (whichever replica they reach).
+    for target in ("slotkeeper, 3 backends", "slotkeeper, 2 replicas over 3 backends"):
+        assert summary[target]["reused"] > 0
 
 
 def test_title(results: Path) -> None:
