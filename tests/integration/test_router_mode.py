@@ -109,7 +109,7 @@ def test_a_model_back_after_a_swap_restores_its_conversation(keeper: Slotkeeper,
 
 def test_a_request_for_another_model_never_cuts_a_running_answer_off(keeper: Slotkeeper) -> None:
     """A long streamed answer of alpha runs while beta is asked for: alpha's answer ends by its length, whole, and
-    beta's request is answered after it."""
+    alpha is unloaded for beta only after it."""
     start = len(keeper.log_text().splitlines())
     with httpx.Client(base_url=keeper.url, timeout=300) as client:
         ask(client, "alpha", conversation("alpha-warm", 50))  # alpha loaded, so the stream starts at once
@@ -136,11 +136,11 @@ def test_a_request_for_another_model_never_cuts_a_running_answer_off(keeper: Slo
     assert wait_until(lambda: len(chunks) >= 5, 60)
     with httpx.Client(base_url=keeper.url, timeout=300) as client:
         ask(client, "beta", conversation("beta-waits", 50))
-        ended_first = not runner.is_alive()
     runner.join(120)
     assert finish == ["length"] and generated == [1000]
-    assert ended_first  # beta's answer came once alpha's was over
-    # and alpha was unloaded only after its two turns had ended (each turn's line is written at its end)
+    # Alpha was unloaded (and beta loaded) only after its two turns had ended: each turn's line is written once its
+    # answer was sent whole. (Whether the client's thread had seen the end before beta's answer came is the client's
+    # timing: on a loaded machine it once had not, 140 ms after the server's line.)
     log = keeper.log_text().splitlines()[start:]
     turns = [i for i, line in enumerate(log) if "openai.chat session=alpha/" in line and "end=completed" in line]
     [unloaded] = [i for i, line in enumerate(log) if "model 'alpha' unloaded (to make room for 'beta')" in line]
