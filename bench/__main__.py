@@ -1,8 +1,9 @@
 """Benchmark runner: `python -m bench [--scenario
 switch|reading|overhead|restart|system|agent|scale|day|title|beyond|first|client|backends|decide|agents|blocks|swap|
-all] [--small]` (`all` leaves out `agents`, which drives real coding agents installed by scripts/install-agents.sh,
-`blocks`, the block store against whole files: bytes on disk, written and uploaded, and restore TTFT, and `swap`,
-models taking turns behind a llama-server router).
+domains|all] [--small]` (`all` leaves out `agents`, which drives real coding agents installed by
+scripts/install-agents.sh, `blocks`, the block store against whole files: bytes on disk, written and uploaded, and
+restore TTFT, `swap`, models taking turns behind a llama-server router, and `domains`, what keeping users apart
+costs).
 
 Starts the llama-server processes (and slotkeepers) each scenario needs on loopback ports, measures slotkeeper
 against llama-server alone side by side, and writes `<out>/<scenario>.json` and `<out>/README.md`."""
@@ -27,6 +28,7 @@ from bench import (
     client,
     day,
     decide,
+    domains,
     first,
     overhead,
     restart,
@@ -44,11 +46,12 @@ SCENARIOS: dict[str, Callable[[BenchConfig, Path], dict[str, Any]]] = {
     "switch": switch.run, "reading": switch.run_reading, "overhead": overhead.run, "restart": restart.run,
     "system": system.run, "agent": agent.run, "scale": scale.run, "day": day.run, "title": title.run,
     "beyond": beyond.run, "first": first.run, "client": client.run, "backends": backends.run, "decide": decide.run,
-    "agents": agents.run, "blocks": blocks.run, "swap": swap.run,
+    "agents": agents.run, "blocks": blocks.run, "swap": swap.run, "domains": domains.run,
 }
 # Scenarios `all` leaves out: they need what a plain test run does not have (the agents from the npm registry) or
-# take long (`blocks`: several slotkeepers per block size, an S3 server; `swap`: model loads, tested on its own).
-OPT_IN = ("agents", "blocks", "swap")
+# take long (`blocks`: several slotkeepers per block size, an S3 server; `swap`: model loads, tested on its own;
+# `domains`: four targets of their own, tested on its own).
+OPT_IN = ("agents", "blocks", "swap", "domains")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

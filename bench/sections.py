@@ -485,3 +485,33 @@ def swap(r: dict[str, Any]) -> list[str]:
         f"router alone: {q['first_turn_slotkeeper_over_alone']:.2f}x.",
         "",
     ]
+
+
+def domains(r: dict[str, Any]) -> list[str]:
+    """bench/results/README.md's section for the `domains` scenario."""
+    s, c = r["summary"], r["config"]
+    q = s["per_user_over_one_domain"]
+    lines = [
+        "## domains: what keeping users apart costs",
+        "",
+        f"{r['users']} OpenWebUI users behind one key, {r['chats_per_user']} chat(s) each of {r['turns']} turns on one "
+        f"shared system prompt (about {c['system_tokens']:,} tokens) and a question of their own, interleaved on one "
+        "slot; then a new user sends the first user's first request word for word (the probe: the side channel). "
+        f"{_model(r)}",
+        "",
+        "| target | prompt tokens | reused | prefilled | TTFT p50 ms | first turns, TTFT p50 ms | probe TTFT ms "
+        "| probe cache_n | states kept | of them system | bytes on disk |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, t in s["targets"].items():
+        kept = t.get("kept")
+        kept_cells = (f"{kept['states']} | {kept['system_states']} | {kept['stored_bytes']:,}" if kept
+                      else "- | - | -")
+        lines.append(f"| {name} | {t['prompt_tokens']:,} | {t['reused_tokens']:,} | {t['prefilled_tokens']:,} "
+                     f"| {_fmt(t['ttft_ms_p50'], 0)} | {_fmt(t['first_turn_ttft_ms_p50'], 0)} "
+                     f"| {_fmt(t['probe']['ttft_ms'], 0)} | {t['probe']['cache_n']:,} | {kept_cells} |")
+    lines += ["", f"One domain per user against one domain: {q['prefilled']:.2f}x the tokens prefilled, "
+              f"{q['first_turn_ttft']:.2f}x the first turns' TTFT, {q['stored_bytes']:.2f}x the bytes on disk; "
+              f"the probe (another user's prompt) takes {q['probe_ttft']:.1f}x as long: it is no longer answered "
+              "from the other user's state.", ""]
+    return lines

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from slotkeeper.domains import KEY_NAME
 from slotkeeper.settingvalues import (
     _FILE_TYPES,
     _SECRETS,
@@ -25,7 +26,7 @@ from slotkeeper.settingvalues import (
     parse_duration,
     parse_size,
 )
-from slotkeeper.upstream.launchargs import check_command, launch_slot_dir
+from slotkeeper.upstream.launchargs import check_command, launch_slot_dir, parse_command
 from slotkeeper.upstream.wire import Origin
 from slotkeeper.urls import is_url_pattern
 
@@ -130,6 +131,11 @@ class Settings:
     # sent as "Authorization: Bearer KEY" or "x-api-key"), Host names accepted besides loopback ones, body cap.
     api_key: str | None = None
     admin_key: str | None = None
+    # Cache domains (domains.py, docs/domains.md): API keys with a name each, every name a domain of its
+    # own; and the header a trusted front end forwards its user in (OpenWebUI's X-OpenWebUI-User-Id), each user then
+    # a domain below the key's. Only behind a key: anyone who reaches the port can set a header.
+    api_keys: tuple[tuple[str, str], ...] = ()
+    user_header: str | None = None
     allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = 32 * 1024 * 1024
     # Several models: one backend each, chosen by the request's model name (config file `[[backends]]` tables).
@@ -222,6 +228,12 @@ class Settings:
             ))
         return units
 
+    @property
+    def domains(self) -> bool:
+        """Whether requests are kept apart by who sends them (named keys, a forwarded user): then the session API
+        is scoped to the caller's domain, and the operator's views are the admin key's."""
+        return bool(self.api_keys) or self.user_header is not None
+
     def effective_replica_url(self) -> str:
         if self.replica_url is not None:
             return self.replica_url
@@ -246,6 +258,7 @@ class Settings:
                              f"it), not {bad[0]!r}")
         if self.shared_store is not None and not re.fullmatch(r"s3://[^/]+(/.*)?", self.shared_store):
             raise ValueError(f"the shared store must look like s3://BUCKET/PREFIX, not {self.shared_store!r}")
+        self._validate_domains()
         if self.load_factor < 1:
             raise ValueError("load_factor must be 1 or more (1.25: no backend of a model owns more than 1.25 times "
                              "the mean of its active sessions)")
@@ -287,6 +300,37 @@ class Settings:
             raise ValueError("--swap-wait-seconds must be 0 or more")
         if self.side_task_hold_seconds < 0:
             raise ValueError("--side-task-hold-seconds must be 0 (no hold) or more")
+
+    def _validate_domains(self) -> None:
+        names = [name for name, _ in self.api_keys]
+        bad = next((n for n in names if not KEY_NAME.fullmatch(n)), None)
+        if bad is not None:
+            raise ValueError(f"api_keys: the name {bad!r} cannot name a cache domain: use 1-64 letters, digits, '.', "
+                             "'_' or '-', starting with a letter or digit")
+        keys = [key for _, key in self.api_keys]
+        if len(set(names)) < len(names) or len(set(keys)) < len(keys):
+            raise ValueError("api_keys: each name and each key must be given once")
+        if any(not key for key in keys) or any(key in (self.api_key, self.admin_key) for key in keys):
+            raise ValueError("api_keys: a named key must not be empty, nor be the api_key or the admin_key")
+        if self.user_header is not None:
+            if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", self.user_header):
+                raise ValueError(f"--user-header must be a header name such as X-OpenWebUI-User-Id, not "
+                                 f"{self.user_header!r}")
+            if not self.api_keys and self.api_key is None:
+                raise ValueError("--user-header needs an API key (--api-key or api_keys): anyone who can reach "
+                                 "the port can set a header, so a forwarded user is trusted only behind a key")
+        if self.domains and self.cache_ram_mib not in (None, 0):
+            raise ValueError("with cache domains kept apart, llama-server's own prompt cache in RAM would hand one "
+                             "domain's prompt to another: leave --cache-ram out (slotkeeper then starts the server "
+                             "with 0) or give 0")
+        if self.domains and self.launch_command and parse_command(self.launch_command).cache_ram != 0:
+            raise ValueError("with cache domains kept apart, llama-server's own prompt cache in RAM (--cache-ram, "
+                             "on by default) would hand one domain's prompt to another: add --cache-ram 0 to the "
+                             "llama-server command")
+        if self.domains and (self.shared_store is not None or self.directory is not None or self.replicas):
+            raise ValueError("cache domains (api_keys, --user-header) are not carried to the shared store or a "
+                             "directory of replicas yet: run them on one host without --shared-store, "
+                             "--directory and --replica")
 
     def _validate_backends(self) -> None:
         if self.upstream is not None or self.launch_command or self.model is not None:

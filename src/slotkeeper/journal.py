@@ -52,11 +52,14 @@ class RequestEntry:
     # Milliseconds slotkeeper took to decide which state to start from (None for a hot turn: no look-up).
     decide_ms: float | None = None
     time: float = field(default_factory=time.time)
+    # The cache domain of the request's session (types.SessionKey): whose journal view it shows in.
+    domain: str = ""
 
     def log_line(self) -> str:
         """The human-readable request log line (`slotkeeper.turn`)."""
         return (
-            f"{self.api}{' side' if self.side else ''} session={self.model}/{self.session} slot={self.slot} "
+            f"{self.api}{' side' if self.side else ''} session={self.model}/{self.session} "
+            f"{f'domain={self.domain} ' if self.domain else ''}slot={self.slot} "
             f"cache={self.cache} restored={self.restored}"
             f"{f' from={self.restored_from}' if self.restored_from else ''} restore_ms={self.restore_ms:.1f} "
             f"save_ms={self.save_ms:.1f}{f' decide_ms={self.decide_ms:.1f}' if self.decide_ms is not None else ''} "
@@ -99,8 +102,9 @@ class RequestJournal:
 
     def __init__(self, size: int = RECENT_REQUESTS) -> None:
         self._recent: deque[RequestEntry] = deque(maxlen=size)
-        self._totals: OrderedDict[tuple[str, str], SessionTotals] = OrderedDict()
-        self._history: OrderedDict[tuple[str, str], deque[RequestEntry]] = OrderedDict()
+        # By model, session and cache domain.
+        self._totals: OrderedDict[tuple[str, str, str], SessionTotals] = OrderedDict()
+        self._history: OrderedDict[tuple[str, str, str], deque[RequestEntry]] = OrderedDict()
         self._listeners: list[RequestListener] = []
         self._lock = threading.Lock()
         # The latest measured prefill rate, for responses that prefilled nothing themselves.
@@ -115,7 +119,7 @@ class RequestJournal:
         saved = entry.prefill_seconds_saved(self.ms_per_token)
         with self._lock:
             self._recent.append(entry)
-            key = (entry.model, entry.session)
+            key = (entry.model, entry.session, entry.domain)
             totals = self._totals.pop(key, None) or SessionTotals()
             totals.requests += 1
             totals.hits += entry.cache != "cold"
@@ -143,12 +147,12 @@ class RequestJournal:
             entries = list(self._recent)
         return entries[::-1][:limit]
 
-    def of_session(self, model: str, session: str) -> list[RequestEntry]:
+    def of_session(self, model: str, session: str, domain: str = "") -> list[RequestEntry]:
         """The session's latest requests (up to SESSION_HISTORY), oldest first."""
         with self._lock:
-            return list(self._history.get((model, session), ()))
+            return list(self._history.get((model, session, domain), ()))
 
-    def totals(self) -> dict[tuple[str, str], SessionTotals]:
+    def totals(self) -> dict[tuple[str, str, str], SessionTotals]:
         with self._lock:
             return {key: SessionTotals(**asdict(value)) for key, value in self._totals.items()}
 

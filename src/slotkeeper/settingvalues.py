@@ -44,6 +44,22 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value), ensure_ascii=False)  # a JSON string is a TOML basic string
 
 
+def _named_keys(value: Any) -> tuple[tuple[str, str], ...]:
+    """API keys with a name each (the cache domain of the requests that present it): a TOML table `[api_keys]` of
+    `name = "key"`, or `name=key,name=key` in the environment."""
+    if isinstance(value, Mapping):
+        pairs = [(str(name), str(key)) for name, key in value.items()]
+    else:
+        pairs = []
+        for item in str(value).split(","):
+            name, sep, key = item.strip().partition("=")
+            if item.strip() and not sep:
+                raise ValueError("expected name=key pairs separated by commas")
+            if sep:
+                pairs.append((name.strip(), key.strip()))
+    return tuple(pairs)
+
+
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -173,6 +189,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "upstream": lambda v: str(v).rstrip("/"),
     "session_headers": _headers,
     "allowed_hosts": _headers,
+    "api_keys": _named_keys,
     "max_body_bytes": int,
     "log_json": _bool,
     "backends": _backends,
@@ -185,7 +202,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "max_snapshot_age": parse_duration,
     "max_system_snapshots": int,
 }
-_SECRETS = frozenset({"api_key", "admin_key", "replica_secret"})
+_SECRETS = frozenset({"api_key", "admin_key", "api_keys", "replica_secret"})
 # What a TOML value may be, per setting (default: a string).
 _FILE_TYPES: dict[str, tuple[type, ...]] = {
     **{name: (int,) for name in ("port", "ctx_size", "parallel", "min_restore_tokens", "block_tokens", "max_queue",
@@ -198,6 +215,7 @@ _FILE_TYPES: dict[str, tuple[type, ...]] = {
     "keep_alive": (int, float, str),
     "session_headers": (list, str),
     "allowed_hosts": (list, str),
+    "api_keys": (dict,),
     "replicas": (list, str),
     "log_json": (bool,),
     "backends": (list,),

@@ -49,11 +49,14 @@ class CacheOutcome(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class SessionKey:
-    """A conversation's identity inside a model namespace."""
+    """A conversation's identity inside a model namespace and a cache domain: the user, tenant or application its
+    states belong to (domains.py; "" is the one domain when the operator keeps none apart). States of one
+    domain are never found, listed or restored for another."""
 
     model: str
     session_id: str
     source: IdSource = field(default=IdSource.DEFAULT, compare=False)
+    domain: str = ""
 
     @property
     def is_default(self) -> bool:
@@ -71,11 +74,17 @@ class SessionKey:
         name = f"{fingerprint}\0{self.model}\0{self.session_id}"
         if kind is not SnapshotKind.SESSION:
             name += f"\0{kind}"
+        if self.domain:
+            name += f"\0domain\0{self.domain}"
         digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
         return digest[:40]
 
+    def within(self, session_id: str, source: IdSource = IdSource.DEFAULT) -> SessionKey:
+        """Another session of the same model and domain (a system part's, a side task's, a branch's)."""
+        return SessionKey(self.model, session_id, source, self.domain)
+
     def __str__(self) -> str:
-        return f"{self.model}/{self.session_id}"
+        return f"{self.model}/{self.session_id}" + (f" [{self.domain}]" if self.domain else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +128,12 @@ class Snapshot:
     version: Version = UNVERSIONED
     # Bytes of the state's tail when it is kept as KV blocks and a tail (cache/blockstore.py); 0: kept whole.
     tail_bytes: int = 0
+    # The cache domain the state belongs to (SessionKey.domain).
+    domain: str = ""
+
+    @property
+    def key(self) -> SessionKey:
+        return SessionKey(self.model, self.session_id, domain=self.domain)
 
     @property
     def owed_tokens(self) -> int:
@@ -145,5 +160,6 @@ class TurnResult:
 # The body fields: ids of our own, OpenRouter's `session_id`, and OpenAI's `prompt_cache_key` (Codex sends its
 # thread id there), in this order.
 SESSION_BODY_FIELDS: tuple[str, ...] = ("session_id", "conversation_id", "chat_id", "id", "prompt_cache_key")
-# Body fields that are ours: removed before the request goes to the backend.
-OWN_BODY_FIELDS: frozenset[str] = frozenset(SESSION_BODY_FIELDS)
+# Body fields that are ours: removed before the request goes to the backend (`cache_salt` narrows the request's
+# cache domain: domains.py).
+OWN_BODY_FIELDS: frozenset[str] = frozenset((*SESSION_BODY_FIELDS, "cache_salt"))

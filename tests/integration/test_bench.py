@@ -434,3 +434,24 @@ def test_swap(tmp_path: Path) -> None:
     assert all(s["cache"] == "restored" for s in data["samples"] if s["target"] == "slotkeeper")
     assert positive(summary["router_load_ms"]) and positive(summary["slotkeeper_restore_ms"])
     assert all(positive(v) for v in summary["ratios"].values())
+
+
+def test_domains(tmp_path: Path) -> None:
+    """`--scenario domains` (opt-in, so run on its own): the same users' chats to llama-server alone, slotkeeper with
+    one domain, one per user, and one per user with the shared prompt pre-warmed. The counts are what the workload
+    implies: kept apart, the probe (a new user sending another's first request) is a cold prefill, where one domain
+    restores it; pre-warming the shared prompt into each domain prefills less than keeping them apart without."""
+    run = subprocess.run([sys.executable, "-m", "bench", "--scenario", "domains", "--small", "--out", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    data = load(tmp_path, "domains")
+    targets = data["summary"]["targets"]
+    assert set(targets) == {"llama-server", "one domain", "per user", "per user, pre-warmed"}
+    one, apart, warmed = targets["one domain"], targets["per user"], targets["per user, pre-warmed"]
+    assert one["probe"]["cache_n"] > 500 and one["probe"]["prompt_n"] < 16
+    assert apart["probe"]["cache_n"] == 0 and warmed["probe"]["cache_n"] == 0
+    assert apart["prefilled_tokens"] > one["prefilled_tokens"] > 0
+    assert warmed["prefilled_tokens"] < apart["prefilled_tokens"]
+    assert apart["kept"]["domains"] == data["users"] + 1 and one["kept"]["domains"] == 1
+    assert warmed["kept"]["system_states"] >= data["users"]
+    assert "## domains: what keeping users apart costs" in (tmp_path / "README.md").read_text()

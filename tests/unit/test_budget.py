@@ -35,7 +35,7 @@ def test_byte_budget_evicts_least_recently_used_until_it_fits() -> None:
 def test_active_and_pinned_snapshots_are_never_evicted() -> None:
     rows = [snap("active", NOW - 50), snap("pinned", NOW - 40, pinned=True), snap("old", NOW - 30),
             snap("new", NOW - 10)]
-    evicted = choose_evictions(rows, DiskBudget(max_bytes=100, max_age_seconds=5), {("m", "active", "session")},
+    evicted = choose_evictions(rows, DiskBudget(max_bytes=100, max_age_seconds=5), {("m", "active", "session", "")},
                                NOW)
     assert names(evicted) == ["old", "new"]  # over budget even then: what is left is protected
 

@@ -128,6 +128,10 @@ def test_side_rows_of_an_earlier_version_become_the_side_kind(tmp_path: Path, sl
 
 def test_side_keys_are_ours() -> None:
     chain = message_chain([{"role": "user", "content": "### Task: a title"}])
-    key = side_key("m", chain)
-    assert is_side_key(key.session_id) and key == side_key("m", chain)
+    owner = SessionKey("m", "chat", IdSource.HEADER)
+    key = side_key(owner, chain)
+    assert is_side_key(key.session_id) and key == side_key(owner, chain)
     assert not is_side_key("side-chat") and not is_side_key("chat")
+    # A side state is of its task's cache domain: the same task of another user names another state.
+    theirs = side_key(SessionKey("m", "chat", IdSource.HEADER, "bob"), chain)
+    assert theirs.session_id == key.session_id and theirs != key and theirs.domain == "bob"

@@ -52,6 +52,14 @@ def plan_cut(layout: SlotLayout | None, n_tokens: int, block_tokens: int) -> Cut
     return Cut(layout, block_tokens, n_blocks) if n_blocks > 0 else None
 
 
+def block_scope(fingerprint: str, domain: str) -> str:
+    """What a block's prefix is taken under: the backend's fingerprint, and the cache domain of the state it is cut
+    from, so that a save of one domain never takes another domain's stored block for its own prefix. (Blocks are
+    stored by their bytes: two domains' blocks of the same bytes are one file, and neither domain reuses the
+    other's by it; only a prefix is ever looked up.)"""
+    return f"{fingerprint}|domain={domain}" if domain else fingerprint
+
+
 def block_prefixes(tokens: Tokens, n_blocks: int, block_tokens: int, fingerprint: str,
                    layout: SlotLayout) -> list[str]:
     """The prefix of each full block: a chained xxh3-128 over the fingerprint, the shape and ggml types of the KV (so

@@ -104,7 +104,7 @@ class Bringer:
             # prompt's end): a request that leaves the slot's messages earlier than that reuses nothing of it.
             kept = 0
         system = lease.system if self._system_snapshots and not lease.side else None
-        system_key = SessionKey(key.model, system.digest) if system is not None else None
+        system_key = key.within(system.digest) if system is not None else None
         n_system = system.n_messages if system is not None else 0
         if self._policy.strategy is Strategy.KEEP_HOT and self._evidence.wanted and not key.is_default:
             # Whether this build keeps checkpoints in its slot files is learned from a save's file as it is
@@ -115,12 +115,12 @@ class Bringer:
         strategy = self._policy.strategy
         rules = Rules(strategy, self._min_restore_tokens, self._n_ctx_slot)
         # A side task has no state of its own: what its name could find is the state an identical task left.
-        named = side_key(key.model, chain) if lease.side else key
+        named = side_key(key, chain) if lease.side else key
         found = Found(None, None, [])
         if not key.is_default and strategy is not Strategy.KEEP_HOT:
             found = await self._snapshots.candidates(named, chain, None, system_key, n_system)
         if not lease.side and self._one_off(slot, lease, in_slot, shared, previous, found):
-            named, system, system_key = side_key(key.model, chain), None, None
+            named, system, system_key = side_key(key, chain), None, None
             found = await self._snapshots.candidates(named, chain, None, None, 0)
         slot_tokens = _in_slot_tokens(slot, in_slot, kept)
         if (not key.is_default and strategy is not Strategy.KEEP_HOT and tokens is not None and not extended

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from slotkeeper.types import Snapshot, SnapshotKind
 
 # (model, session id, kind): how the pool names the snapshots it must keep.
-SnapshotId = tuple[str, str, SnapshotKind]
+SnapshotId = tuple[str, str, SnapshotKind, str]  # model, session id, kind, cache domain
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,7 @@ class Eviction:
 
 
 def identity(snapshot: Snapshot) -> SnapshotId:
-    return snapshot.model, snapshot.session_id, snapshot.kind
+    return snapshot.model, snapshot.session_id, snapshot.kind, snapshot.domain
 
 
 def choose_evictions(snapshots: Sequence[Snapshot], budget: DiskBudget, protected: Collection[SnapshotId],

@@ -41,13 +41,14 @@ class BundleMeta:
     chain: tuple[Link, ...]
     n_prompt: int = 0  # the prompt tokens of the turn saved (0: not known; bundles from before it lack it)
     version: Version = UNVERSIONED  # the saved state's version (version.py; bundles from before it lack it)
+    domain: str = ""  # the cache domain it was saved in (types.SessionKey; bundles from before it lack it)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "model": self.model, "session": self.session_id,
                 "kind": str(self.kind), "fingerprint": self.fingerprint, "tokens": self.n_tokens,
                 "bytes": self.n_bytes, "checksum": self.checksum,
                 "chain": [[link.digest, link.chars] for link in self.chain], "prompt_tokens": self.n_prompt,
-                "state_version": self.version.to_json()}
+                "state_version": self.version.to_json(), "domain": self.domain}
 
     @classmethod
     def from_json(cls, data: object) -> BundleMeta:
@@ -60,14 +61,16 @@ class BundleMeta:
             chain = tuple(Link(str(d), int(c)) for d, c in data.get("chain") or [])
             return cls(str(data["model"]), str(data["session"]), SnapshotKind(data["kind"]),
                        str(data["fingerprint"]), int(data["tokens"]), int(data["bytes"]), str(data["checksum"]),
-                       chain, int(data.get("prompt_tokens") or 0), Version.from_json(data.get("state_version")))
+                       chain, int(data.get("prompt_tokens") or 0), Version.from_json(data.get("state_version")),
+                       str(data.get("domain") or ""))
         except (KeyError, TypeError, ValueError) as exc:
             raise BadRequest(f"snapshot.json of the bundle is incomplete or malformed: {exc}") from None
 
 
 def meta_of(snapshot: Snapshot, chain: list[Link]) -> BundleMeta:
     return BundleMeta(snapshot.model, snapshot.session_id, snapshot.kind, snapshot.fingerprint, snapshot.n_tokens,
-                      snapshot.n_bytes, snapshot.checksum, tuple(chain), snapshot.n_prompt, snapshot.version)
+                      snapshot.n_bytes, snapshot.checksum, tuple(chain), snapshot.n_prompt, snapshot.version,
+                      snapshot.domain)
 
 
 def write_bundle(meta: BundleMeta, slot_file: BinaryIO) -> Iterator[bytes]:

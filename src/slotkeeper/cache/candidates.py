@@ -81,7 +81,7 @@ class Lookups:
         own, fate = self._own_now(key, chain)
         found: dict[str, Candidate] = {} if own is None else {own.snapshot.filename: own}
         if chain:
-            for match in self._store.prefix_matches(key.model, self._fingerprint, chain):
+            for match in self._store.prefix_matches(key.model, self._fingerprint, chain, domain=key.domain):
                 if match.snapshot.filename not in found:
                     found[match.snapshot.filename] = Candidate(match.snapshot, match.messages, match.est_tokens,
                                                                match.whole, tier=self._tier(match.snapshot))
@@ -89,7 +89,7 @@ class Lookups:
         if tokens is not None:
             for name, candidate in list(found.items()):
                 found[name] = self._exact(candidate, tokens)
-            for token_match in self._store.best_by_tokens(key.model, self._fingerprint, tokens):
+            for token_match in self._store.best_by_tokens(key.model, self._fingerprint, tokens, key.domain):
                 snapshot = token_match.snapshot
                 if snapshot.filename in found:
                     continue

@@ -45,7 +45,7 @@ class CheckpointEvidence:
         """In the commit's worker thread, with the snapshot just committed."""
         if not self.wanted:
             return
-        key = SessionKey(snapshot.model, snapshot.session_id)
+        key = snapshot.key
         had_checkpoints = key in self._rolled_back and snapshot.kind is SnapshotKind.SESSION
         self._rolled_back.discard(key)
         if not had_checkpoints:

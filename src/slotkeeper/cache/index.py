@@ -57,7 +57,8 @@ CREATE TABLE IF NOT EXISTS snapshots (
     fence       INTEGER NOT NULL DEFAULT 0,
     stamp       INTEGER NOT NULL DEFAULT 0,
     tail_bytes  INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (model, session_id, kind)
+    domain      TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (model, session_id, kind, domain)
 );
 CREATE TABLE IF NOT EXISTS chains (
     filename    TEXT NOT NULL,
@@ -107,18 +108,18 @@ CREATE TABLE IF NOT EXISTS file_identities (
 """
 _COLUMNS = (
     "model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned,"
-    " n_prompt, fence, stamp, tail_bytes"
+    " n_prompt, fence, stamp, tail_bytes, domain"
 )
 _S_COLUMNS = ", ".join("s." + c.strip() for c in _COLUMNS.split(","))
 # Candidates are the states of every kind (conversations, system parts, side tasks): the tokens decide, not the kind.
 _PREFIX_CANDIDATES = (
     f"SELECT {_S_COLUMNS} FROM chains c CROSS JOIN snapshots s ON s.filename = c.filename"  # CROSS: chains drive
-    " WHERE c.digest = ? AND s.model = ? AND s.fingerprint = ?"
+    " WHERE c.digest = ? AND s.model = ? AND s.fingerprint = ? AND s.domain = ?"
     " ORDER BY s.last_used DESC LIMIT 8"
 )
 _BLOCK_CANDIDATES = (
     f"SELECT {_S_COLUMNS} FROM blocks b CROSS JOIN snapshots s ON s.filename = b.filename"
-    " WHERE b.digest = ? AND b.position = ? AND s.model = ? AND s.fingerprint = ?"
+    " WHERE b.digest = ? AND b.position = ? AND s.model = ? AND s.fingerprint = ? AND s.domain = ?"
     " ORDER BY s.last_used DESC LIMIT 8"
 )
 # What the states take on disk but for their blocks: a whole file, or a tail.
@@ -153,9 +154,23 @@ class SnapshotIndex:
             self._db.execute("ALTER TABLE snapshots ADD COLUMN stamp INTEGER NOT NULL DEFAULT 0")
         if "tail_bytes" not in columns:  # an index from before the block store (0: every state kept whole)
             self._db.execute("ALTER TABLE snapshots ADD COLUMN tail_bytes INTEGER NOT NULL DEFAULT 0")
+        if "domain" not in columns:  # an index from before cache domains: every state in the one domain ("")
+            self._add_domains()
         # Side tasks' states were conversations' rows under reserved ids before they became a kind of their own.
         self._db.execute("UPDATE snapshots SET kind = 'side' WHERE kind = 'session' AND session_id GLOB"
                          " '~side-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*'")
+
+    def _add_domains(self) -> None:
+        """The domain is part of a row's key (two users' chats that open alike share a derived name): SQLite
+        cannot change a primary key, so the table is made again with it, every row kept in the one domain."""
+        columns = ", ".join(c.strip() for c in _COLUMNS.split(",") if c.strip() != "domain")
+        table = _SCHEMA.split("CREATE TABLE IF NOT EXISTS snapshots", 1)[1].split(";", 1)[0]
+        with self._transaction():
+            self._db.execute(f"CREATE TABLE snapshots_domains {table}")
+            self._db.execute(f"INSERT INTO snapshots_domains ({columns}) SELECT {columns} FROM snapshots")
+            self._db.execute("DROP TABLE snapshots")
+            self._db.execute("ALTER TABLE snapshots_domains RENAME TO snapshots")
+            self._db.execute("CREATE INDEX IF NOT EXISTS snapshots_by_kind ON snapshots (kind, model)")
 
     def _forget_legacy_blocks(self) -> None:
         """An index from before blocks were named by their bytes: its states kept as blocks named them by prefix,
@@ -215,15 +230,16 @@ class SnapshotIndex:
                 replaced = self._sort_branches(key, previous, chain)
             self._db.execute(
                 "INSERT INTO snapshots (model, session_id, kind, filename, fingerprint, n_tokens, n_bytes, checksum,"
-                " created, last_used, hits, n_prompt, n_blocks, fence, stamp, tail_bytes)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?)"
-                " ON CONFLICT(model, session_id, kind) DO UPDATE SET filename=excluded.filename,"
+                " created, last_used, hits, n_prompt, n_blocks, fence, stamp, tail_bytes, domain)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT(model, session_id, kind, domain) DO UPDATE SET filename=excluded.filename,"
                 " fingerprint=excluded.fingerprint, n_tokens=excluded.n_tokens, n_bytes=excluded.n_bytes,"
                 " checksum=excluded.checksum, last_used=excluded.last_used, n_prompt=excluded.n_prompt,"
                 " n_blocks=excluded.n_blocks, fence=excluded.fence, stamp=excluded.stamp,"
                 " tail_bytes=excluded.tail_bytes",
                 (key.model, key.session_id, str(kind), filename, fingerprint, n_tokens, n_bytes, checksum, now, now,
-                 max(n_prompt, 0), 0 if blocks is None else len(blocks), version.fence, version.stamp, tail_bytes),
+                 max(n_prompt, 0), 0 if blocks is None else len(blocks), version.fence, version.stamp, tail_bytes,
+                 key.domain),
             )
             self._db.executemany("INSERT INTO block_refs (filename, position, digest, prefix) VALUES (?, ?, ?, ?)",
                                  [(filename, i, ref.digest, ref.prefix) for i, ref in enumerate(block_refs)])
@@ -246,8 +262,8 @@ class SnapshotIndex:
         replaced = []
         mark = key.session_id + BRANCH_MARK
         rows = self._db.execute(
-            f"SELECT {_COLUMNS} FROM snapshots WHERE model=? AND kind=? AND substr(session_id, 1, ?)=?",
-            (key.model, str(SnapshotKind.SESSION), len(mark), mark)).fetchall()
+            f"SELECT {_COLUMNS} FROM snapshots WHERE model=? AND domain=? AND kind=? AND substr(session_id, 1, ?)=?",
+            (key.model, key.domain, str(SnapshotKind.SESSION), len(mark), mark)).fetchall()
         for branch in (_snapshot(row) for row in rows):
             if self._begins(chain, branch.filename):
                 self._db.execute("DELETE FROM snapshots WHERE filename=?", (branch.filename,))
@@ -257,7 +273,7 @@ class SnapshotIndex:
         if self._begins(chain, previous.filename):
             return [previous, *replaced]
         name = mark + previous.filename.rsplit("-", 1)[-1].split(".", 1)[0][:8]
-        taken = self._row(SessionKey(key.model, name), SnapshotKind.SESSION)
+        taken = self._row(key.within(name), SnapshotKind.SESSION)
         if taken is not None:  # a branch whose file had the same tag (1 in 2^32): the older goes
             self._db.execute("DELETE FROM snapshots WHERE filename=?", (taken.filename,))
             replaced.append(taken)
@@ -375,15 +391,15 @@ class SnapshotIndex:
 
     def set_pinned(self, key: SessionKey, pinned: bool, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
         with self._lock:
-            self._db.execute("UPDATE snapshots SET pinned=? WHERE model=? AND session_id=? AND kind=?",
-                             (int(pinned), key.model, key.session_id, str(kind)))
+            self._db.execute("UPDATE snapshots SET pinned=? WHERE model=? AND session_id=? AND kind=? AND domain=?",
+                             (int(pinned), key.model, key.session_id, str(kind), key.domain))
             return self._row(key, kind)
 
     def mark_used(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> None:
         with self._lock:
             self._db.execute(
-                "UPDATE snapshots SET last_used=?, hits=hits+1 WHERE model=? AND session_id=? AND kind=?",
-                (time.time(), key.model, key.session_id, str(kind)),
+                "UPDATE snapshots SET last_used=?, hits=hits+1 WHERE model=? AND session_id=? AND kind=? AND domain=?",
+                (time.time(), key.model, key.session_id, str(kind), key.domain),
             )
 
     # -- reading ----------------------------------------------------------------------------------------------
@@ -417,23 +433,25 @@ class SnapshotIndex:
             rows = self._db.execute("SELECT filename FROM snapshots ORDER BY last_used").fetchall()
         return [str(row[0]) for row in rows]
 
-    def prefix_candidates(self, digest: str, model: str, fingerprint: str) -> list[Snapshot]:
-        """The rows (of every kind) of this model and backend whose chain holds `digest` (at most 8, most recently
-        used first): one indexed lookup, the chains by digest driving the join."""
+    def prefix_candidates(self, digest: str, model: str, fingerprint: str, domain: str = "") -> list[Snapshot]:
+        """The rows (of every kind) of this model, backend and cache domain whose chain holds `digest` (at most 8,
+        most recently used first): one indexed lookup, the chains by digest driving the join."""
         with self._lock:
-            rows = self._db.execute(_PREFIX_CANDIDATES, (digest, model, fingerprint)).fetchall()
+            rows = self._db.execute(_PREFIX_CANDIDATES, (digest, model, fingerprint, domain)).fetchall()
         return [_snapshot(row) for row in rows]
 
-    def deepest_blocks(self, blocks: Sequence[int], model: str, fingerprint: str) -> tuple[int, list[Snapshot]]:
-        """The states of this model and backend sharing the most leading token blocks with `blocks` (a request's
-        block hashes, tokens.py): how many blocks, and the rows (at most 8, most recently used first). A state that
-        holds block k of a request holds every block before it, so a binary search finds the deepest in about
-        log2(len(blocks)) indexed look-ups."""
+    def deepest_blocks(self, blocks: Sequence[int], model: str, fingerprint: str,
+                       domain: str = "") -> tuple[int, list[Snapshot]]:
+        """The states of this model, backend and cache domain sharing the most leading token blocks with `blocks`
+        (a request's block hashes, tokens.py): how many blocks, and the rows (at most 8, most recently used first).
+        A state that holds block k of a request holds every block before it, so a binary search finds the deepest
+        in about log2(len(blocks)) indexed look-ups."""
         low, high, found = 0, len(blocks), []
         with self._lock:
             while low < high:
                 mid = (low + high + 1) // 2  # is block mid-1 held by any state?
-                rows = self._db.execute(_BLOCK_CANDIDATES, (blocks[mid - 1], mid - 1, model, fingerprint)).fetchall()
+                rows = self._db.execute(_BLOCK_CANDIDATES,
+                                        (blocks[mid - 1], mid - 1, model, fingerprint, domain)).fetchall()
                 if rows:
                     low, found = mid, rows
                 else:
@@ -546,8 +564,8 @@ class SnapshotIndex:
 
     def _row(self, key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> Snapshot | None:
         row = self._db.execute(
-            f"SELECT {_COLUMNS} FROM snapshots WHERE model=? AND session_id=? AND kind=?",
-            (key.model, key.session_id, str(kind)),
+            f"SELECT {_COLUMNS} FROM snapshots WHERE model=? AND session_id=? AND kind=? AND domain=?",
+            (key.model, key.session_id, str(kind), key.domain),
         ).fetchone()
         return None if row is None else _snapshot(row)
 
@@ -555,6 +573,7 @@ class SnapshotIndex:
 def _snapshot(row: Sequence[Any]) -> Snapshot:
     """An index row (the columns of _COLUMNS, in order) as a Snapshot."""
     (model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits, kind, pinned,
-     n_prompt, fence, stamp, tail_bytes) = row
+     n_prompt, fence, stamp, tail_bytes, domain) = row
     return Snapshot(model, session_id, filename, fingerprint, n_tokens, n_bytes, checksum, created, last_used, hits,
-                    SnapshotKind(kind), bool(pinned), int(n_prompt), Version(int(fence), int(stamp)), int(tail_bytes))
+                    SnapshotKind(kind), bool(pinned), int(n_prompt), Version(int(fence), int(stamp)), int(tail_bytes),
+                    str(domain))

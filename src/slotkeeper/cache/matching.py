@@ -57,9 +57,10 @@ class Matching:
         self.tokens = TokenMemo(_TOKENS_KEPT)
 
     def prefix_matches(self, model: str, fingerprint: str, chain: Sequence[Link],
-                       min_messages: int = 1) -> list[PrefixMatch]:
-        """The intact states (of every kind, of this model and backend) sharing the most leading messages with
-        `chain`, at least `min_messages`: the few that hold the deepest shared position (most recently used first).
+                       min_messages: int = 1, domain: str = "") -> list[PrefixMatch]:
+        """The intact states (of every kind, of this model, backend and cache domain) sharing the most leading
+        messages with `chain`, at least `min_messages`: the few that hold the deepest shared position (most recently
+        used first).
 
         A digest covers every message up to its position, so a state that holds the request's digest at position i
         shares its first i+1 messages: positions are tried from the deepest one down, one indexed lookup each, and
@@ -68,7 +69,7 @@ class Matching:
         """
         for position in range(len(chain) - 1, max(min_messages, 1) - 2, -1):
             found = []
-            for candidate in self._index.prefix_candidates(chain[position].digest, model, fingerprint):
+            for candidate in self._index.prefix_candidates(chain[position].digest, model, fingerprint, domain):
                 snapshot = self._verified(candidate, fingerprint)
                 if snapshot is None:
                     continue
@@ -81,16 +82,17 @@ class Matching:
         return []
 
     def best_prefix(self, model: str, fingerprint: str, chain: Sequence[Link],
-                    min_messages: int = 1) -> PrefixMatch | None:
+                    min_messages: int = 1, domain: str = "") -> PrefixMatch | None:
         """The most recently used of `prefix_matches`."""
-        found = self.prefix_matches(model, fingerprint, chain, min_messages)
+        found = self.prefix_matches(model, fingerprint, chain, min_messages, domain)
         return found[0] if found else None
 
-    def best_by_tokens(self, model: str, fingerprint: str, tokens: Tokens) -> list[TokenMatch]:
-        """The intact states (of every kind) of this model and backend that share the most leading tokens with
-        `tokens`, each with exactly how many: the deepest shared token block found in the index (index.py), then the
-        states holding it compared token by token. Most shared first; empty when none shares a whole block."""
-        depth, rows = self._index.deepest_blocks(block_hashes(tokens), model, fingerprint)
+    def best_by_tokens(self, model: str, fingerprint: str, tokens: Tokens, domain: str = "") -> list[TokenMatch]:
+        """The intact states (of every kind) of this model, backend and cache domain that share the most leading
+        tokens with `tokens`, each with exactly how many: the deepest shared token block found in the index
+        (index.py), then the states holding it compared token by token. Most shared first; empty when none shares a
+        whole block."""
+        depth, rows = self._index.deepest_blocks(block_hashes(tokens), model, fingerprint, domain)
         if depth == 0:
             return []
         found = []

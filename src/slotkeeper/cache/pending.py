@@ -20,11 +20,11 @@ log = logging.getLogger("slotkeeper.pool")
 
 
 def snapshot_id(key: SessionKey, kind: SnapshotKind = SnapshotKind.SESSION) -> SnapshotId:
-    return key.model, key.session_id, kind
+    return key.model, key.session_id, kind, key.domain
 
 
 def key_of(snapshot: Snapshot) -> SessionKey:
-    return SessionKey(snapshot.model, snapshot.session_id)
+    return snapshot.key
 
 
 class PendingWrites:

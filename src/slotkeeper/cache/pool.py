@@ -65,8 +65,11 @@ class SlotPool:
     def __init__(self, n_slots: int, client: UpstreamClient, snapshots: Snapshots, fingerprint: str, n_ctx_slot: int,
                  save_idle_seconds: float = 2.0, min_restore_tokens: int = 0, max_queue: int = 0,
                  system_snapshots: bool = True, budget: DiskBudget | None = None, capability: Capability | None = None,
-                 health: BackendHealth | None = None, side_hold_seconds: float = 0.0) -> None:
-        self.slots = [SlotState(i) for i in range(n_slots)]
+                 health: BackendHealth | None = None, side_hold_seconds: float = 0.0,
+                 domains: bool = False) -> None:
+        # With cache domains kept apart (`domains`), what the slots hold at start is of no known domain: each is
+        # erased before its first request (see `_enter_domain`).
+        self.slots = [SlotState(i, domain=None if domains else "") for i in range(n_slots)]
         self.client = client
         self._min_restore_tokens = min_restore_tokens
         self._max_queue = max_queue
@@ -85,6 +88,8 @@ class SlotPool:
         self.policy = RestorePolicy(capability or Capability("", ArchKind.UNKNOWN, None))
         self.evidence = CheckpointEvidence(self.policy, snapshots.appendix_extent)
         self.events = CacheEvents()
+        # Slots erased because a request of another cache domain came to them (`_enter_domain`).
+        self.domain_erases = 0
         # The one holder of the snapshots: the pool saves and looks up through it, and so does the web layer.
         self.snapshots = snapshots
         self.saver = Saver(client, snapshots, self.evidence, self.policy, self.slots)
@@ -151,11 +156,28 @@ class SlotPool:
         try:
             if previous is not None and previous_dirty:
                 lease.cache.save_ms = await self.saver.save(slot.slot_id, previous, held, wait=False)
+            if await self._enter_domain(slot, key.domain):
+                in_slot, extended = [], False
             await self.bringer.bring_in(slot, lease, in_slot, previous, extended, tokens)
         except BaseException:
             lease.release(TurnEnd.FAILED)
             raise
         return lease
+
+    async def _enter_domain(self, slot: SlotState, domain: str) -> bool:
+        """The slot is about to run a request of cache domain `domain`: when what it holds is another domain's
+        (saved by then, if it had changed), erase it on the backend, which would otherwise reuse the tokens the two
+        share (and answer faster: a side channel). True when it was erased. When the erase fails the request fails
+        too (UpstreamError): it must not run over another domain's tokens."""
+        if slot.domain == domain:
+            return False
+        await self.client.slot_action(slot.slot_id, "erase")  # raised: the lease fails, and the slot is reset
+        slot.chain, slot.tokens, slot.n_tokens, slot.n_prompt, slot.cut = [], None, 0, 0, None
+        slot.replay, slot.at_prompt_end = None, False
+        slot.domain = domain
+        self.domain_erases += 1
+        log.debug("slot %d erased: it held another cache domain's tokens", slot.slot_id)
+        return True
 
     def _may_be_followed(self) -> bool:
         """Whether a conversation's request may follow a side task: none is running, and none was just answered."""
@@ -186,7 +208,7 @@ class SlotPool:
             return None
         # An idle slot holding a state the request extends (whatever its name: a client that changed its id); then
         # an empty slot; then the least recently used one.
-        extended = [s for s in idle if s.chain and _extends(s.chain, chain, own=False)]
+        extended = [s for s in idle if s.chain and s.domain == key.domain and _extends(s.chain, chain, own=False)]
         if extended:
             return max(extended, key=lambda s: len(s.chain))
         return min(idle, key=lambda s: (s.occupant is not None, s.last_used))
@@ -290,23 +312,26 @@ class SlotPool:
             return
         if n_prompt < 2 * max(self._min_restore_tokens, SIDE_MIN_TOKENS):
             return
-        slot.occupant, slot.kind, slot.dirty = side_key(lease.key.model, lease.chain), SnapshotKind.SIDE, True
+        slot.occupant, slot.kind, slot.dirty = side_key(lease.key, lease.chain), SnapshotKind.SIDE, True
         slot.chain, slot.tokens = lease.chain, lease.tokens
         slot.n_tokens, slot.n_prompt = n_tokens or n_prompt, n_prompt
 
-    async def warm_lease(self, model: str, system: SystemPrompt) -> SlotLease:
-        """Lease a slot to warm `system` up ahead of time (an operator's pre-warm). The lease's `existing` is the
-        system snapshot already on disk, if any (then there is nothing to do). Release it like a side request."""
+    async def warm_lease(self, model: str, system: SystemPrompt, domain: str = "") -> SlotLease:
+        """Lease a slot to warm `system` up ahead of time (an operator's pre-warm) in cache domain `domain`. The
+        lease's `existing` is the system snapshot already on disk, if any (then there is nothing to do). Release it
+        like a side request."""
         slot = await self._take(self._choose_side, bounded=True)
         previous, previous_dirty, held = slot.occupant, slot.dirty, Held.of(slot)
         slot.occupant, slot.dirty = None, False
         slot.generation += 1
-        key = SessionKey(model, system.digest)
+        key = SessionKey(model, system.digest, domain=domain)
         lease = SlotLease(slot.slot_id, key, side=True, chain=system.chain(), system=system, _release=self._finish)
         try:
             lease.existing = await self.snapshots.system(key)
             if lease.existing is None and previous is not None and previous_dirty:
                 lease.cache.save_ms = await self.saver.save(slot.slot_id, previous, held, wait=False)
+            if lease.existing is None:
+                await self._enter_domain(slot, domain)
         except BaseException:
             lease.release(TurnEnd.FAILED)
             raise

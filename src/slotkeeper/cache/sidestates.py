@@ -28,8 +28,8 @@ def is_side_key(session_id: str) -> bool:
     return _ID.fullmatch(session_id) is not None
 
 
-def side_key(model: str, chain: Sequence[Link]) -> SessionKey:
-    """The name of the side state a task of this message chain leaves: a hash of the chain's last position (which
-    covers the tools and every message)."""
+def side_key(owner: SessionKey, chain: Sequence[Link]) -> SessionKey:
+    """The name of the side state a task of this message chain leaves (in the model and cache domain of `owner`,
+    the request's session): a hash of the chain's last position (which covers the tools and every message)."""
     digest = hashlib.sha256(chain[-1].digest.encode() if chain else b"").hexdigest()[:16]
-    return SessionKey(model, _PREFIX + digest, IdSource.ROUTE)
+    return owner.within(_PREFIX + digest, IdSource.ROUTE)

@@ -54,6 +54,10 @@ class SlotState:
     # The session a conversation's request was handed this slot for, from the step that handed it out until the
     # lease ends: a second request of that session waits for this slot rather than take another (pool.py).
     claimed: SessionKey | None = None
+    # The cache domain of what the slot holds (SessionKey.domain; None: not known, as at start when domains are
+    # kept apart): a request of another domain gets it erased first, so that the backend reuses nothing of it
+    # (pool.py).
+    domain: str | None = ""
 
 
 @dataclass

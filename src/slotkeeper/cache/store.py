@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from slotkeeper.cache.assembly import Assembly
+from slotkeeper.cache.blocks import block_scope
 from slotkeeper.cache.blockstore import BLOCK_HEADER_BYTES, TAIL_SUFFIX, BlockStore, Split, SplitFailed
 from slotkeeper.cache.budget import DiskBudget, Eviction, SnapshotId, choose_evictions
 from slotkeeper.cache.chain import Link
@@ -117,7 +118,7 @@ class SnapshotStore:
         source = (self.ram.path if in_ram and self.ram is not None else self.slot_dir) / temp_name
         tokens = read_tokens(source)
         try:
-            split = self._split(source, final_name, tokens, fingerprint, n_written)
+            split = self._split(source, final_name, tokens, block_scope(fingerprint, key.domain), n_written)
         except OSError as exc:
             self.discard_temp(temp_name)
             self.blocks.remove_tail(final_name)
@@ -171,13 +172,14 @@ class SnapshotStore:
         if in_ram:
             self.trim_ram()
 
-    def _split(self, source: Path, final_name: str, tokens: Tokens | None, fingerprint: str,
+    def _split(self, source: Path, final_name: str, tokens: Tokens | None, scope: str,
                n_written: int | None) -> Split | None:
-        """Store a save as KV blocks and a tail (blockstore.py); None when it is kept whole."""
+        """Store a save as KV blocks and a tail (blockstore.py), its blocks' prefixes under `scope` (the fingerprint
+        and the cache domain: blocks.py); None when it is kept whole."""
         if self.blocks.block_tokens <= 0:
             return None
         _check_size(source.stat().st_size, n_written)
-        return self.blocks.split(source, final_name, tokens, fingerprint, self._index.stored_for)
+        return self.blocks.split(source, final_name, tokens, scope, self._index.stored_for)
 
     def _commit_split(self, key: SessionKey, kind: SnapshotKind, temp_name: str, final_name: str, fingerprint: str,
                       n_tokens: int, split: Split, refs: Sequence[BlockRef], in_ram: bool, chain: Sequence[Link],
@@ -278,15 +280,15 @@ class SnapshotStore:
     # the look-ups by shared prefix (matching.py)
 
     def prefix_matches(self, model: str, fingerprint: str, chain: Sequence[Link],
-                       min_messages: int = 1) -> list[PrefixMatch]:
-        return self._matching.prefix_matches(model, fingerprint, chain, min_messages)
+                       min_messages: int = 1, domain: str = "") -> list[PrefixMatch]:
+        return self._matching.prefix_matches(model, fingerprint, chain, min_messages, domain)
 
     def best_prefix(self, model: str, fingerprint: str, chain: Sequence[Link],
-                    min_messages: int = 1) -> PrefixMatch | None:
-        return self._matching.best_prefix(model, fingerprint, chain, min_messages)
+                    min_messages: int = 1, domain: str = "") -> PrefixMatch | None:
+        return self._matching.best_prefix(model, fingerprint, chain, min_messages, domain)
 
-    def best_by_tokens(self, model: str, fingerprint: str, tokens: Tokens) -> list[TokenMatch]:
-        return self._matching.best_by_tokens(model, fingerprint, tokens)
+    def best_by_tokens(self, model: str, fingerprint: str, tokens: Tokens, domain: str = "") -> list[TokenMatch]:
+        return self._matching.best_by_tokens(model, fingerprint, tokens, domain)
 
     def tokens_of(self, snapshot: Snapshot) -> Tokens | None:
         return self._matching.tokens_of(snapshot)

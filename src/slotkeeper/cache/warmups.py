@@ -69,7 +69,7 @@ class WarmUps:
         assert system is not None
         self.warm_ups += 1
         slot = self._slots[lease.slot_id]
-        return await self._save_part(slot, lease.key.model, system, n_tokens, wait, lease)
+        return await self._save_part(slot, lease.key, system, n_tokens, wait, lease)
 
     def failed(self, lease: SlotLease) -> None:
         """The warm-up request failed: nothing is saved, and the slot's content is not known any more."""
@@ -97,7 +97,7 @@ class WarmUps:
             await self._snapshots.settle(key)
             if self._policy.strategy is Strategy.KEEP_HOT or not still_idle():
                 return  # under keep-hot no state is restored: a system state could never help
-        if await self._snapshots.get(SessionKey(key.model, system.digest), SnapshotKind.SYSTEM) is not None:
+        if await self._snapshots.get(key.within(system.digest), SnapshotKind.SYSTEM) is not None:
             return  # another slot's cut saved it meanwhile
         if not still_idle():
             return  # a request took the slot meanwhile; a later turn on this system part is marked for the cut again
@@ -112,7 +112,7 @@ class WarmUps:
                                                      "was saved for later conversations")
             n_tokens = await cut_to(self._client, slot.slot_id, prefix)
             self.cuts += 1
-            await self._save_part(slot, key.model, system, n_tokens, wait=False)
+            await self._save_part(slot, key, system, n_tokens, wait=False)
             log.info("slot %d cut back to system prompt %s after %s's turn: %d tokens in %.0f ms", slot.slot_id,
                      system.short_id, key.session_id, n_tokens, (time.perf_counter() - started) * 1000)
         except SlotkeeperError as exc:
@@ -123,9 +123,10 @@ class WarmUps:
         finally:
             self._give_back(slot)
 
-    async def _save_part(self, slot: SlotState, model: str, system: SystemPrompt, n_tokens: int, wait: bool,
+    async def _save_part(self, slot: SlotState, owner: SessionKey, system: SystemPrompt, n_tokens: int, wait: bool,
                          lease: SlotLease | None = None) -> Snapshot | None:
-        """The slot holds exactly `system`'s part (`n_tokens`): save it as a system state, unless it is too short."""
+        """The slot holds exactly `system`'s part (`n_tokens`): save it as a system state (in `owner`'s model and
+        cache domain), unless it is too short."""
         slot.chain = system.chain()
         slot.n_tokens = slot.n_prompt = n_tokens
         slot.replay, slot.at_prompt_end, slot.tokens = None, True, None
@@ -134,7 +135,7 @@ class WarmUps:
             log.info("system prompt %s has %d tokens, fewer than --min-restore-tokens: no system snapshot",
                      system.short_id, n_tokens)
             return None
-        key = SessionKey(model, system.digest)
+        key = owner.within(system.digest)
         waited = await self._saver.save(slot.slot_id, key, Held.of(slot), SnapshotKind.SYSTEM, wait=wait)
         if lease is not None:
             lease.cache.save_ms += waited

@@ -111,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", metavar="KEY", help="require this key on the model routes")
     serve.add_argument("--admin-key", metavar="KEY",
                        help="require this key on /api/sessions and the other admin routes (default: the API key)")
+    serve.add_argument("--user-header", metavar="NAME",
+                       help="the header a trusted front end forwards its user in (OpenWebUI: X-OpenWebUI-User-Id); "
+                       "each user's states are then kept apart from every other's; needs an API key. Named keys, "
+                       "one cache domain each, go in the config file's [api_keys] table (docs/domains.md)")
     serve.add_argument("--allowed-hosts", action="append", metavar="NAME",
                        help="Host header names accepted besides loopback ones (repeatable; needed when listening "
                        "on a network address, to keep the DNS-rebinding check)")

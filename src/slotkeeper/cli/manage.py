@@ -74,6 +74,9 @@ def add_commands(sub: Any) -> None:
                          "tools have input_schema, else openai; the three render some prompts differently)")
     prewarm.add_argument("--model", help="the model namespace (default: the served model)")
     prewarm.add_argument("--pin", action="store_true", help="keep the snapshot from the disk budget")
+    prewarm.add_argument("--domain", default="", metavar="DOMAIN",
+                         help="the cache domain to keep it in (a key's name, `team/user=ID`; default: the one domain "
+                         "of requests nothing keeps apart); a prompt shared on purpose is pre-warmed into each")
 
     several = sub.add_parser("backends", help="a model on several backends: list them, drain one, put it back",
                              description="The backends of a model that runs on several ([[backends]] tables of one "
@@ -188,7 +191,12 @@ def _ls(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     rows = [[s["session"], s["model"], s["kind"], s["tokens"], human_bytes(s["bytes"]), since(s["last_used"]),
              s["hits"], "yes" if s["pinned"] else "no", "" if s["hot_in_slot"] is None else s["hot_in_slot"]]
             for s in sessions]
-    print(table(["SESSION", "MODEL", "KIND", "TOKENS", "SIZE", "LAST USED", "HITS", "PINNED", "SLOT"], rows), file=out)
+    header = ["SESSION", "MODEL", "KIND", "TOKENS", "SIZE", "LAST USED", "HITS", "PINNED", "SLOT"]
+    if any(s.get("domain") for s in sessions):  # users kept apart (docs/domains.md): whose each one is
+        header.insert(1, "DOMAIN")
+        for row, s in zip(rows, sessions, strict=True):
+            row.insert(1, s.get("domain") or '""')
+    print(table(header, rows), file=out)
     total = sum(s["bytes"] for s in sessions)
     print(f"{len(sessions)} session(s), {human_bytes(total)} in {data['slot_dir']}", file=out)
     _model_states(client, out)
@@ -317,6 +325,8 @@ def _prewarm_body(args: argparse.Namespace) -> dict[str, Any]:
         body["model"] = args.model
     if args.pin:
         body["pin"] = True
+    if args.domain:
+        body["domain"] = args.domain
     body["stream"] = True
     return body
 

@@ -31,6 +31,8 @@ class PrewarmRequest(BaseModel):
     stream: bool = False
     # Never evicted by the disk budget.
     pin: bool = False
+    # The cache domain to keep it in (domains.py): a prompt shared on purpose is pre-warmed into each.
+    domain: str = ""
 
 
 def parse_prewarm_request(body: Mapping[str, Any]) -> PrewarmRequest:

@@ -136,7 +136,7 @@ class BackendGroup:
             await self._bring_newest(key, member, choice)
         prompt = system() if choice.previous is None and system is not None and member.pool.system_snapshots else None
         if prompt is not None:
-            await self._bring_system(SessionKey(key.model, prompt.digest), member)
+            await self._bring_system(key.within(prompt.digest), member)
         return member
 
     async def _bring_system(self, key: SessionKey, dest: Member) -> None:
@@ -240,12 +240,12 @@ class BackendGroup:
         return await run(await self.owner_for(key, exclude=frozenset({member.backend.url}), at=again))
 
     async def prewarm(self, model: str, system: SystemPrompt, progress: ProgressCallback | None = None,
-                      pin: bool = False) -> Prewarm:
+                      pin: bool = False, domain: str = "") -> Prewarm:
         """Warm the system prompt up on the member its conversations go to first."""
         up = {m.backend.url for m in self.members if m.service.health.up}
         order = self.placement.walk(f"sys-{system.digest}")
         first = next((name for name in order if name in up), order[0])
-        return await self._by_name[first].service.prewarm(model, system, progress, pin)
+        return await self._by_name[first].service.prewarm(model, system, progress, pin, domain)
 
 
 class Pinned:
@@ -269,8 +269,8 @@ class Pinned:
                                             at=self.url, reroute=self.reroute)
 
     async def prewarm(self, model: str, system: SystemPrompt, progress: ProgressCallback | None = None,
-                      pin: bool = False) -> Prewarm:
-        return await self.group.prewarm(model, system, progress, pin)
+                      pin: bool = False, domain: str = "") -> Prewarm:
+        return await self.group.prewarm(model, system, progress, pin, domain)
 
 
 def _system_part(body: Mapping[str, Any]) -> SystemPrompt | None:

@@ -7,6 +7,7 @@ users were promised (README "Session rules").
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 import secrets
@@ -62,8 +63,10 @@ def resolve_session(
     opening: object = None,
     reply: object = None,
     first_turn_tag: str | None = None,
+    domain: str = "",
 ) -> SessionKey:
-    """Return the session a request belongs to.
+    """Return the session a request belongs to, in cache domain `domain` (domains.py: the same id or the same
+    messages name another session in another domain).
 
     `headers` must be case-insensitive or lower-cased. `system_texts` are the texts of the request's system prompt
     in order, `opening` is the conversation's first message after it and `reply` the first answer to that (the
@@ -86,9 +89,12 @@ def resolve_session(
         if agent is not None:
             value = f"{value}.agent-{agent}"
         if _ECHOED_SHAPE.fullmatch(value):
-            return _echoed(value, where, model, system_texts, opening, reply, first_turn_tag)
-        return SessionKey(model, _checked(value, where), source)
-    return _derived(model, system_texts, opening, reply, first_turn_tag)
+            key = _echoed(value, where, model, system_texts, opening, reply, first_turn_tag)
+        else:
+            key = SessionKey(model, _checked(value, where), source)
+    else:
+        key = _derived(model, system_texts, opening, reply, first_turn_tag)
+    return dataclasses.replace(key, domain=domain) if domain else key
 
 
 # The names `_derived` makes: `sys-<16 hex>`, `sys-<16 hex>.c<12 hex>`, `chat-<16 hex>`.

@@ -87,7 +87,7 @@ class TurnRecord:
             cache.restored_tokens, cache.restore_ms, cache.save_ms, _int(t.get("cache_n")),
             _int(t.get("prompt_n")), _int(t.get("predicted_n")), _float(t.get("prompt_ms")), self.status, end.value,
             (time.perf_counter() - self.started) * 1000, restored_from=cache.restored_from, why=str(cache.why),
-            why_detail=cache.detail, decide_ms=cache.decide_ms,
+            why_detail=cache.detail, decide_ms=cache.decide_ms, domain=self.key.domain,
         )
         log.info("%s", entry.log_line(), extra={"request": entry})
         if self.journal is not None:
@@ -231,7 +231,7 @@ class TurnService:
         try:
             await self.shared.bring(key, SnapshotKind.SESSION)
             if system is not None and self.pool.system_snapshots and await self.pool.snapshots.get(key) is None:
-                system_key = SessionKey(key.model, system.digest)
+                system_key = key.within(system.digest)
                 if await self.pool.snapshots.system(system_key, checked=False) is None:
                     await self.shared.bring(system_key, SnapshotKind.SYSTEM)
         except Exception as exc:  # the shared tier must never fail a turn
@@ -239,16 +239,16 @@ class TurnService:
                         key, exc.message if isinstance(exc, SlotkeeperError) else repr(exc))
 
     async def prewarm(self, model: str, system: SystemPrompt, progress: ProgressCallback | None = None,
-                      pin: bool = False) -> Prewarm:
-        """Warm a system prompt up ahead of time and keep it as its system snapshot (an operator's pre-warm);
-        `pin` keeps it from the disk budget.
+                      pin: bool = False, domain: str = "") -> Prewarm:
+        """Warm a system prompt up ahead of time and keep it as its system snapshot (an operator's pre-warm) in
+        cache domain `domain`; `pin` keeps it from the disk budget.
 
         Raises the backend's error when the warm-up fails; nothing is saved then.
         """
         leave = await self._backend_up(None)
         try:
             started = time.perf_counter()
-            held = await self.pool.warm_lease(model, system)
+            held = await self.pool.warm_lease(model, system, domain)
             end = TurnEnd.FAILED
             try:
                 snapshot = held.existing if held.existing is not None else await self._warm_up(held, progress)
@@ -262,7 +262,7 @@ class TurnService:
             return Prewarm(system.digest, "too-short", self.pool.slots[held.slot_id].n_tokens, 0, False,
                            _ms_since(started))
         if pin:
-            key = SessionKey(snapshot.model, snapshot.session_id)
+            key = snapshot.key
             snapshot = await self.pool.snapshots.set_pinned(key, True, snapshot.kind) or snapshot
         status = "exists" if held.existing is not None else "saved"
         return Prewarm(system.digest, status, snapshot.n_tokens, snapshot.n_bytes, snapshot.pinned,

@@ -89,6 +89,8 @@ def embedded_argv(settings: Settings, model: Path, port: int, slot_dir: Path) ->
     ]
     if settings.cache_ram_mib is not None:
         argv += ["--cache-ram", str(settings.cache_ram_mib)]
+    elif settings.domains:  # its own RAM cache would hand one cache domain's prompt to another
+        argv += ["--cache-ram", "0"]
     if settings.model_alias:
         argv += ["--alias", settings.model_alias]
     return argv

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,12 @@ from fastapi import APIRouter, Request
 
 from slotkeeper import __version__
 from slotkeeper.dialects.openai import parse_body
+from slotkeeper.domains import checked_domain, sees
 from slotkeeper.errors import BadRequest, NotFound
-from slotkeeper.journal import RECENT_REQUESTS
+from slotkeeper.journal import RECENT_REQUESTS, RequestEntry
 from slotkeeper.serving.swaps import ModelStatus
 from slotkeeper.web.openapi import json_body
+from slotkeeper.web.security import caller
 from slotkeeper.web.state import AppState, app_state, backends
 
 router = APIRouter(prefix="/api")
@@ -30,7 +33,8 @@ _DRAIN = {"type": "object", "required": ["backend"],
 @router.get("/requests/recent")
 async def recent_requests(request: Request) -> dict[str, Any]:
     """The recent requests of one backend (`?model=NAME`) or, without it, of every backend, newest first;
-    `?session=ID`: that session's latest requests only."""
+    `?session=ID`: that session's latest requests only. A caller sees its own cache domain's (and the domains
+    below it: domains.py), the admin every domain's; `?domain=D` names a session's domain."""
     model = request.query_params.get("model")
     states = backends(request).members_of(model)
     try:
@@ -38,20 +42,24 @@ async def recent_requests(request: Request) -> dict[str, Any]:
     except ValueError:
         limit = RECENT_REQUESTS
     journals = [state.service.journal for state in states]
+    who = caller(request.scope)
     session = request.query_params.get("session")
     if session is not None:  # one session's latest requests (kept apart from the ring of all requests)
-        found = (e for state in states for e in state.service.journal.of_session(state.backend.model_id, session))
+        domain = checked_domain(request.query_params.get("domain", who.domain))
+        found: Iterable[RequestEntry] = (e for state in states
+                                         for e in state.service.journal.of_session(state.backend.model_id, session,
+                                                                                   domain))
     else:
-        found = (e for j in journals for e in j.recent(limit))
-    entries = sorted(found, key=lambda e: e.time, reverse=True)[:limit]
-    totals = [item for j in journals for item in j.totals().items()]
+        found = (e for j in journals for e in j.recent(RECENT_REQUESTS))
+    entries = sorted((e for e in found if sees(who, e.domain)), key=lambda e: e.time, reverse=True)[:limit]
+    totals = [item for j in journals for item in j.totals().items() if sees(who, item[0][2])]
     return {
         "requests": [entry.to_json() for entry in entries],
         "session_totals": [
-            {"model": name, "session": session, "requests": t.requests, "hits": t.hits,
+            {"model": name, "session": session, "domain": domain, "requests": t.requests, "hits": t.hits,
              "tokens_reused": t.tokens_reused, "tokens_prefilled": t.tokens_prefilled,
              "seconds_saved": round(t.seconds_saved, 3), "last_request": t.last_request}
-            for (name, session), t in totals
+            for (name, session, domain), t in totals
         ],
         "ms_per_token": journals[0].ms_per_token if journals else None,
     }

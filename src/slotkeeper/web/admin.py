@@ -8,9 +8,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from slotkeeper.cache.operations import clear, clear_slot
+from slotkeeper.domains import checked_domain, sees
 from slotkeeper.errors import BadRequest, NotFound
 from slotkeeper.serving.identity import session_group
 from slotkeeper.types import IdSource, SessionKey, Snapshot, SnapshotKind
+from slotkeeper.web.security import caller
 from slotkeeper.web.state import AppState, app_state, backends, caught_up
 
 router = APIRouter(prefix="/api/sessions")
@@ -25,13 +27,14 @@ async def list_sessions(request: Request) -> dict[str, Any]:
     group = request.query_params.get("group")
     served = backends(request)
     states = served.members_of(model)
+    who = caller(request.scope)  # each caller lists its own cache domain's (the admin every domain's)
     sessions = []
     for state in states:
         # A router's models share one store: each lists its own.
         own = state.backend.model_id if served.taking_turns is not None else None
         snapshots = await state.snapshots.list(own, kind)
-        sessions += [_snapshot_json(s, _hot_slot(state, s.model, s.session_id)) for s in snapshots
-                     if group is None or session_group(s.session_id) == group]
+        sessions += [_snapshot_json(s, _hot_slot(state, s.key)) for s in snapshots
+                     if (group is None or session_group(s.session_id) == group) and sees(who, s.domain)]
     sessions.sort(key=lambda s: s["last_used"], reverse=True)
     # A router's models before the first is loaded: its slot dir.
     slot_dir = states[0].snapshots.slot_dir if states or served.taking_turns is None else served.taking_turns.slot_dir
@@ -121,12 +124,12 @@ async def unpin(session_id: str, request: Request) -> dict[str, Any]:
 async def _set_pinned(session_id: str, request: Request, pinned: bool) -> dict[str, Any]:
     """Pin (never evicted by the disk budget) or unpin a snapshot; `?kind=system` for a system prompt's."""
     state = app_state(request, request.query_params.get("model"))
-    key = _key(state, session_id, request)
+    key = scoped_key(state, session_id, request)
     kind = one_kind(request)
     snapshot = await state.snapshots.set_pinned(key, pinned, kind)
     if snapshot is None:
         raise NotFound(f"no {kind} snapshot '{session_id}'")
-    return _snapshot_json(snapshot, _hot_slot(state, key.model, key.session_id))
+    return _snapshot_json(snapshot, _hot_slot(state, key))
 
 
 @router.post("/clear")
@@ -145,18 +148,19 @@ async def clear_slots(request: Request) -> dict[str, Any]:
 @router.get("/{session_id:path}")
 async def get_session(session_id: str, request: Request) -> dict[str, Any]:
     state = app_state(request, request.query_params.get("model"))
-    key = _key(state, session_id, request)
+    key = scoped_key(state, session_id, request)
     kind = one_kind(request)
     snapshot = await state.snapshots.get(key, kind)
     if kind is SnapshotKind.SYSTEM:
         if snapshot is None:
             raise NotFound(f"no {kind} snapshot '{session_id}'")
         return _snapshot_json(snapshot, None)
-    hot = _hot_slot(state, key.model, key.session_id)
+    hot = _hot_slot(state, key)
     if snapshot is None and hot is None:
         raise NotFound(f"session '{session_id}' not found")
     if snapshot is None:
-        return {"session": key.session_id, "model": key.model, "hot_in_slot": hot, "file": None}
+        return {"session": key.session_id, "model": key.model, "domain": key.domain, "hot_in_slot": hot,
+                "file": None}
     return _snapshot_json(snapshot, hot)
 
 
@@ -164,7 +168,7 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
 async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
     """Delete a session's snapshot (and stop saving it from a slot); `?kind=system` a system prompt's."""
     state = app_state(request, request.query_params.get("model"))
-    key = _key(state, session_id, request)
+    key = scoped_key(state, session_id, request)
     kind = one_kind(request)
     if kind is SnapshotKind.SESSION:
         state.pool.forget(key)
@@ -176,9 +180,17 @@ async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
             "bytes": removed.n_bytes}
 
 
-def _key(state: AppState, session_id: str, request: Request) -> SessionKey:
+def scoped_key(state: AppState, session_id: str, request: Request) -> SessionKey:
+    """The session a route of the session API names: in the caller's cache domain, or with `?domain=D` in D when
+    the caller may see it (the admin any; anyone else one below their own). A domain the caller may not see is
+    answered as a session that does not exist."""
     model = request.query_params.get("model") or state.backend.model_id
-    return SessionKey(model, session_id, IdSource.HEADER)
+    who = caller(request.scope)
+    asked = request.query_params.get("domain")
+    domain = who.domain if asked is None else checked_domain(asked)
+    if not sees(who, domain):
+        raise NotFound(f"session '{session_id}' not found")
+    return SessionKey(model, session_id, IdSource.HEADER, domain)
 
 
 def _kind_filter(request: Request) -> SnapshotKind | None:
@@ -207,9 +219,9 @@ def _slot_number(value: str) -> int:
         raise BadRequest(f"slot must be a slot number (0, 1, ...), not {value!r}") from None
 
 
-def _hot_slot(state: AppState, model: str, session_id: str) -> int | None:
+def _hot_slot(state: AppState, key: SessionKey) -> int | None:
     for slot in state.pool.slots:
-        if slot.occupant is not None and slot.occupant.model == model and slot.occupant.session_id == session_id:
+        if slot.occupant == key:
             return slot.slot_id
     return None
 
@@ -220,6 +232,8 @@ def _snapshot_json(snapshot: Snapshot, hot_slot: int | None) -> dict[str, Any]:
         # The system prompt group of a conversation known by its messages (sys-<hash>), else null.
         "group": session_group(snapshot.session_id) if snapshot.kind is SnapshotKind.SESSION else None,
         "model": snapshot.model,
+        # The cache domain it belongs to ("": the one domain of requests nothing keeps apart).
+        "domain": snapshot.domain,
         "file": snapshot.filename,
         "bytes": snapshot.n_bytes,
         # "blocks": kept as KV blocks shared with other states and a tail of `tail_bytes` (cache/blockstore.py).

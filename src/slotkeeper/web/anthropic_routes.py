@@ -18,6 +18,7 @@ from slotkeeper.serving.identity import is_side_task, resolve_session
 from slotkeeper.serving.service import StreamTurn
 from slotkeeper.web.openapi import JSON, answers, json_body
 from slotkeeper.web.replicas import turns_for
+from slotkeeper.web.security import domain_of
 from slotkeeper.web.state import turn_state
 from slotkeeper.web.streaming import TurnStreamResponse
 
@@ -37,6 +38,7 @@ async def create_message(request: Request) -> Response:
         state.backend.model_id, request.headers, raw, anthropic.system_texts(message),
         state.settings.session_headers, hint=anthropic.session_from_user_id(anthropic.metadata_user_id(message)),
         opening=openai.opening(chat.get("messages")), reply=openai.first_reply(chat.get("messages")),
+        domain=domain_of(request.scope, raw),
     )
     side = (is_side_task(request.headers, raw.get("messages"), message.stream)
             or anthropic.is_side_request(request.headers, message))

@@ -33,7 +33,7 @@ from slotkeeper.web.openapi import SlotkeeperAPI
 from slotkeeper.web.replicas import Replicas, join_replicas
 from slotkeeper.web.routermode import RouterRuntime, start_runtime
 from slotkeeper.web.runtime import RunningBackend, form_groups
-from slotkeeper.web.security import Guard
+from slotkeeper.web.security import Guard, Keys
 from slotkeeper.web.state import Backends, backends
 
 log = logging.getLogger("slotkeeper")
@@ -118,8 +118,9 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse(body, status_code=200 if up else 503)
 
     app.add_middleware(
-        Guard, bind_host=settings.host, allowed_hosts=settings.allowed_hosts, api_key=settings.api_key,
-        admin_key=settings.admin_key, max_body_bytes=settings.max_body_bytes,
+        Guard, bind_host=settings.host, allowed_hosts=settings.allowed_hosts,
+        keys=Keys(settings.api_key, settings.admin_key, settings.api_keys, settings.user_header),
+        max_body_bytes=settings.max_body_bytes,
     )
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)

@@ -17,9 +17,10 @@ from slotkeeper.cache.chain import infill_chain
 from slotkeeper.dialects import llama, openai
 from slotkeeper.errors import Overloaded, SlotkeeperError
 from slotkeeper.serving.identity import is_side_task, resolve_session
-from slotkeeper.types import IdSource, SessionKey
+from slotkeeper.types import IdSource
 from slotkeeper.web.openapi import JSON, answers, json_body
 from slotkeeper.web.replicas import turns_for
+from slotkeeper.web.security import domain_of
 from slotkeeper.web.state import app_state, turn_state
 from slotkeeper.web.streaming import TurnStreamResponse
 
@@ -105,9 +106,10 @@ async def _turn(request: Request, path: str, api: str, check: Callable[[Mapping[
     check(body)
     state = await turn_state(request, _model_of(body))
     model = state.backend.model_id
-    key = resolve_session(model, request.headers, body, [], state.settings.session_headers)
+    key = resolve_session(model, request.headers, body, [], state.settings.session_headers,
+                          domain=domain_of(request.scope, body))
     if infill and key.is_default:
-        key = SessionKey(model, INFILL_SESSION, IdSource.ROUTE)
+        key = key.within(INFILL_SESSION, IdSource.ROUTE)
     stream = bool(body.get("stream"))
     side = is_side_task(request.headers, None, stream)
     # response_fields is applied here, not by the backend, so the turn's timings are seen (the cache's record of it)

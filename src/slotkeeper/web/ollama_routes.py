@@ -27,6 +27,7 @@ from slotkeeper.types import BackendInfo, SessionKey
 from slotkeeper.web.openapi import JSON as JSON_TYPE
 from slotkeeper.web.openapi import answers, json_body
 from slotkeeper.web.replicas import turns_for
+from slotkeeper.web.security import domain_of
 from slotkeeper.web.state import AppState, Backends, backends
 from slotkeeper.web.streaming import TurnStreamResponse
 
@@ -218,7 +219,7 @@ def _load_ns(record: TurnRecord) -> int:
 def _session(request: Request, state: AppState, body: Mapping[str, Any], messages: Any) -> SessionKey:
     return resolve_session(state.backend.model_id, request.headers, body, openai.system_texts(messages),
                            state.settings.session_headers, opening=openai.opening(messages),
-                           reply=openai.first_reply(messages))
+                           reply=openai.first_reply(messages), domain=domain_of(request.scope, body))
 
 
 def _sampling(req: ChatRequest | GenerateRequest, state: AppState) -> Sampling:

@@ -16,6 +16,7 @@ from slotkeeper.serving.identity import is_side_task, resolve_session
 from slotkeeper.types import BackendInfo
 from slotkeeper.web.openapi import JSON, answers, json_body
 from slotkeeper.web.replicas import turns_for
+from slotkeeper.web.security import domain_of
 from slotkeeper.web.state import backends, turn_state
 from slotkeeper.web.streaming import TurnStreamResponse
 
@@ -92,7 +93,8 @@ async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping
     chat = as_chat(body) if as_chat is not None else None
     messages = (chat if chat is not None else body).get("messages")
     key = resolve_session(state.backend.model_id, request.headers, body, system(body), state.settings.session_headers,
-                          opening=openai.opening(messages), reply=openai.first_reply(messages))
+                          opening=openai.opening(messages), reply=openai.first_reply(messages),
+                          domain=domain_of(request.scope, body))
 
     stream = bool(body.get("stream"))
     side = is_side_task(request.headers, messages, stream)

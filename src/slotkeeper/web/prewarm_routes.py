@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from slotkeeper.cache.systemprompt import system_prompt_of
 from slotkeeper.dialects import openai
 from slotkeeper.dialects.prewarm import parse_prewarm_request, upstream_chat_body
+from slotkeeper.domains import checked_domain
 from slotkeeper.errors import BadRequest, SlotkeeperError
 from slotkeeper.serving.service import Prewarm
 from slotkeeper.web.state import turn_state
@@ -31,8 +32,9 @@ async def prewarm(request: Request) -> Response:
     system = system_prompt_of(upstream_chat_body(body, model))
     if system is None:
         raise BadRequest("nothing to pre-warm: give a system prompt (\"system\" or system messages) or tools")
+    domain = checked_domain(body.domain)
     if not body.stream:
-        result = await state.turns.prewarm(model, system, pin=body.pin)
+        result = await state.turns.prewarm(model, system, pin=body.pin, domain=domain)
         return JSONResponse(_result_json(model, result))
 
     progress: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -40,7 +42,7 @@ async def prewarm(request: Request) -> Response:
     async def report(processed: int, total: int) -> None:
         await progress.put({"status": "prefill", "processed": processed, "total": total})
 
-    task = asyncio.create_task(state.turns.prewarm(model, system, report, pin=body.pin))
+    task = asyncio.create_task(state.turns.prewarm(model, system, report, pin=body.pin, domain=domain))
 
     async def lines() -> AsyncIterator[bytes]:
         yield _line({"status": "started", "system": system.digest, "model": model})

@@ -184,6 +184,10 @@ async def open_backend(settings: Settings) -> tuple[Snapshots, StartedBackend, U
         raise
     client = UpstreamClient(started.url, read_timeout=settings.upstream_read_timeout,
                             slot_op_timeout=settings.slot_op_timeout)
+    if settings.domains and settings.mode == "attach":
+        log.warning("cache domains are kept apart, but slotkeeper cannot tell whether the llama-server at %s runs "
+                    "with --cache-ram 0: its own prompt cache in RAM (on by default) would hand one domain's prompt "
+                    "to another; start it with --cache-ram 0", started.url)
     return snapshots, started, client
 
 
@@ -194,7 +198,7 @@ def make_pool(settings: Settings, backend: BackendInfo, client: UpstreamClient, 
                     settings.save_idle_seconds, settings.min_restore_tokens, settings.max_queue,
                     settings.system_snapshots, DiskBudget(settings.disk_budget, settings.max_snapshot_age,
                                                           settings.max_system_snapshots, SIDE_STATES_KEPT),
-                    capability, health, settings.side_task_hold_seconds)
+                    capability, health, settings.side_task_hold_seconds, domains=settings.domains)
 
 
 async def form_groups(states: list[AppState], load_factor: float) -> list[BackendGroup]:

@@ -13,12 +13,13 @@ from starlette.concurrency import iterate_in_threadpool
 
 from slotkeeper.cache.bundle import BundleReader, meta_of, write_bundle
 from slotkeeper.cache.operations import import_snapshot
-from slotkeeper.errors import BadRequest, NotFound
+from slotkeeper.domains import checked_domain, sees
+from slotkeeper.errors import BadRequest, Forbidden, NotFound
 from slotkeeper.serving.identity import checked_session_id
 from slotkeeper.types import SessionKey
-from slotkeeper.web.admin import one_kind
+from slotkeeper.web.admin import one_kind, scoped_key
 from slotkeeper.web.openapi import answers
-from slotkeeper.web.security import BUNDLE_IMPORT_PATH
+from slotkeeper.web.security import BUNDLE_IMPORT_PATH, caller
 from slotkeeper.web.state import app_state
 
 router = APIRouter()
@@ -29,7 +30,7 @@ BUNDLE_TYPE = "application/x-tar"
 async def export(session_id: str, request: Request) -> Response:
     state = app_state(request, request.query_params.get("model"))
     kind = one_kind(request)
-    key = SessionKey(state.backend.model_id, session_id)
+    key = scoped_key(state, session_id, request)
     found = await state.snapshots.transfers.open_for_export(key, kind)
     if found is None:
         raise NotFound(f"no {kind} snapshot '{session_id}' to export")
@@ -42,7 +43,9 @@ async def export(session_id: str, request: Request) -> Response:
 
 @router.post(BUNDLE_IMPORT_PATH)
 async def import_bundle(request: Request) -> dict[str, Any]:
-    """`?as=ID` renames the session, `?replace=true` overwrites an existing snapshot of that id."""
+    """`?as=ID` renames the session, `?replace=true` overwrites an existing snapshot of that id. The snapshot goes
+    into the cache domain it was exported from, which the caller must see (domains.py); `?domain=D` puts it
+    into another, for the admin only."""
     state = app_state(request, request.query_params.get("model"))
     reader = BundleReader(request.stream())
     meta = await reader.meta()
@@ -51,7 +54,7 @@ async def import_bundle(request: Request) -> dict[str, Any]:
         raise BadRequest(f"the bundle's snapshot was made by another model, slot layout or build (fingerprint "
                          f"{meta.fingerprint}; this backend's is {fingerprint}), so it cannot be restored here")
     session = checked_session_id(request.query_params.get("as") or meta.session_id, "the import")
-    key = SessionKey(state.backend.model_id, session)
+    key = SessionKey(state.backend.model_id, session, domain=_import_domain(meta.domain, request))
     replace = request.query_params.get("replace", "").lower() in ("1", "true", "yes")
     if not replace and await state.snapshots.get(key, meta.kind) is not None:
         raise BadRequest(f"a {meta.kind} snapshot '{session}' exists already; import with replace=true (the CLI's "
@@ -67,5 +70,21 @@ async def import_bundle(request: Request) -> dict[str, Any]:
     # In order with the session's saves (one may have started during the upload), and no slot saves it after.
     snapshot = await import_snapshot(state.pool, key, temp, meta.n_tokens, meta.chain, meta.n_bytes, meta.kind,
                                      meta.n_prompt)
-    return {"imported": session, "model": snapshot.model, "kind": str(snapshot.kind), "tokens": snapshot.n_tokens,
-            "bytes": snapshot.n_bytes, "file": snapshot.filename}
+    return {"imported": session, "model": snapshot.model, "domain": snapshot.domain, "kind": str(snapshot.kind),
+            "tokens": snapshot.n_tokens, "bytes": snapshot.n_bytes, "file": snapshot.filename}
+
+
+def _import_domain(exported_from: str, request: Request) -> str:
+    """The cache domain an import goes into: the bundle's own (checked: a bundle is the client's input), when the
+    caller may see it; another only when the admin names it with `?domain=`."""
+    who = caller(request.scope)
+    source = checked_domain(exported_from)
+    asked = request.query_params.get("domain")
+    if asked is not None and checked_domain(asked) != source and not who.admin:
+        raise Forbidden(f"the bundle was exported from cache domain {source!r}: only the admin key may import it "
+                        "into another (?domain=)")
+    target = source if asked is None else checked_domain(asked)
+    if not sees(who, target):
+        raise Forbidden(f"the bundle was exported from cache domain {source!r}, which this key may not write to; "
+                        "import it with that domain's key, or with the admin key")
+    return target
