@@ -111,6 +111,13 @@ def test_two_users_on_one_slot_never_reuse_each_others_state(keeper: Slotkeeper)
     outcome, a3 = ask(alice, [*second, {"role": "assistant", "content": "ok"},
                               {"role": "user", "content": words(40, 105)}])
     assert outcome == "restored" and a3["cache_n"] >= total(a2) - SLACK
+    # What alice's request journal says of it names no session of bob's (his first turn's name is his alone).
+    latest = as_user(keeper, OWUI_KEY, "alice").get("/api/requests/recent", params={"limit": 1}).json()["requests"][0]
+    assert "another cache domain" in latest["why_detail"]
+    journal = admin(keeper).get("/api/requests/recent").json()["requests"]
+    bobs = ({r["session"] for r in journal if r["domain"] == "openwebui/user=bob"}
+            - {r["session"] for r in journal if r["domain"] == "openwebui/user=alice"})
+    assert bobs and not any(name in latest["why_detail"] or name == latest["restored_from"] for name in bobs)
 
     # Both conversations are named alike (same system prompt, opening and first answer): two rows, one per domain.
     named = [r for r in rows(keeper) if r["kind"] == "session" and r["n_tokens"] >= total(a2) - SLACK

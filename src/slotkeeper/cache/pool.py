@@ -140,7 +140,9 @@ class SlotPool:
         if not side:
             self._turns[slot.slot_id] = lease
         if previous is not None and previous != key:
-            taker = "a side task" if side else f"session {key.session_id}"
+            # Never another cache domain's session name: this note reaches the previous session's journal entry.
+            taker = ("a side task" if side else f"session {key.session_id}" if key.domain == previous.domain
+                     else "a request of another cache domain")
             self.notes.left(previous, Reason.SLOT_TAKEN, f"slot {slot.slot_id} was taken by {taker}")
         if side:
             lease.cache.why = Reason.SIDE_TASK
