@@ -118,6 +118,9 @@ def test_two_users_on_one_slot_never_reuse_each_others_state(keeper: Slotkeeper)
     bobs = ({r["session"] for r in journal if r["domain"] == "openwebui/user=bob"}
             - {r["session"] for r in journal if r["domain"] == "openwebui/user=alice"})
     assert bobs and not any(name in latest["why_detail"] or name == latest["restored_from"] for name in bobs)
+    # /slots tells how much the slot holds to alice, whose state it is, and nothing to bob.
+    assert as_user(keeper, OWUI_KEY, "alice").get("/slots").json()[0]["n_tokens"] > 0
+    assert as_user(keeper, OWUI_KEY, "bob").get("/slots").json()[0]["n_tokens"] == 0
 
     # Both conversations are named alike (same system prompt, opening and first answer): two rows, one per domain.
     named = [r for r in rows(keeper) if r["kind"] == "session" and r["n_tokens"] >= total(a2) - SLACK

@@ -15,12 +15,13 @@ from fastapi.responses import JSONResponse, Response
 
 from slotkeeper.cache.chain import infill_chain
 from slotkeeper.dialects import llama, openai
+from slotkeeper.domains import sees
 from slotkeeper.errors import Overloaded, SlotkeeperError
 from slotkeeper.serving.identity import is_side_task, resolve_session
 from slotkeeper.types import IdSource
 from slotkeeper.web.openapi import JSON, answers, json_body
 from slotkeeper.web.replicas import turns_for
-from slotkeeper.web.security import domain_of
+from slotkeeper.web.security import caller, domain_of
 from slotkeeper.web.state import app_state, turn_state
 from slotkeeper.web.streaming import TurnStreamResponse
 
@@ -97,7 +98,11 @@ async def slots(request: Request) -> JSONResponse:
     pool = state.pool.slots
     if request.query_params.get("fail_on_no_slot") and all(s.busy for s in pool):
         raise Overloaded("no slot available")
-    return JSONResponse(llama.slots_view(((s.slot_id, s.busy, s.n_tokens) for s in pool), state.backend.n_ctx_slot))
+    # How much a slot holds is shown only to whoever may see its cache domain (docs/domains.md).
+    who = caller(request.scope)
+    return JSONResponse(llama.slots_view(
+        ((s.slot_id, s.busy, s.n_tokens if s.domain is not None and sees(who, s.domain) else 0) for s in pool),
+        state.backend.n_ctx_slot))
 
 
 async def _turn(request: Request, path: str, api: str, check: Callable[[Mapping[str, Any]], None],
