@@ -223,12 +223,12 @@ class Slotkeeper:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def index_rows(self) -> list[dict[str, Any]]:
+    def index_rows(self, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
         """The index rows, read straight from SQLite. While slotkeeper runs, the saves it has started are waited for
-        first (the commit of a slot handed to the next session finishes in the background; listing the sessions
-        waits for it), so the rows are those of every save made so far."""
+        first (the commit of a slot handed to the next session finishes in the background; listing the sessions,
+        with `headers` when it needs a key, waits for it), so the rows are those of every save made so far."""
         if self.process is not None and self.process.poll() is None:
-            httpx.get(f"{self.url}/api/sessions", params={"kind": "all"}, timeout=60)
+            httpx.get(f"{self.url}/api/sessions", params={"kind": "all"}, headers=headers, timeout=60)
         db = sqlite3.connect(self.cache_dir / "index.sqlite3")
         db.row_factory = sqlite3.Row
         try:

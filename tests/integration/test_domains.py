@@ -10,7 +10,6 @@ own. Assertions are on counts (timings.cache_n, prompt_n), X-Slotkeeper-Cache, s
 from __future__ import annotations
 
 import io
-import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -77,13 +76,7 @@ def as_user(keeper: Slotkeeper, key: str, user: str | None = None) -> httpx.Clie
 
 
 def rows(keeper: Slotkeeper) -> list[dict[str, Any]]:
-    admin(keeper).get("/api/sessions", params={"kind": "all"})  # the saves started so far are committed first
-    db = sqlite3.connect(keeper.cache_dir / "index.sqlite3")
-    db.row_factory = sqlite3.Row
-    try:
-        return [dict(r) for r in db.execute("SELECT * FROM snapshots ORDER BY created")]
-    finally:
-        db.close()
+    return keeper.index_rows({"Authorization": f"Bearer {ADMIN_KEY}"})
 
 
 def opening(seed: int) -> list[dict[str, str]]:
