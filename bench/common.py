@@ -92,23 +92,26 @@ class StreamResult:
 
 
 def stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]], session: str,
-                max_tokens: int, header: str = "X-Session-Id", model: str | None = None) -> StreamResult:
+                max_tokens: int, header: str = "X-Session-Id", model: str | None = None,
+                extra: dict[str, Any] | None = None) -> StreamResult:
     """One timed request, the session id in `header` (and `model` in the body, when given); retried once if a
     pooled keep-alive connection turns out to be closed by the server before it answered (the request was then
-    never processed)."""
+    never processed). `extra`: more body fields."""
     try:
-        return _stream_chat(client, url, messages, session, max_tokens, header, model)
+        return _stream_chat(client, url, messages, session, max_tokens, header, model, extra)
     except httpx.RemoteProtocolError:
-        return _stream_chat(client, url, messages, session, max_tokens, header, model)
+        return _stream_chat(client, url, messages, session, max_tokens, header, model, extra)
 
 
 def _stream_chat(client: httpx.Client, url: str, messages: list[dict[str, str]], session: str,
-                 max_tokens: int, header: str, model: str | None = None) -> StreamResult:
+                 max_tokens: int, header: str, model: str | None = None,
+                 extra: dict[str, Any] | None = None) -> StreamResult:
     """POST a streamed /v1/chat/completions and time the first content chunk and the end of the stream."""
     body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
                             "temperature": 0, "stream_options": {"include_usage": True}, "grammar": GRAMMAR}
     if model is not None:
         body["model"] = model
+    body.update(extra or {})
     timings: dict[str, Any] = {}
     chunks = 0
     ttft: float | None = None

@@ -47,7 +47,13 @@ from bench.messages import PrefillCounters, prefill_counters
 from slotkeeper.upstream.launcher import free_port
 from tests.support import Backend, Slotkeeper, wait_healthy
 
-TARGETS = ("llama-server cram0", "llama-server default", "llama-server small-ram", "slotkeeper", "hearth-llm")
+TARGETS = ("llama-server cram0", "llama-server default", "llama-server small-ram", "slotkeeper", "slotkeeper per user",
+           "hearth-llm")
+# `slotkeeper per user`: users kept apart (docs/domains.md), as behind a shared OpenWebUI with forwarded user headers,
+# each conversation of the day its own user (the most keeping apart can cost: nothing of one conversation serves
+# another). Left out of the CI size.
+PER_USER_KEY = "bench-day-key-0123456789"
+PER_USER_HEADER = "X-OpenWebUI-User-Id"
 KINDS = ("chat", "title", "tags", "follow_ups", "agent", "subagent", "claude-code")
 # llama-server's own default --cache-ram (MiB); the Backend helper always passes the option, so it is given.
 DEFAULT_CACHE_RAM = 8192
@@ -106,18 +112,25 @@ class Sent:
     error: str = ""
 
 
-def send(client: httpx.Client, url: str, r: Request) -> Sent:
+def send(client: httpx.Client, url: str, r: Request, per_user: bool = False) -> Sent:
     try:
-        return _send(client, url, r)
+        return _send(client, url, r, per_user)
     except httpx.RemoteProtocolError:  # a pooled keep-alive connection the server had closed: once more
-        return _send(client, url, r)
+        return _send(client, url, r, per_user)
 
 
-def _send(client: httpx.Client, url: str, r: Request) -> Sent:
+def user_headers(r: Request) -> dict[str, str]:
+    """What a front end that keeps users apart sends with `r`: its key, and the request's user (its conversation)."""
+    return {"Authorization": f"Bearer {PER_USER_KEY}",
+            PER_USER_HEADER: "".join(c if c.isalnum() or c in "-_." else "_" for c in r.conversation)}
+
+
+def _send(client: httpx.Client, url: str, r: Request, per_user: bool = False) -> Sent:
     path = "/v1/messages" if r.api == "messages" else "/v1/chat/completions"
+    headers = user_headers(r) if per_user else None
     t0 = time.perf_counter()
     if not r.body.get("stream"):
-        response = client.post(f"{url}{path}", json=r.body)
+        response = client.post(f"{url}{path}", json=r.body, headers=headers)
         total = (time.perf_counter() - t0) * 1000
         if response.status_code != 200:
             return Sent(response.status_code, total, total, -1, response.text[:300])
@@ -125,7 +138,7 @@ def _send(client: httpx.Client, url: str, r: Request) -> Sent:
         return Sent(200, total, total, int(t.get("prompt_n", -1)) + int(t.get("cache_n", 0)))
     first: float | None = None
     reported = -1
-    with client.stream("POST", f"{url}{path}", json=r.body) as response:
+    with client.stream("POST", f"{url}{path}", json=r.body, headers=headers) as response:
         if response.status_code != 200:
             response.read()
             total = (time.perf_counter() - t0) * 1000
@@ -204,7 +217,8 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
     ctx = max(len(r.tokens) for r in requests) + 256
     # hearth-llm is another project's proxy, installed by hand: left out of the CI size.
     hearth = None if config.small else hearth_binary()
-    targets = [t for t in TARGETS if t != "hearth-llm" or hearth is not None]
+    targets = [t for t in TARGETS if (t != "hearth-llm" or hearth is not None)
+               and (t != "slotkeeper per user" or not config.small)]
     half = len(steps) // 2
     samples: list[dict[str, Any]] = []
     totals: dict[str, dict[str, Any]] = {}
@@ -249,10 +263,16 @@ def run_target(config: BenchConfig, root: Path, model: Path, name: str, steps: l
         procs.stack.callback(lambda: client.close())
         label = name.replace(" ", "-")
         front: Slotkeeper | Hearth | None = None
-        if name == "slotkeeper":
+        if name.startswith("slotkeeper"):
             backend = procs.backend(f"{label}-behind", 0, ctx, extra_args=metrics, ram_dir=True)
             # slotkeeper's own default idle save (the test helper turns it off)
-            front = Slotkeeper(root / label / "cache", root / f"{label}.log", backend, ("--save-idle-seconds", "2"),
+            extra: tuple[str, ...] = ("--save-idle-seconds", "2")
+            if name == "slotkeeper per user":
+                keys = root / "keys.toml"
+                keys.parent.mkdir(parents=True, exist_ok=True)
+                keys.write_text(f'user_header = "{PER_USER_HEADER}"\n[api_keys]\nfront = "{PER_USER_KEY}"\n')
+                extra += ("--config", str(keys))
+            front = Slotkeeper(root / label / "cache", root / f"{label}.log", backend, extra,
                                disk_slot_dir=root / label / "slots")
         elif name == "hearth-llm":
             assert hearth is not None
@@ -280,7 +300,7 @@ def run_target(config: BenchConfig, root: Path, model: Path, name: str, steps: l
                 restart_s = time.monotonic() - t0
             counted = target.counters(client)
             t0 = time.perf_counter()
-            results = run_step(client, target.url, step)
+            results = run_step(client, target.url, step, per_user=name == "slotkeeper per user")
             wall += time.perf_counter() - t0
             cost = target.counters(client) - counted
             for r, sent in zip(step, results, strict=True):
@@ -300,19 +320,19 @@ def _plus(a: PrefillCounters, b: PrefillCounters) -> PrefillCounters:
     return PrefillCounters(a.prefilled + b.prefilled, a.reused + b.reused, a.seconds + b.seconds)
 
 
-def run_step(client: httpx.Client, url: str, step: Step) -> list[Sent]:
+def run_step(client: httpx.Client, url: str, step: Step, per_user: bool = False) -> list[Sent]:
     if len(step) == 1:
-        return [send(client, url, step[0])]
+        return [send(client, url, step[0], per_user)]
     # a new chat: its title task from a thread, the chat's first turn 30 ms later
     out: dict[int, Sent] = {}
 
     def worker() -> None:
-        out[0] = send(client, url, step[0])
+        out[0] = send(client, url, step[0], per_user)
 
     thread = threading.Thread(target=worker)
     thread.start()
     time.sleep(TITLE_LEAD_S)
-    out[1] = send(client, url, step[1])
+    out[1] = send(client, url, step[1], per_user)
     thread.join()
     return [out[0], out[1]]
 

@@ -11,8 +11,9 @@ own llama-server (`--cache-ram 0`):
 
 At the end, the side channel: a user who has sent nothing yet sends the first user's first request word for word.
 Under one domain it is answered from the first user's state (the time to first token tells that the prompt was sent
-before); kept apart it is a cold prefill. (llama-server alone reuses what its slot holds: the last user's turn on the
-shared system prompt.)
+before); kept apart it is a cold prefill. (llama-server alone reuses what its slot holds: the last user's turn on
+the shared system prompt.) For reference the same request is then sent straight to each target's own llama-server
+with `cache_prompt: false`: what a cold prefill of it takes there.
 
 Reported per target: prompt tokens, reused (cache_n) and prefilled, the time to first token (every turn, and first
 turns), the side-channel probe, and what slotkeeper keeps (states, bytes on disk)."""
@@ -96,6 +97,13 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
                 samples.append({"target": target, "user": user, "chat": chat, "turn": turn,
                                 "ttft_ms": result.ttft_ms, "prompt_n": result.prompt_n, "cache_n": result.cache_n,
                                 "cache": result.cache_header})
+            # The probe's request prefilled from nothing, straight to the target's own llama-server: what a cold
+            # prefill of it takes on that server.
+            with httpx.Client(timeout=600) as client:
+                cold = stream_chat(client, backend.url, traffic[0][2], "cold", config.answer_tokens,
+                                   extra={"cache_prompt": False, "id_slot": 0})
+            samples.append({"target": target, "user": -1, "chat": "cold", "turn": -1, "ttft_ms": cold.ttft_ms,
+                            "prompt_n": cold.prompt_n, "cache_n": cold.cache_n, "cache": None})
             if target != "llama-server":
                 time.sleep(1.5)  # the last turn's idle save
                 disk = admin.get("/api/sessions/disk").json()
@@ -112,8 +120,9 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
 def summarize(samples: list[dict[str, Any]], kept: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for target in TARGETS:
-        mine = [s for s in samples if s["target"] == target and s["chat"] != "probe"]
+        mine = [s for s in samples if s["target"] == target and s["chat"] not in ("probe", "cold")]
         probe = next(s for s in samples if s["target"] == target and s["chat"] == "probe")
+        cold = next(s for s in samples if s["target"] == target and s["chat"] == "cold")
         prompt = sum(s["prompt_n"] + s["cache_n"] for s in mine)
         reused = sum(s["cache_n"] for s in mine)
         out[target] = {
@@ -121,7 +130,8 @@ def summarize(samples: list[dict[str, Any]], kept: dict[str, dict[str, Any]]) ->
             "reuse": round(ratio(reused, prompt), 3),
             "ttft_ms_p50": percentile([s["ttft_ms"] for s in mine], 50),
             "first_turn_ttft_ms_p50": statistics.median(s["ttft_ms"] for s in mine if s["turn"] == 0),
-            "probe": {"ttft_ms": probe["ttft_ms"], "cache_n": probe["cache_n"], "prompt_n": probe["prompt_n"]},
+            "probe": {"ttft_ms": probe["ttft_ms"], "cache_n": probe["cache_n"], "prompt_n": probe["prompt_n"],
+                      "cold_ttft_ms": cold["ttft_ms"], "over_cold": round(ratio(probe["ttft_ms"], cold["ttft_ms"]), 2)},
             **({"kept": kept[target]} if target in kept else {}),
         }
     one, apart = out["one domain"], out["per user"]

@@ -194,7 +194,11 @@ def day(r: dict[str, Any]) -> list[str]:
         "default. *Shared* is, summed over requests, the longest token prefix each prompt shares with any earlier "
         "prompt (the backend's own template and tokenizer); *reused* is prompt tokens minus what the backend "
         "prefilled (its `/metrics`, warm-ups included, summed across the restart); *efficiency* = reused / shared. "
-        f"TTFT of the non-streamed tasks is their whole response time. {_model(r)}{skipped}",
+        f"TTFT of the non-streamed tasks is their whole response time. {_model(r)}{skipped}"
+        + (" *slotkeeper per user* keeps users apart (docs/domains.md): every conversation of the day is a user "
+           "of its own behind one key (OpenWebUI's forwarded `X-OpenWebUI-User-Id`), so nothing of one "
+           "conversation serves another: the most keeping users apart can cost." if "slotkeeper per user" in s
+           else ""),
         "",
         "*Resumed* is every conversation's turns after its first (chats, agents, the subagent, the Claude Code "
         "client; not the tasks): the turns a cache is for.",
@@ -500,8 +504,8 @@ def domains(r: dict[str, Any]) -> list[str]:
         f"{_model(r)}",
         "",
         "| target | prompt tokens | reused | prefilled | TTFT p50 ms | first turns, TTFT p50 ms | probe TTFT ms "
-        "| probe cache_n | states kept | of them system | bytes on disk |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| probe / cold prefill | probe cache_n | states kept | of them system | bytes on disk |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, t in s["targets"].items():
         kept = t.get("kept")
@@ -509,7 +513,8 @@ def domains(r: dict[str, Any]) -> list[str]:
                       else "- | - | -")
         lines.append(f"| {name} | {t['prompt_tokens']:,} | {t['reused_tokens']:,} | {t['prefilled_tokens']:,} "
                      f"| {_fmt(t['ttft_ms_p50'], 0)} | {_fmt(t['first_turn_ttft_ms_p50'], 0)} "
-                     f"| {_fmt(t['probe']['ttft_ms'], 0)} | {t['probe']['cache_n']:,} | {kept_cells} |")
+                     f"| {_fmt(t['probe']['ttft_ms'], 0)} | {t['probe']['over_cold']:.2f} | {t['probe']['cache_n']:,} "
+                     f"| {kept_cells} |")
     lines += ["", f"One domain per user against one domain: {q['prefilled']:.2f}x the tokens prefilled, "
               f"{q['first_turn_ttft']:.2f}x the first turns' TTFT, {q['stored_bytes']:.2f}x the bytes on disk; "
               f"the probe (another user's prompt) takes {q['probe_ttft']:.1f}x as long: it is no longer answered "

@@ -30,6 +30,7 @@ router = APIRouter()
 async def create_message(request: Request) -> Response:
     raw = openai.parse_body(await request.body())
     message = anthropic.parse_messages_request(raw)
+    domain = domain_of(request.scope, raw)  # a bad cache_salt is refused before a model is even loaded for it
     state = await turn_state(request, message.model)
     if not state.settings.keep_attribution_block:
         message, _ = anthropic.without_attribution(message)  # before hashing and before forwarding
@@ -38,7 +39,7 @@ async def create_message(request: Request) -> Response:
         state.backend.model_id, request.headers, raw, anthropic.system_texts(message),
         state.settings.session_headers, hint=anthropic.session_from_user_id(anthropic.metadata_user_id(message)),
         opening=openai.opening(chat.get("messages")), reply=openai.first_reply(chat.get("messages")),
-        domain=domain_of(request.scope, raw),
+        domain=domain,
     )
     side = (is_side_task(request.headers, raw.get("messages"), message.stream)
             or anthropic.is_side_request(request.headers, message))

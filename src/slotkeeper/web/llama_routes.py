@@ -109,10 +109,10 @@ async def _turn(request: Request, path: str, api: str, check: Callable[[Mapping[
                 infill: bool = False) -> Response:
     body = openai.parse_body(await request.body())
     check(body)
+    domain = domain_of(request.scope, body)  # a bad cache_salt is refused before a model is even loaded for it
     state = await turn_state(request, _model_of(body))
     model = state.backend.model_id
-    key = resolve_session(model, request.headers, body, [], state.settings.session_headers,
-                          domain=domain_of(request.scope, body))
+    key = resolve_session(model, request.headers, body, [], state.settings.session_headers, domain=domain)
     if infill and key.is_default:
         key = key.within(INFILL_SESSION, IdSource.ROUTE)
     stream = bool(body.get("stream"))

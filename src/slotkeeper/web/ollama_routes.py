@@ -92,12 +92,13 @@ async def chat(request: Request) -> Response:
     req = ollama.parse(ChatRequest, body)
     if not req.messages:
         return await _load_or_unload(request, "chat", req)
+    domain = domain_of(request.scope, body)  # a bad cache_salt is refused before a model is even loaded for it
     state = await _served_by(request, req.model)
     _keep(request, state, req)
     ollama.check_images(ollama.all_images(req), _vision(state))
     opts = _sampling(req, state)
     upstream = ollama.chat_body(req, opts)
-    key = _session(request, state, body, upstream["messages"])
+    key = _session(request, state, body, upstream["messages"], domain)
     side = is_side_task(request.headers, body.get("messages"), req.stream)
     shape = AnswerShape("chat", req.model)
     return await _run(request, state, "ollama.chat", key, "/v1/chat/completions", upstream, shape, req.stream, side,
@@ -112,13 +113,14 @@ async def generate(request: Request) -> Response:
     ollama.check_generate(req)
     if not req.prompt and not req.images:
         return await _load_or_unload(request, "generate", req)
+    domain = domain_of(request.scope, body)  # a bad cache_salt is refused before a model is even loaded for it
     state = await _served_by(request, req.model)
     _keep(request, state, req)
     ollama.check_images(ollama.all_images(req), _vision(state))
     opts = _sampling(req, state)
     path, upstream = ollama.generate_body(req, opts)
     messages = upstream.get("messages") or [{"role": "user", "content": req.prompt}]
-    key = _session(request, state, body, messages)
+    key = _session(request, state, body, messages, domain)
     side = is_side_task(request.headers, messages, req.stream)
     shape = AnswerShape("generate", req.model)
     return await _run(request, state, "ollama.generate", key, path, upstream, shape, req.stream, side, opts,
@@ -216,10 +218,10 @@ def _load_ns(record: TurnRecord) -> int:
     return round((record.lease.cache.save_ms + record.lease.cache.restore_ms) * 1e6)
 
 
-def _session(request: Request, state: AppState, body: Mapping[str, Any], messages: Any) -> SessionKey:
+def _session(request: Request, state: AppState, body: Mapping[str, Any], messages: Any, domain: str) -> SessionKey:
     return resolve_session(state.backend.model_id, request.headers, body, openai.system_texts(messages),
                            state.settings.session_headers, opening=openai.opening(messages),
-                           reply=openai.first_reply(messages), domain=domain_of(request.scope, body))
+                           reply=openai.first_reply(messages), domain=domain)
 
 
 def _sampling(req: ChatRequest | GenerateRequest, state: AppState) -> Sampling:

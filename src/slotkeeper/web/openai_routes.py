@@ -89,12 +89,13 @@ async def _proxy(request: Request, path: str, api: str, check: Callable[[Mapping
     and side-task check; the body itself goes to the backend as it is."""
     body = openai.parse_body(await request.body())
     check(body)
+    domain = domain_of(request.scope, body)  # a bad cache_salt is refused before a model is even loaded for it
     state = await turn_state(request, _model_of(body))
     chat = as_chat(body) if as_chat is not None else None
     messages = (chat if chat is not None else body).get("messages")
     key = resolve_session(state.backend.model_id, request.headers, body, system(body), state.settings.session_headers,
                           opening=openai.opening(messages), reply=openai.first_reply(messages),
-                          domain=domain_of(request.scope, body))
+                          domain=domain)
 
     stream = bool(body.get("stream"))
     side = is_side_task(request.headers, messages, stream)
