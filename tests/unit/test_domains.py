@@ -249,3 +249,15 @@ def test_domains_start_the_embedded_server_without_its_ram_cache(tmp_path: Path)
     launch = Settings.build({}, {}, {"api_keys": {"a": "k"},
                                      "launch_command": ["llama-server", "-m", "/m.gguf", "--cache-ram", "0"]})
     assert launch.domains
+
+
+def test_the_session_commands_name_a_domain_for_the_admin() -> None:
+    from slotkeeper.cli.commandline import _parser
+    from slotkeeper.cli.manage import _model_param
+    parser = _parser()
+    for argv in (["sessions", "show", "chat"], ["sessions", "rm", "chat"], ["sessions", "pin", "chat"],
+                 ["sessions", "explain", "chat"], ["sessions", "export", "chat"], ["export", "chat"]):
+        args = parser.parse_args([*argv, "--domain", "openwebui/user=42"])
+        assert _model_param(args) == {"domain": "openwebui/user=42"}
+        assert _model_param(parser.parse_args(argv)) is None
+    assert _model_param(parser.parse_args(["import", "b.tar", "--domain", "team"])) == {"domain": "team"}

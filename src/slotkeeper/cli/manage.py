@@ -20,6 +20,9 @@ from slotkeeper.cli.doctor import run_doctor
 from slotkeeper.cli.formatting import human_bytes, print_json, since, table
 from slotkeeper.cli.story import tell
 
+_DOMAIN_HELP = ("the cache domain the session is in, where users are kept apart (docs/domains.md); default: the "
+                "key's own")
+
 
 def add_commands(sub: Any) -> None:
     """Register `sessions`, `backends`, `prewarm`, `doctor`, `export` and `import` on the top-level subparsers."""
@@ -40,14 +43,17 @@ def add_commands(sub: Any) -> None:
     show = actions.add_parser("show", parents=[common], help="one session's snapshot and activity")
     show.add_argument("session")
     show.add_argument("--model", help="the model namespace (default: the served model)")
+    show.add_argument("--domain", metavar="DOMAIN", help=_DOMAIN_HELP)
     explain = actions.add_parser("explain", parents=[common],
                                  help="tell, in words, what the cache did for a session's last requests, and why")
     explain.add_argument("session")
     explain.add_argument("--model", help="the model namespace (default: every served model)")
+    explain.add_argument("--domain", metavar="DOMAIN", help=_DOMAIN_HELP)
     rm = actions.add_parser("rm", parents=[common], help="delete sessions' snapshots (files and index rows)")
     rm.add_argument("session", nargs="+")
     rm.add_argument("--system", action="store_true", help="the ids are system-prompt snapshot keys")
     rm.add_argument("--model", help="the model namespace (default: the served model)")
+    rm.add_argument("--domain", metavar="DOMAIN", help=_DOMAIN_HELP)
     clear = actions.add_parser("clear", parents=[common], help="save changed slots, then erase every slot (or one)")
     clear.add_argument("--slot", type=int, metavar="N",
                        help="only slot N (numbered from 0); the other slots keep their state")
@@ -58,6 +64,7 @@ def add_commands(sub: Any) -> None:
         action.add_argument("session", nargs="+", help="session ids (or, with --system, system snapshot keys)")
         action.add_argument("--system", action="store_true", help="the ids are system-prompt snapshot keys")
         action.add_argument("--model", help="the model namespace (default: the served model)")
+        action.add_argument("--domain", metavar="DOMAIN", help=_DOMAIN_HELP)
     actions.add_parser("disk", parents=[common], help="disk used by snapshots, the budget, and evictions")
     _add_transfer_commands(actions, common, file_positional=False)
 
@@ -116,6 +123,7 @@ def _add_transfer_commands(sub: Any, common: argparse.ArgumentParser, file_posit
         export.add_argument("-o", "--output", metavar="FILE", help=output_help)
     export.add_argument("--system", action="store_true", help="the id is a system-prompt snapshot key")
     export.add_argument("--model", help="the model namespace (default: the served model)")
+    export.add_argument("--domain", metavar="DOMAIN", help=_DOMAIN_HELP)
     imp = sub.add_parser("import", parents=[common], help="add a snapshot from a bundle file",
                          description="Add the snapshot of a bundle written by `slotkeeper export`. Refused when the "
                          "bundle was made by another model file, slot layout or build.")
@@ -123,6 +131,8 @@ def _add_transfer_commands(sub: Any, common: argparse.ArgumentParser, file_posit
     imp.add_argument("--as", dest="as_id", metavar="ID", help="import under another session id")
     imp.add_argument("--replace", action="store_true", help="overwrite an existing snapshot of that id")
     imp.add_argument("--model", help="the model namespace (default: the served model)")
+    imp.add_argument("--domain", metavar="DOMAIN", help="the cache domain to import it into, if not the one it was "
+                     "exported from (the admin key only; docs/domains.md)")
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
@@ -218,7 +228,8 @@ def _show(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
     data = client.call("GET", "/api/sessions/" + _quote(args.session), _model_param(args))
     recent = client.call("GET", "/api/requests/recent")
     totals = next((t for t in recent.get("session_totals", [])
-                   if t["session"] == data["session"] and t["model"] == data["model"]), None)
+                   if t["session"] == data["session"] and t["model"] == data["model"]
+                   and t.get("domain", "") == data.get("domain", "")), None)
     if args.json:
         print_json({**data, "activity": totals}, out)
         return 0
@@ -241,7 +252,7 @@ def _show(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _explain(client: AdminClient, args: argparse.Namespace, out: TextIO) -> int:
-    params = {"session": args.session, **({"model": args.model} if args.model else {})}
+    params = {"session": args.session, **(_model_param(args) or {})}
     rows = client.call("GET", "/api/requests/recent", params)["requests"]
     if args.json:
         print_json({"session": args.session, "requests": rows}, out)
@@ -441,4 +452,7 @@ def _quote(session: str) -> str:
 
 
 def _model_param(args: argparse.Namespace) -> dict[str, str] | None:
-    return {"model": args.model} if args.model else None
+    """The model and, where users are kept apart, the cache domain a command names (docs/domains.md)."""
+    params = {**({"model": args.model} if args.model else {}),
+              **({"domain": args.domain} if getattr(args, "domain", None) is not None else {})}
+    return params or None
