@@ -261,3 +261,9 @@ def test_the_session_commands_name_a_domain_for_the_admin() -> None:
         assert _model_param(args) == {"domain": "openwebui/user=42"}
         assert _model_param(parser.parse_args(argv)) is None
     assert _model_param(parser.parse_args(["import", "b.tar", "--domain", "team"])) == {"domain": "team"}
+
+
+async def test_a_key_of_any_characters_is_refused_not_a_server_error() -> None:
+    assert (await _call(GUARD, "/v1/models", {"x-api-key": "k-\u00e9"}))[0] == 401
+    assert (await _call(Guard(None, bind_host="127.0.0.1", keys=Keys(api_key="k")), "/v1/models",  # type: ignore[arg-type]
+                        {"x-api-key": "\u00e9"}))[0] == 401

@@ -123,16 +123,16 @@ class Guard:
             return Caller(admin=True)  # nothing is kept apart: whoever reaches the port manages it all
         offered = _offered_key(headers)
         accepted = [k for k in (required, self.admin_key) if k]
-        if offered is None or not any(hmac.compare_digest(offered, k) for k in accepted):
+        if offered is None or not any(_same(offered, k) for k in accepted):
             which = "admin key" if is_admin_path(path) and self.admin_key else "API key"
             return Unauthorized(f"missing or wrong {which} (send it as 'Authorization: Bearer KEY' or 'x-api-key')")
-        return Caller(admin=self.admin_key is None or hmac.compare_digest(offered, self.admin_key))
+        return Caller(admin=self.admin_key is None or _same(offered, self.admin_key))
 
     def _domain_caller(self, path: str, headers: Headers) -> SlotkeeperError | Caller:
         """With domains kept apart every route but the public ones needs a key: the admin key anywhere, a user's
         (the API key or a named one) on the model routes and the session API, which shows it its own domain."""
         offered = _offered_key(headers)
-        if offered is not None and self.admin_key is not None and hmac.compare_digest(offered, self.admin_key):
+        if offered is not None and self.admin_key is not None and _same(offered, self.admin_key):
             return Caller(admin=True)
         if is_operator_path(path):
             return Unauthorized("missing or wrong admin key: with cache domains kept apart, this view of every "
@@ -152,9 +152,9 @@ class Guard:
             return None
         found = None
         for name, key in self.keys.named:
-            if hmac.compare_digest(offered, key):
+            if _same(offered, key):
                 found = name
-        if found is None and self.api_key is not None and hmac.compare_digest(offered, self.api_key):
+        if found is None and self.api_key is not None and _same(offered, self.api_key):
             found = ""
         return found
 
@@ -174,6 +174,11 @@ class Guard:
             return message
 
         return capped_receive
+
+
+def _same(offered: str, key: str) -> bool:
+    """A constant-time comparison of a key offered with one of ours (as bytes: a header may hold any character)."""
+    return hmac.compare_digest(offered.encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape"))
 
 
 def _offered_key(headers: Headers) -> str | None:
