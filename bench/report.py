@@ -188,8 +188,10 @@ def write_report(out: Path) -> Path:
     lines = _header(results) if results else ["# slotkeeper benchmark results", ""]
     for stem, result in results.items():
         section = SECTIONS[result["scenario"]](result)
-        if stem != result["scenario"]:
-            section[0] += f" ({result['config']['model_size']} model)"
+        if stem != result["scenario"]:  # `<scenario>-<model size>`, or a variant's run: `day-per-user`
+            variant = stem.removeprefix(result["scenario"] + "-")
+            size = result["config"]["model_size"]
+            section[0] += f" ({size} model)" if variant == size else f" ({variant.replace('-', ' ')}, {size} model)"
         lines += section
     if results and (out / "results.png").exists():
         lines += ["![median time to first token per target](results.png)", ""]
