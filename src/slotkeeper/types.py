@@ -79,6 +79,12 @@ class SessionKey:
         digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
         return digest[:40]
 
+    @property
+    def scoped_id(self) -> str:
+        """The session's id among every domain's (two users' chats that open alike share an id): the id, and its
+        domain when it has one."""
+        return f"{self.session_id}\0{self.domain}" if self.domain else self.session_id
+
     def within(self, session_id: str, source: IdSource = IdSource.DEFAULT) -> SessionKey:
         """Another session of the same model and domain (a system part's, a side task's, a branch's)."""
         return SessionKey(self.model, session_id, source, self.domain)

@@ -267,3 +267,8 @@ async def test_a_key_of_any_characters_is_refused_not_a_server_error() -> None:
     assert (await _call(GUARD, "/v1/models", {"x-api-key": "k-\u00e9"}))[0] == 401
     assert (await _call(Guard(None, bind_host="127.0.0.1", keys=Keys(api_key="k")), "/v1/models",  # type: ignore[arg-type]
                         {"x-api-key": "\u00e9"}))[0] == 401
+
+
+def test_a_model_on_several_backends_places_two_domains_sessions_of_one_name_apart() -> None:
+    ours, theirs = (SessionKey("m", "chat", IdSource.MESSAGES, d) for d in ("a", "b"))
+    assert ours.scoped_id != theirs.scoped_id and SessionKey("m", "chat").scoped_id == "chat"

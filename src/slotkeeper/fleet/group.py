@@ -88,9 +88,9 @@ class BackendGroup:
         newest: dict[str, tuple[Member, Snapshot]] = {}
         for member in self.members:
             for snapshot in await member.snapshots.list(None, SnapshotKind.SESSION):
-                held = newest.get(snapshot.session_id)
+                held = newest.get(snapshot.key.scoped_id)
                 if held is None or newer(snapshot.version, held[1].version):
-                    newest[snapshot.session_id] = (member, snapshot)
+                    newest[snapshot.key.scoped_id] = (member, snapshot)
         for session, (member, snapshot) in newest.items():
             self.placement.learn(session, member.backend.url, snapshot.last_used)
         return len(self.placement)
@@ -115,7 +115,7 @@ class BackendGroup:
     def _for_side_task(self, key: SessionKey) -> Member:
         """A side task (a title or tags request) runs where its conversation is, and owns nothing itself."""
         up = [m.backend.url for m in self.members if m.service.health.up]
-        return self._by_name[self.placement.peek(key.session_id, ring_key(key), up)]
+        return self._by_name[self.placement.peek(key.scoped_id, ring_key(key), up)]
 
     async def owner_for(self, key: SessionKey, exclude: frozenset[str] = frozenset(),
                         system: Callable[[], SystemPrompt | None] | None = None, at: str | None = None) -> Member:
@@ -124,10 +124,10 @@ class BackendGroup:
         gives the request's system part; it is computed only for a new session. `at`: the member the session
         directory chose (several replicas), taken unless it is excluded."""
         if at is not None and at in self._by_name and at not in exclude:
-            choice = self.placement.assign(key.session_id, at, time.time())
+            choice = self.placement.assign(key.scoped_id, at, time.time())
         else:
             up = [m.backend.url for m in self.members if m.service.health.up]
-            choice = self.placement.place(key.session_id, ring_key(key), up, time.time(), exclude)
+            choice = self.placement.place(key.scoped_id, ring_key(key), up, time.time(), exclude)
         member = self._by_name[choice.member]
         if choice.moved:
             log.info("session %s moves to %s (%s, was on %s)", key.session_id, choice.member, choice.why,
