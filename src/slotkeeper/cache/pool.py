@@ -88,8 +88,6 @@ class SlotPool:
         self.policy = RestorePolicy(capability or Capability("", ArchKind.UNKNOWN, None))
         self.evidence = CheckpointEvidence(self.policy, snapshots.appendix_extent)
         self.events = CacheEvents()
-        # Slots erased because a request of another cache domain came to them (`_enter_domain`).
-        self.domain_erases = 0
         # The one holder of the snapshots: the pool saves and looks up through it, and so does the web layer.
         self.snapshots = snapshots
         self.saver = Saver(client, snapshots, self.evidence, self.policy, self.slots)
@@ -177,7 +175,6 @@ class SlotPool:
         slot.chain, slot.tokens, slot.n_tokens, slot.n_prompt, slot.cut = [], None, 0, 0, None
         slot.replay, slot.at_prompt_end = None, False
         slot.domain = domain
-        self.domain_erases += 1
         log.debug("slot %d erased: it held another cache domain's tokens", slot.slot_id)
         return True
 

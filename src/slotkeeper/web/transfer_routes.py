@@ -80,10 +80,10 @@ def _import_domain(exported_from: str, request: Request) -> str:
     who = caller(request.scope)
     source = checked_domain(exported_from)
     asked = request.query_params.get("domain")
-    if asked is not None and checked_domain(asked) != source and not who.admin:
+    target = source if asked is None else checked_domain(asked)
+    if target != source and not who.admin:
         raise Forbidden(f"the bundle was exported from cache domain {source!r}: only the admin key may import it "
                         "into another (?domain=)")
-    target = source if asked is None else checked_domain(asked)
     if not sees(who, target):
         raise Forbidden(f"the bundle was exported from cache domain {source!r}, which this key may not write to; "
                         "import it with that domain's key, or with the admin key")
