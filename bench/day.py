@@ -60,6 +60,8 @@ DEFAULT_CACHE_RAM = 8192
 # The RAM cache of the small-ram target holds about this many of the day's conversation states.
 SMALL_RAM_STATES = 2
 HEARTH_ENV = "SLOTKEEPER_BENCH_HEARTH"
+# A comma-separated subset of TARGETS to run (all when unset), for tracing one target's turns.
+TARGETS_ENV = "SLOTKEEPER_BENCH_DAY_TARGETS"
 HEARTH_DEFAULT = Path("/tmp/hearth-venv/bin/hearth")
 TITLE_LEAD_S = 0.03
 TASK_KINDS = ("title", "tags", "follow_ups")
@@ -217,8 +219,9 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
     ctx = max(len(r.tokens) for r in requests) + 256
     # hearth-llm is another project's proxy, installed by hand: left out of the CI size.
     hearth = None if config.small else hearth_binary()
+    chosen = [t.strip() for t in os.environ.get(TARGETS_ENV, "").split(",") if t.strip()] or list(TARGETS)
     targets = [t for t in TARGETS if (t != "hearth-llm" or hearth is not None)
-               and (t != "slotkeeper per user" or not config.small)]
+               and (t != "slotkeeper per user" or not config.small) and t in chosen]
     half = len(steps) // 2
     samples: list[dict[str, Any]] = []
     totals: dict[str, dict[str, Any]] = {}

@@ -83,8 +83,9 @@ class Settings:
     # The longest a changed slot stays idle unsaved (a state that saves quickly is saved sooner: idlesaves.py);
     # it is always saved before its slot is reused, and at shutdown.
     save_idle_seconds: float = 2.0
-    # A restore that would reuse fewer tokens than this is skipped (a prefill that short is as cheap).
-    min_restore_tokens: int = 128
+    # A restore that would reuse fewer tokens than this is skipped. None: a restore is made when it costs less time
+    # than prefilling what it gives, both measured on the backend as it runs (cache/costs.py).
+    min_restore_tokens: int | None = None
     # A new conversation starts from its system prompt's snapshot; a new system prompt is warmed up and saved once.
     system_snapshots: bool = True
     # The disk budget (0: no limit): total bytes of snapshots, seconds since last use, system snapshots per model.

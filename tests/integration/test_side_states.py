@@ -90,3 +90,37 @@ def test_side_states_an_earlier_version_left_are_found_by_their_tokens(stack: St
     client = client_for(keeper)
     again = client.post("/v1/chat/completions", json=task(history + "\nUSER: more"))
     assert again.status_code == 200 and again.headers["x-slotkeeper-cache"] == "prefix"
+
+
+def test_side_tasks_reuse_what_they_share_and_leave_the_conversation_alone(stack: Stack, client_for) -> None:
+    """Three slots: a chat in one, its title task in another; the next task (its tags, another chat's follow-ups)
+    begins with the same instructions and runs where the title ran, so the backend reuses them, rather than in the
+    empty third slot. The chat's next turn is hot in its own slot: no task took or overwrote its state."""
+    backend = stack.backend(cache_ram=0, parallel=3, ctx_per_slot=4096)
+    keeper = stack.slotkeeper(backend)
+    client = client_for(keeper)
+    chat = Conversation(client, "c3", size=300)
+    first = chat.turn()
+    instructions = "### Task:\n" + words(150, 11) + "\n### Chat History:\n<chat_history>\n"
+
+    def side(history: str, chat_id: str) -> httpx.Response:
+        body = {"messages": [{"role": "user", "content": instructions + history + "\n</chat_history>"}],
+                "max_tokens": 4, "stream": False}
+        response = client.post("/v1/chat/completions", json=body, headers={"X-OpenWebUI-Chat-Id": chat_id})
+        assert response.status_code == 200 and response.headers["x-slotkeeper-request"] == "side"
+        return response
+
+    title = side("USER: " + words(80, 12), "c3")
+    assert title.headers["x-slotkeeper-slot"] != first.headers["x-slotkeeper-slot"]
+    tags = side("USER: " + words(80, 13), "c4")
+    owed = shared_tokens(backend.url, *(
+        {"messages": [{"role": "user", "content": instructions + h + "\n</chat_history>"}]}
+        for h in ("USER: " + words(80, 12), "USER: " + words(80, 13))))
+    assert owed >= 150
+    assert tags.headers["x-slotkeeper-slot"] == title.headers["x-slotkeeper-slot"]
+    assert timings(tags)["cache_n"] >= owed - 1, (owed, timings(tags))
+    again = chat.turn()
+    assert again.headers["x-slotkeeper-cache"] == "hot"
+    assert again.headers["x-slotkeeper-slot"] == first.headers["x-slotkeeper-slot"]
+    assert timings(again)["cache_n"] >= timings(first)["cache_n"] + timings(first)["prompt_n"]
+    assert [r for r in keeper.index_rows() if r["kind"] == "session"] == []  # the chat's state is hot, not moved

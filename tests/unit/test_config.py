@@ -58,7 +58,7 @@ PRECEDENCE_ROWS: list[tuple[str, Any, dict[str, str], Any]] = [
     ("max_body_bytes", None, {}, 32 * 1024 * 1024),
     ("min_restore_tokens", 10, {"SLOTKEEPER_MIN_RESTORE_TOKENS": "20"}, 10),
     ("min_restore_tokens", None, {"SLOTKEEPER_MIN_RESTORE_TOKENS": "20"}, 20),
-    ("min_restore_tokens", None, {}, 128),
+    ("min_restore_tokens", None, {}, None),  # measured (cache/costs.py)
     ("block_tokens", 64, {"SLOTKEEPER_BLOCK_TOKENS": "256"}, 64),
     ("block_tokens", None, {"SLOTKEEPER_BLOCK_TOKENS": "256"}, 256),
     ("block_tokens", None, {}, 64),

@@ -92,7 +92,8 @@ def test_every_setting_can_come_from_the_file(tmp_path: Path) -> None:
                                "ram_dir": "/dev/shm/r", "shared_store": "s3://team/slots",
                                "shared_endpoint": "http://127.0.0.1:9000", "directory": "redis://10.0.0.5:6379/0",
                                "replica_url": "http://host-a:11434", "replica_secret": "s" * 16,
-                               "replicas": ["http://host-b:11434", "http://gpu-*:11434"]}, {})
+                               "replicas": ["http://host-b:11434", "http://gpu-*:11434"],
+                               "min_restore_tokens": 100}, {})
     path = write(tmp_path, settings_toml(settings))
     assert "s" * 16 not in path.read_text()  # a secret is never printed: it comes back from the environment
     assert Settings.build({"config": str(path)}, {"SLOTKEEPER_REPLICA_SECRET": "s" * 16}) == settings

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from slotkeeper.cache.capability import Strategy
-from slotkeeper.cache.planner import NEAR_TIE_TOKENS, Candidate, InSlot, Plan, Request, Rules, Tier, Why, best, plan
+from slotkeeper.cache.costs import Tier
+from slotkeeper.cache.planner import NEAR_TIE_TOKENS, Candidate, InSlot, Plan, Request, Rules, Why, best, plan
 from slotkeeper.types import CacheOutcome, Snapshot, SnapshotKind
 
 

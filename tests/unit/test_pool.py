@@ -968,6 +968,23 @@ async def test_a_side_task_still_prefers_an_empty_slot(client: FakeClient, store
     assert (await turn(pool, B)).cache.outcome is CacheOutcome.HOT
 
 
+async def test_a_side_task_goes_where_the_last_side_task_ran(client: FakeClient, store: SnapshotStore) -> None:
+    """OpenWebUI's tasks begin alike (the same instructions): the next one runs in the slot the last one left, where
+    the backend reuses what they share, not in an empty slot; and never in a conversation's slot while another is
+    free. The conversation stays hot in its own."""
+    pool = make_pool(client, store, n_slots=3)
+    chat = await turn(pool, B)
+    title = await pool.acquire(B, side=True)
+    title.release(TurnEnd.COMPLETED, 40, None, 30)
+    assert title.slot_id != chat.slot_id
+    assert pool.slots[title.slot_id].side_content and pool.slots[title.slot_id].occupant is None
+    tags = await pool.acquire(C, side=True)  # another chat's task: still where a task ran last
+    assert tags.slot_id == title.slot_id
+    tags.release(TurnEnd.COMPLETED, 40, None, 30)
+    assert (await turn(pool, B)).cache.outcome is CacheOutcome.HOT
+    assert client.actions("save") == []  # nothing of a conversation was saved or moved for the tasks
+
+
 async def test_a_title_task_sent_just_before_its_chat_goes_after_it(client: FakeClient, store: SnapshotStore) -> None:
     """OpenWebUI sends a new chat's title task a few ms before the chat's own request: held back, the task runs once
     the chat's turn is done, on one slot. Without the hold it would take the slot first."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from slotkeeper.cache.capability import Strategy
 from slotkeeper.cache.chain import Link, common_messages
+from slotkeeper.cache.costs import CostMeter, Tier, floor_tokens
 from slotkeeper.cache.evidence import CheckpointEvidence
 from slotkeeper.cache.planner import InSlot, Plan, Request, Rules, plan
 from slotkeeper.cache.proof import RestorePolicy
@@ -29,8 +30,9 @@ from slotkeeper.cache.systemprompt import SystemPrompt
 from slotkeeper.cache.tokens import Tokens, common_tokens
 from slotkeeper.types import CacheOutcome, SessionKey, Snapshot
 
-# The least a side task's prompt must have for its state to be kept for the next one (the tasks' template alone, a
-# few dozen tokens, is not worth one), whatever --min-restore-tokens says.
+# The least a side task's prompt must have for its state to be kept for the next one, and the least a message must
+# hold for the request's exact tokens to be asked for (a look-up costs a render and a tokenization), however little
+# a restore costs (costs.py).
 SIDE_MIN_TOKENS = 64
 # Characters of canonical JSON per token, at the least (a token of text is a character or more): a message of N
 # characters holds at most N tokens. What the chains leave unexplained is worth asking the backend's tokens for
@@ -74,8 +76,8 @@ class SessionNotes:
 
 class Bringer:
     def __init__(self, snapshots: Snapshots, policy: RestorePolicy, evidence: CheckpointEvidence, restorer: Restorer,
-                 notes: SessionNotes, worth: Callable[[SystemPrompt], bool], min_restore_tokens: int, n_ctx_slot: int,
-                 system_snapshots: bool) -> None:
+                 notes: SessionNotes, worth: Callable[[SystemPrompt], bool], min_restore_tokens: int | None,
+                 n_ctx_slot: int, system_snapshots: bool, costs: CostMeter | None = None) -> None:
         self._snapshots = snapshots
         self._policy = policy
         self._evidence = evidence
@@ -85,6 +87,7 @@ class Bringer:
         self._min_restore_tokens = min_restore_tokens
         self._n_ctx_slot = n_ctx_slot
         self._system_snapshots = system_snapshots
+        self._costs = costs if costs is not None else CostMeter()
         # Requests whose tokens the planner asked the backend for (the chains could not tell), and the time it took.
         self.token_lookups = 0
         self.token_lookup_ms = 0.0
@@ -113,7 +116,7 @@ class Bringer:
             # the build is known, and bounded.
             await self._snapshots.caught_up()
         strategy = self._policy.strategy
-        rules = Rules(strategy, self._min_restore_tokens, self._n_ctx_slot)
+        rules = Rules(strategy, self._min_restore_tokens, self._n_ctx_slot, self._costs.now())
         # A side task has no state of its own: what its name could find is the state an identical task left.
         named = side_key(key, chain) if lease.side else key
         found = Found(None, None, [])
@@ -184,7 +187,8 @@ class Bringer:
         if not side and own == deepest and deepest > 0:
             return False
         stake = chain[deepest].chars - (chain[deepest - 1].chars if deepest > 0 else 0)
-        return stake >= _CHARS_PER_TOKEN * max(self._min_restore_tokens, SIDE_MIN_TOKENS)
+        floor = floor_tokens(self._costs.now(), self._min_restore_tokens, Tier.RAM)
+        return stake >= _CHARS_PER_TOKEN * max(floor, SIDE_MIN_TOKENS)
 
     async def _act(self, slot: SlotState, lease: SlotLease, chosen: Plan, found: Found, known: Known,
                    in_slot: Sequence[Link], kept: int, previous: SessionKey | None) -> None:
@@ -205,16 +209,16 @@ class Bringer:
         if chosen.restore is None:
             return
         snapshot = chosen.restore.snapshot
-        await self._restore(slot, lease, snapshot, chosen.outcome, chosen.owes)
+        await self._restore(slot, lease, snapshot, chosen.outcome, chosen.owes, chosen.restore.tier)
         if lease.side and lease.cache.outcome is not CacheOutcome.COLD:
             lease.cache.detail = (f"started from a saved state sharing {chosen.owes} tokens with the task "
                                   f"({snapshot.kind} {snapshot.session_id})")
 
     async def _restore(self, slot: SlotState, lease: SlotLease, snapshot: Snapshot, outcome: CacheOutcome,
-                       expected: int) -> None:
+                       expected: int, tier: Tier) -> None:
         if not self._restorer.fits(snapshot):
             return
-        restored = await self._restorer.restore(slot.slot_id, lease.cache, snapshot, outcome, expected)
+        restored = await self._restorer.restore(slot.slot_id, lease.cache, snapshot, outcome, expected, tier)
         slot.chain = []  # a restore replaces the slot's content, a failed one empties it
         slot.tokens = None
         if restored is not None:

@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 
 from slotkeeper.cache.budget import SnapshotId
 from slotkeeper.cache.chain import Link, common_messages
+from slotkeeper.cache.costs import Tier
 from slotkeeper.cache.matching import shared_with
 from slotkeeper.cache.pending import PendingWrites, key_of, snapshot_id
-from slotkeeper.cache.planner import NEAR_TIE_TOKENS, Candidate, Tier
+from slotkeeper.cache.planner import NEAR_TIE_TOKENS, Candidate
 from slotkeeper.cache.reasons import Reason
 from slotkeeper.cache.store import SnapshotStore
 from slotkeeper.cache.tokens import Tokens, common_tokens

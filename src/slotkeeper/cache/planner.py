@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from slotkeeper.cache.capability import Strategy
+from slotkeeper.cache.costs import Costs, Tier, pays
 from slotkeeper.types import CacheOutcome, Snapshot, SnapshotKind
 
 
@@ -27,19 +28,11 @@ class Why(enum.StrEnum):
     SYSTEM = "system"  # a system part's saved state
     IN_SLOT = "in-slot"  # the slot already holds as much as any saved state would give
     NOTHING_SHARED = "nothing-shared"  # no saved state shares enough with the request
-    TOO_SHORT = "too-short"  # what a saved state would give is less than --min-restore-tokens
+    TOO_SHORT = "too-short"  # a restore would cost more than a prefill of what it gives (costs.py)
     TOO_LONG = "too-long"  # the state has more tokens than a slot holds
     NOT_EXTENDED = "not-extended"  # this build can only extend a state, and the request does not
     KEEP_HOT = "keep-hot"  # restores cannot help on this backend (sessions stay hot in their slots)
     DEFAULT = "default-session"  # the catch-all session: never restored
-
-
-class Tier(enum.IntEnum):
-    """Where a state is, cheapest first."""
-
-    SLOT = 0  # in the slot already: free
-    RAM = 1  # a copy in the RAM dir: a memory copy
-    DISK = 2  # a file in the slot dir
 
 
 # Candidates whose shared tokens differ by no more than this are a tie: the cheapest wins it.
@@ -86,9 +79,13 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class Rules:
+    """The backend's strategy, its slot size, and when a restore pays: by the measured `costs`, or by the operator's
+    fixed floor of tokens (`min_restore_tokens`; None: measured)."""
+
     strategy: Strategy
-    min_restore_tokens: int = 0
+    min_restore_tokens: int | None = 0
     n_ctx_slot: int = 1 << 30
+    costs: Costs = field(default_factory=Costs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +141,10 @@ def plan(request: Request, rules: Rules, in_slot: InSlot = InSlot(), saved: Sequ
     # that keeps no checkpoints in its files) impossible to cut back to it. (Whether a cut can help on the backend
     # is asked when it would be made: the strategy may be known only once a file was saved.)
     cut = request.n_system is not None and not request.system_saved and request.worth_cutting
-    floor = max(rules.min_restore_tokens, 1)
-    # What the slot holds is the cheapest candidate: a restore must share more than it, beyond a near-tie.
+    # What the slot holds is the cheapest candidate: a restore must share more than it, beyond a near-tie, and pay
+    # for itself (costs.py).
     margin = in_slot.tokens + (NEAR_TIE_TOKENS if in_slot.tokens > 0 else 0)
-    worth = [c for c in saved if c.tokens >= floor and (c.tokens > margin or _next_message(c, in_slot))]
+    worth = [c for c in saved if (c.tokens > margin or _next_message(c, in_slot)) and _pays(c, in_slot, rules)]
     if rules.strategy is Strategy.KEEP_HOT:
         return Plan(Why.KEEP_HOT, held_back=bool(worth), cut_system=cut)
     fitting = [c for c in worth if c.snapshot.n_tokens <= rules.n_ctx_slot]
@@ -162,13 +159,23 @@ def plan(request: Request, rules: Rules, in_slot: InSlot = InSlot(), saved: Sequ
         why = Why.NOT_EXTENDED
     elif len(fitting) < len(worth):
         why = Why.TOO_LONG
-    elif any(0 < c.tokens < floor for c in saved) and not in_slot.tokens:
-        why = Why.TOO_SHORT  # a state shares something, but fewer tokens than are worth a restore
+    elif any(c.tokens > 0 and not _pays(c, in_slot, rules) for c in saved) and not in_slot.tokens:
+        why = Why.TOO_SHORT  # a state shares something, but less than a restore of it costs
     elif in_slot.tokens > 0 or in_slot.messages > 0:
         why = Why.IN_SLOT
     else:
         why = Why.NOTHING_SHARED
     return Plan(why, held_back=held_back, cut_system=cut)
+
+
+def _pays(candidate: Candidate, in_slot: InSlot, rules: Rules) -> bool:
+    """Whether the restore is worth its cost: under the measured rule, what it gives beyond what the slot holds
+    (the tokens it saves a prefill of) against the time to bring its bytes in; under a fixed floor, the tokens it
+    shares (as that floor always meant). A near-tie the own state wins by its next message is weighed whole."""
+    gain = candidate.tokens
+    if rules.min_restore_tokens is None and not _next_message(candidate, in_slot):
+        gain -= in_slot.tokens
+    return pays(gain, candidate.snapshot.n_bytes, candidate.tier, rules.costs, rules.min_restore_tokens)
 
 
 def _next_message(candidate: Candidate, in_slot: InSlot) -> bool:

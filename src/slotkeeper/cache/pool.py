@@ -26,6 +26,7 @@ from slotkeeper.cache.bringing import SIDE_MIN_TOKENS, Bringer, SessionNotes, To
 from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.capability import ArchKind, Capability, Strategy
 from slotkeeper.cache.chain import Link, common_messages
+from slotkeeper.cache.costs import CostMeter, floor_tokens
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.evidence import CheckpointEvidence
 from slotkeeper.cache.idlesaves import IdleSaves
@@ -63,7 +64,7 @@ class _Waiter:
 
 class SlotPool:
     def __init__(self, n_slots: int, client: UpstreamClient, snapshots: Snapshots, fingerprint: str, n_ctx_slot: int,
-                 save_idle_seconds: float = 2.0, min_restore_tokens: int = 0, max_queue: int = 0,
+                 save_idle_seconds: float = 2.0, min_restore_tokens: int | None = 0, max_queue: int = 0,
                  system_snapshots: bool = True, budget: DiskBudget | None = None, capability: Capability | None = None,
                  health: BackendHealth | None = None, side_hold_seconds: float = 0.0,
                  domains: bool = False) -> None:
@@ -86,22 +87,30 @@ class SlotPool:
         self._turns: dict[int, SlotLease] = {}
         self._last_turn_end = float("-inf")
         self.policy = RestorePolicy(capability or Capability("", ArchKind.UNKNOWN, None))
+        # What a restore and a prefill cost on this backend, measured as it runs: when a restore pays (costs.py).
+        self.costs = CostMeter()
         self.evidence = CheckpointEvidence(self.policy, snapshots.appendix_extent)
         self.events = CacheEvents()
         # The one holder of the snapshots: the pool saves and looks up through it, and so does the web layer.
         self.snapshots = snapshots
         self.saver = Saver(client, snapshots, self.evidence, self.policy, self.slots)
-        self.restorer = Restorer(client, snapshots, self.events, self.policy, n_ctx_slot)
+        self.restorer = Restorer(client, snapshots, self.events, self.policy, n_ctx_slot, self.costs)
         snapshots.attach(client, fingerprint, budget or DiskBudget(), self.events,
                          lambda: [snapshot_id(s.occupant, s.kind) for s in self.slots if s.occupant is not None],
                          self.evidence.inspect)
         # What a slot goes through between leases: its system part kept as a system state, and its idle save.
-        self.warmups = WarmUps(client, self.saver, snapshots, self.policy, self.slots, min_restore_tokens,
+        self.warmups = WarmUps(client, self.saver, snapshots, self.policy, self.slots, self.floor,
                                self.give_back, self.notes)
         self.idle_saves = IdleSaves(self.saver, self.slots, save_idle_seconds, health, self.give_back,
                                     self.warmups.cut_back)
         self.bringer = Bringer(snapshots, self.policy, self.evidence, self.restorer, self.notes, self.warmups.worth,
-                               min_restore_tokens, n_ctx_slot, system_snapshots)
+                               min_restore_tokens, n_ctx_slot, system_snapshots, self.costs)
+
+    def floor(self) -> int:
+        """The fewest tokens a saved state must share with a request for its restore to pay, measured (costs.py) or
+        the operator's --min-restore-tokens: what keeping a small state (a side task's, a system part's) is weighed
+        against."""
+        return floor_tokens(self.costs.now(), self._min_restore_tokens)
 
     @property
     def queue_length(self) -> int:
@@ -132,6 +141,7 @@ class SlotPool:
         held = Held.of(slot)
         extended = _extends(in_slot, chain, previous == key and not side)
         slot.occupant, slot.kind, slot.dirty = (None if side else key), SnapshotKind.SESSION, False
+        slot.side_content = False
         slot.generation += 1
         pending_cut, slot.cut = slot.cut, None
         lease = SlotLease(slot.slot_id, key, side=side, chain=list(chain), system=system, _release=self._finish)
@@ -173,7 +183,7 @@ class SlotPool:
             return False
         await self.client.slot_action(slot.slot_id, "erase")  # raised: the lease fails, and the slot is reset
         slot.chain, slot.tokens, slot.n_tokens, slot.n_prompt, slot.cut = [], None, 0, 0, None
-        slot.replay, slot.at_prompt_end = None, False
+        slot.replay, slot.at_prompt_end, slot.side_content = None, False, False
         slot.domain = domain
         log.debug("slot %d erased: it held another cache domain's tokens", slot.slot_id)
         return True
@@ -216,11 +226,14 @@ class SlotPool:
         idle = [s for s in self.slots if not s.busy]
         if not idle:
             return None
-        # Best: an empty slot; then the slot of the conversation the task belongs to (`key`): its user is reading
-        # the answer the task is about, while another conversation in its slot (an agent) may be back at once;
-        # then one whose state is already on disk; last, the least recently used.
-        return min(idle, key=lambda s: (s.occupant is not None, key is None or s.occupant != key, s.dirty,
-                                        s.last_used))
+        # Best: a slot that holds no conversation, the one a side task left last first (the next task may begin
+        # the same way: the backend reuses what they share), then an empty one; then the slot of the conversation
+        # the task belongs to (`key`): its user is reading the answer the task is about, while another
+        # conversation in its slot (an agent) may be back at once; then one whose state is already on disk; last,
+        # the least recently used.
+        return min(idle, key=lambda s: (s.occupant is not None and s.kind is not SnapshotKind.SIDE,
+                                        key is None or s.occupant != key, not s.side_content, s.dirty,
+                                        -s.last_used if s.side_content else s.last_used))
 
     async def _take(self, choose: Callable[[], SlotState | None], bounded: bool = False,
                     side: bool = False, key: SessionKey | None = None) -> SlotState:
@@ -261,8 +274,11 @@ class SlotPool:
                 self._waiters.remove(waiter)
                 waiter.future.set_result(slot)
 
-    def _finish(self, lease: SlotLease, end: TurnEnd, n_tokens: int, cache_n: int | None, n_prompt: int) -> None:
+    def _finish(self, lease: SlotLease, end: TurnEnd, n_tokens: int, cache_n: int | None, n_prompt: int,
+                prompt_ms: float | None = None) -> None:
         slot = self.slots[lease.slot_id]
+        if end is TurnEnd.COMPLETED:
+            self.costs.prefilled(n_prompt - (cache_n or 0), prompt_ms)
         slot.busy, slot.claimed = False, None
         slot.last_used = time.monotonic()
         self._turns.pop(lease.slot_id, None)
@@ -285,7 +301,11 @@ class SlotPool:
             slot.chain, slot.tokens, slot.forgotten_in = [], None, None
             slot.replay, slot.at_prompt_end = None, False
             if end is TurnEnd.COMPLETED and lease.side:
-                self._keep_side_state(slot, lease, n_tokens, n_prompt)
+                # The slot holds the task's prompt and answer, attributed to nobody: what the next request finds
+                # in it (it may begin the same way), and a side state when it is long enough to pay.
+                slot.chain, slot.tokens, slot.side_content = lease.chain, lease.tokens, True
+                slot.n_tokens, slot.n_prompt = n_tokens or n_prompt, n_prompt
+                self._keep_side_state(slot, lease, n_prompt)
         elif end in (TurnEnd.COMPLETED, TurnEnd.CANCELLED):
             slot.dirty = not lease.key.is_default
             slot.n_tokens = n_tokens or slot.n_tokens
@@ -303,17 +323,15 @@ class SlotPool:
         if slot.dirty:
             self.idle_saves.schedule(slot)
 
-    def _keep_side_state(self, slot: SlotState, lease: SlotLease, n_tokens: int, n_prompt: int) -> None:
+    def _keep_side_state(self, slot: SlotState, lease: SlotLease, n_prompt: int) -> None:
         """A side task ended: where its prompt is long enough for a later task to be worth restoring from, the slot
         keeps its state as a side state (saved like a conversation's: on a switch, when idle, at exit; the disk
         budget keeps the last few per model)."""
         if not lease.chain or self.policy.strategy is not Strategy.RESTORE:
             return
-        if n_prompt < 2 * max(self._min_restore_tokens, SIDE_MIN_TOKENS):
-            return
+        if n_prompt < max(self.floor(), SIDE_MIN_TOKENS):
+            return  # no later task could share enough of it for its restore to pay
         slot.occupant, slot.kind, slot.dirty = side_key(lease.key, lease.chain), SnapshotKind.SIDE, True
-        slot.chain, slot.tokens = lease.chain, lease.tokens
-        slot.n_tokens, slot.n_prompt = n_tokens or n_prompt, n_prompt
 
     async def warm_lease(self, model: str, system: SystemPrompt, domain: str = "") -> SlotLease:
         """Lease a slot to warm `system` up ahead of time (an operator's pre-warm) in cache domain `domain`. The
@@ -330,6 +348,7 @@ class SlotPool:
             if lease.existing is None and previous is not None and previous_dirty:
                 lease.cache.save_ms = await self.saver.save(slot.slot_id, previous, held, wait=False)
             if lease.existing is None:
+                slot.side_content = False  # the pre-warm replaces it with the system part
                 await self._enter_domain(slot, domain)
         except BaseException:
             lease.release(TurnEnd.FAILED)
@@ -422,6 +441,7 @@ def empty_slot(slot: SlotState) -> None:
     slot.occupant, slot.kind, slot.dirty, slot.n_tokens, slot.chain, slot.tokens = (None, SnapshotKind.SESSION, False,
                                                                                      0, [], None)
     slot.n_prompt, slot.replay, slot.at_prompt_end, slot.forgotten_in, slot.cut = 0, None, False, None, None
+    slot.side_content = False
 
 
 def _extends(in_slot: Sequence[Link], chain: Sequence[Link], own: bool) -> bool:

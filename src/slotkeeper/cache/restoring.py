@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
+from slotkeeper.cache.costs import CostMeter, Tier
 from slotkeeper.cache.events import CacheEvents
 from slotkeeper.cache.proof import RestorePolicy
 from slotkeeper.cache.reasons import Reason
@@ -25,8 +26,9 @@ _INVALID_FILE = "invalid slot save file"
 
 class Restorer:
     def __init__(self, client: UpstreamClient, snapshots: Snapshots, events: CacheEvents, policy: RestorePolicy,
-                 n_ctx_slot: int) -> None:
+                 n_ctx_slot: int, costs: CostMeter | None = None) -> None:
         self._client = client
+        self._costs = costs if costs is not None else CostMeter()
         self._snapshots = snapshots
         self._events = events
         self._policy = policy
@@ -43,9 +45,10 @@ class Restorer:
         return False
 
     async def restore(self, slot_id: int, cache: TurnCache, snapshot: Snapshot, outcome: CacheOutcome,
-                      expected: int) -> int | None:
-        """Restore `snapshot` into the slot and record it in the turn's `cache` (`expected`: the tokens the request
-        shares with it); returns the tokens restored, or None when the backend refused (the turn runs cold)."""
+                      expected: int, tier: Tier = Tier.DISK) -> int | None:
+        """Restore `snapshot` (found in `tier`) into the slot and record it in the turn's `cache` (`expected`: the
+        tokens the request shares with it) and in the measured costs; returns the tokens restored, or None when the
+        backend refused (the turn runs cold)."""
         started = time.perf_counter()
         result = await self._restore_or_why(slot_id, snapshot)
         if not isinstance(result, SlotActionResult):
@@ -60,6 +63,7 @@ class Restorer:
                                else snapshot.session_id)
         self.restores += 1
         self._events.restored(cache.restore_ms, snapshot.n_bytes, result.n_tokens)
+        self._costs.restored(tier, snapshot.n_bytes, result.n_tokens, cache.restore_ms)
         self._snapshots.used(snapshot)
         return result.n_tokens
 

@@ -54,6 +54,9 @@ class SlotState:
     # The session a conversation's request was handed this slot for, from the step that handed it out until the
     # lease ends: a second request of that session waits for this slot rather than take another (pool.py).
     claimed: SessionKey | None = None
+    # What the slot holds is what a side task left (kept as a side state or not): the next side task, which may
+    # begin the same way (a task's instructions), is sent here rather than to an empty slot (pool.py).
+    side_content: bool = False
     # The cache domain of what the slot holds (SessionKey.domain; None: not known, as at start when domains are
     # kept apart): a request of another domain gets it erased first, so that the backend reuses nothing of it
     # (pool.py).
@@ -101,14 +104,17 @@ class SlotLease:
     replay: Replay | None = None
     # The request's tokens when the planner needed them (the slot holds them after the turn).
     tokens: Tokens | None = None
-    _release: Callable[[SlotLease, TurnEnd, int, int | None, int], None] | None = field(default=None, repr=False)
+    _release: Callable[[SlotLease, TurnEnd, int, int | None, int, float | None], None] | None = field(
+        default=None, repr=False)
 
-    def release(self, end: TurnEnd, n_tokens: int = 0, cache_n: int | None = None, n_prompt: int = 0) -> None:
-        """Give the slot back; `cache_n` is the backend's reported reuse, checked against what a restore owed, and
-        `n_prompt` the turn's prompt tokens (cached and processed)."""
+    def release(self, end: TurnEnd, n_tokens: int = 0, cache_n: int | None = None, n_prompt: int = 0,
+                prompt_ms: float | None = None) -> None:
+        """Give the slot back; `cache_n` is the backend's reported reuse, checked against what a restore owed,
+        `n_prompt` the turn's prompt tokens (cached and processed), and `prompt_ms` the backend's time for those it
+        processed (a measure of what a prefill costs: costs.py)."""
         if self._release is not None:
             release, self._release = self._release, None
-            release(self, end, n_tokens, cache_n, n_prompt)
+            release(self, end, n_tokens, cache_n, n_prompt, prompt_ms)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,14 +36,14 @@ _SHORT_SYSTEMS_KEPT = 1024
 
 class WarmUps:
     def __init__(self, client: UpstreamClient, saver: Saver, snapshots: Snapshots, policy: RestorePolicy,
-                 slots: Sequence[SlotState], min_restore_tokens: int, give_back: Callable[[SlotState], None],
+                 slots: Sequence[SlotState], floor: Callable[[], int], give_back: Callable[[SlotState], None],
                  notes: SessionNotes) -> None:
         self._client = client
         self._saver = saver
         self._snapshots = snapshots
         self._policy = policy
         self._slots = slots
-        self._min_restore_tokens = min_restore_tokens
+        self._floor = floor  # the pool's: the fewest tokens a state must share for its restore to pay
         # The pool's: a slot taken for a cut is handed back through it (so a waiting request gets it at once).
         self._give_back = give_back
         self._notes = notes  # a cut takes a slot's state from its conversation: its next turn is told why
@@ -57,7 +57,7 @@ class WarmUps:
     def worth(self, system: SystemPrompt) -> bool:
         """Whether `system` may be long enough for a system snapshot (the planner cuts a slot back only to one)."""
         # About two characters of canonical JSON per token at the least: shorter prompts cannot reach the threshold.
-        return system.chars >= 2 * self._min_restore_tokens and system.digest not in self._short_systems
+        return system.chars >= 2 * self._floor() and system.digest not in self._short_systems
 
     async def save_system(self, lease: SlotLease, n_tokens: int, wait: bool = True) -> Snapshot | None:
         """The caller warmed the leased slot up with the lease's system part (`n_tokens` prompt tokens): keep it as
@@ -130,10 +130,10 @@ class WarmUps:
         slot.chain = system.chain()
         slot.n_tokens = slot.n_prompt = n_tokens
         slot.replay, slot.at_prompt_end, slot.tokens = None, True, None
-        if n_tokens < max(self._min_restore_tokens, 1):
+        if n_tokens < self._floor():
             self._short_systems.append(system.digest)
-            log.info("system prompt %s has %d tokens, fewer than --min-restore-tokens: no system snapshot",
-                     system.short_id, n_tokens)
+            log.info("system prompt %s has %d tokens, fewer than a restore needs to pay (%d): no system snapshot",
+                     system.short_id, n_tokens, self._floor())
             return None
         key = owner.within(system.digest)
         waited = await self._saver.save(slot.slot_id, key, Held.of(slot), SnapshotKind.SYSTEM, wait=wait)

@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                        "(after twice its save time, at least 0.25 s) while no other slot generates (default 2; "
                        "negative: only on switch/exit)")
     serve.add_argument("--min-restore-tokens", type=int, metavar="N",
-                       help="skip restores that would reuse fewer than N tokens (default 128)")
+                       help="skip restores that would reuse fewer than N tokens, a fixed floor (default: restore "
+                       "when it costs less than prefilling what it gives, both measured on the backend)")
     serve.add_argument("--system-snapshots", action=argparse.BooleanOptionalAction, default=None,
                        help="start new conversations from a saved snapshot of their system prompt and tools, warming "
                        "a new one up once (default on)")

@@ -80,7 +80,7 @@ class TurnRecord:
         cache_n = t.get("cache_n")
         n_prompt = int(t.get("cache_n", 0) or 0) + int(t.get("prompt_n", 0) or 0)
         self.lease.release(end, self.n_tokens(), int(cache_n) if isinstance(cache_n, int | float) else None,
-                           n_prompt)
+                           n_prompt, _float(t.get("prompt_ms")))
         cache = self.lease.cache
         entry = RequestEntry(
             self.api, self.lease.side, self.key.model, self.key.session_id, self.lease.slot_id, str(cache.outcome),

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from slotkeeper import __version__
+from slotkeeper.cache.pool import SlotPool
 from slotkeeper.dialects.openai import parse_body
 from slotkeeper.domains import checked_domain, sees
 from slotkeeper.errors import BadRequest, NotFound
@@ -101,6 +102,8 @@ async def backend_info(request: Request) -> dict[str, Any]:
             "min_restore_tokens": settings.min_restore_tokens,
             "max_queue": settings.max_queue,
         },
+        # When a restore pays on this backend (cache/costs.py): measured as it runs, or the fixed floor.
+        "restore_costs": _costs(state.pool),
         "props": {
             "total_slots": props.get("total_slots"),
             "n_ctx": generation.get("n_ctx") if isinstance(generation, dict) else None,
@@ -158,3 +161,14 @@ def _free_bytes(path: Path) -> int | None:
         return shutil.disk_usage(path).free
     except OSError:
         return None
+
+
+def _costs(pool: SlotPool) -> dict[str, Any]:
+    costs = pool.costs.now()
+    return {
+        "prefill_ms_per_token": costs.prefill_ms_per_token,
+        "restore": {tier.name.lower(): {"fixed_ms": fit.fixed_ms, "ms_per_mib": fit.ms_per_byte * 2**20}
+                    for tier, fit in costs.restore},
+        "bytes_per_token": costs.bytes_per_token,
+        "floor_tokens": pool.floor(),
+    }

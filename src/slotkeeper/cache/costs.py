@@ -1,0 +1,159 @@
+"""What a restore and a prefill cost on this backend, learned as it runs, and the rule that weighs them: restore a
+saved state only when bringing its bytes in costs less time than prefilling the tokens it shares with the request.
+
+Both costs are measured where they happen. A restore's is its wall time on the request's path (assembling the file
+from blocks when it is not in the RAM dir, the backend's read, the round trip), fitted per tier as a fixed part plus
+a part per byte over the most recent restores. A prefill's is what the backend reports for each turn
+(`timings.prompt_ms` over `timings.prompt_n`), as milliseconds per token over the most recent turns. Until both are
+measured the rule falls back to a prior floor of tokens; an operator's `--min-restore-tokens` replaces the measured
+rule with that fixed floor.
+
+`pays` and `floor_tokens` are pure functions of plain values (table-tested); `CostMeter` only keeps the samples.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+# The floor of shared tokens before anything is measured (the constant this rule replaced).
+PRIOR_TOKENS = 128
+# Samples kept per measure: the recent past, so that a backend that slows down (a loaded machine, a longer
+# context) is followed within a few dozen turns.
+WINDOW = 32
+# Prefills shorter than this say more about a request's fixed costs than about a token's: not counted.
+MIN_PREFILL_TOKENS = 16
+# Samples needed before a measure is trusted.
+MIN_SAMPLES = 3
+# What "never pays" is told as, in tokens: more than any slot holds.
+NEVER = 1 << 30
+
+
+class Tier(enum.IntEnum):
+    """Where a state is, cheapest first."""
+
+    SLOT = 0  # in the slot already: free
+    RAM = 1  # a copy in the RAM dir: a memory copy
+    DISK = 2  # a file in the slot dir (or blocks to assemble)
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreCost:
+    """A restore's time in ms: `fixed_ms` + `ms_per_byte` x its bytes."""
+
+    fixed_ms: float
+    ms_per_byte: float
+
+    def ms(self, n_bytes: int) -> float:
+        return self.fixed_ms + self.ms_per_byte * n_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """The measured costs at one moment (None: not measured yet). `bytes_per_token`: of the states restored."""
+
+    prefill_ms_per_token: float | None = None
+    restore: tuple[tuple[Tier, RestoreCost], ...] = ()
+    bytes_per_token: float | None = None
+
+    def restore_cost(self, tier: Tier) -> RestoreCost | None:
+        """The tier's fit; a tier not measured yet borrows the slowest measured one (a copy in RAM is never slower
+        than a file, and a guess that is too slow only keeps a prefill that was going to happen anyway)."""
+        fits = dict(self.restore)
+        if tier in fits:
+            return fits[tier]
+        if not fits:
+            return None
+        return max(fits.values(), key=lambda fit: (fit.ms_per_byte, fit.fixed_ms))
+
+
+def pays(shared_tokens: int, n_bytes: int, tier: Tier, costs: Costs, fixed_floor: int | None) -> bool:
+    """Whether restoring a state of `n_bytes` from `tier` that shares `shared_tokens` with the request is faster
+    than prefilling those tokens. `fixed_floor` (the operator's --min-restore-tokens) replaces the measured rule;
+    without measures, the prior floor decides."""
+    if shared_tokens <= 0:
+        return False
+    if fixed_floor is not None:
+        return shared_tokens >= max(fixed_floor, 1)
+    restore = costs.restore_cost(tier)
+    if costs.prefill_ms_per_token is None or restore is None:
+        return shared_tokens >= PRIOR_TOKENS
+    return restore.ms(n_bytes) < costs.prefill_ms_per_token * shared_tokens
+
+
+def floor_tokens(costs: Costs, fixed_floor: int | None, tier: Tier = Tier.RAM) -> int:
+    """The fewest tokens a state must share with a request for its restore to pay, when it holds no more than it
+    shares (the best case: a state that holds more costs more bytes). What keeping a small state (a side task's, a
+    short chat's, a short system part's) is weighed against. NEVER when no restore pays."""
+    if fixed_floor is not None:
+        return max(fixed_floor, 1)
+    restore = costs.restore_cost(tier)
+    if costs.prefill_ms_per_token is None or restore is None or costs.bytes_per_token is None:
+        return PRIOR_TOKENS
+    # fixed + per_byte * bytes_per_token * n < prefill * n  <=>  n > fixed / (prefill - per_byte * bytes_per_token)
+    gain = costs.prefill_ms_per_token - restore.ms_per_byte * costs.bytes_per_token
+    if gain <= 0:
+        return NEVER
+    return int(restore.fixed_ms / gain) + 1
+
+
+def fit(samples: list[tuple[int, float]]) -> RestoreCost | None:
+    """A fixed part and a part per byte through (bytes, ms) samples by least squares, neither below zero; with
+    samples all of one size, the time per byte of their mean. None with fewer than MIN_SAMPLES."""
+    if len(samples) < MIN_SAMPLES:
+        return None
+    n = len(samples)
+    mean_x = sum(x for x, _ in samples) / n
+    mean_y = sum(y for _, y in samples) / n
+    var = sum((x - mean_x) ** 2 for x, _ in samples)
+    if var <= 0 or mean_x <= 0:
+        return RestoreCost(0.0, mean_y / mean_x) if mean_x > 0 else RestoreCost(mean_y, 0.0)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in samples) / var
+    if slope <= 0:
+        return RestoreCost(mean_y, 0.0)  # no size effect seen: the mean, all of it fixed
+    intercept = mean_y - slope * mean_x
+    if intercept < 0:
+        return RestoreCost(0.0, mean_y / mean_x)
+    return RestoreCost(intercept, slope)
+
+
+@dataclass
+class CostMeter:
+    """The recent samples of this backend's restores (per tier) and prefills. Fed by the restorer and by the pool
+    at each turn's end; read by the planner's rules through `now()`."""
+
+    _restores: dict[Tier, deque[tuple[int, float]]] = field(default_factory=dict)
+    _prefills: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    _sizes: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    _now: Costs | None = None
+
+    def restored(self, tier: Tier, n_bytes: int, n_tokens: int, ms: float) -> None:
+        if n_bytes <= 0 or ms < 0:
+            return
+        self._restores.setdefault(tier, deque(maxlen=WINDOW)).append((n_bytes, ms))
+        if n_tokens > 0:
+            self._sizes.append((n_bytes, n_tokens))
+        self._now = None
+
+    def prefilled(self, n_tokens: int, ms: float | None) -> None:
+        if ms is None or ms <= 0 or n_tokens < MIN_PREFILL_TOKENS:
+            return
+        self._prefills.append((n_tokens, ms))
+        self._now = None
+
+    def now(self) -> Costs:
+        if self._now is None:
+            self._now = self._measure()
+        return self._now
+
+    def _measure(self) -> Costs:
+        prefill = None
+        if len(self._prefills) >= MIN_SAMPLES:
+            prefill = sum(ms for _, ms in self._prefills) / sum(n for n, _ in self._prefills)
+        fits = tuple((tier, fitted) for tier, samples in sorted(self._restores.items())
+                     if (fitted := fit(list(samples))) is not None)
+        per_token = None
+        if self._sizes:
+            per_token = sum(b for b, _ in self._sizes) / sum(t for _, t in self._sizes)
+        return Costs(prefill, fits, per_token)
