@@ -1,9 +1,9 @@
 """Benchmark runner: `python -m bench [--scenario
 switch|reading|overhead|restart|system|agent|scale|day|title|beyond|first|client|backends|decide|agents|blocks|swap|
-domains|all] [--small]` (`all` leaves out `agents`, which drives real coding agents installed by
+domains|turns|all] [--small]` (`all` leaves out `agents`, which drives real coding agents installed by
 scripts/install-agents.sh, `blocks`, the block store against whole files: bytes on disk, written and uploaded, and
-restore TTFT, `swap`, models taking turns behind a llama-server router, and `domains`, what keeping users apart
-costs).
+restore TTFT, `swap`, models taking turns behind a llama-server router, `domains`, what keeping users apart
+costs, and `turns`, where each millisecond of each kind of turn goes).
 
 Starts the llama-server processes (and slotkeepers) each scenario needs on loopback ports, measures slotkeeper
 against llama-server alone side by side, and writes `<out>/<scenario>.json` and `<out>/README.md`."""
@@ -37,6 +37,7 @@ from bench import (
     switch,
     system,
     title,
+    turns,
 )
 from bench.chart import write_chart
 from bench.common import MODEL_SPECS, BenchConfig, write_result
@@ -47,11 +48,12 @@ SCENARIOS: dict[str, Callable[[BenchConfig, Path], dict[str, Any]]] = {
     "system": system.run, "agent": agent.run, "scale": scale.run, "day": day.run, "title": title.run,
     "beyond": beyond.run, "first": first.run, "client": client.run, "backends": backends.run, "decide": decide.run,
     "agents": agents.run, "blocks": blocks.run, "swap": swap.run, "domains": domains.run,
+    "turns": turns.run,
 }
 # Scenarios `all` leaves out: they need what a plain test run does not have (the agents from the npm registry) or
 # take long (`blocks`: several slotkeepers per block size, an S3 server; `swap`: model loads, tested on its own;
-# `domains`: four targets of their own, tested on its own).
-OPT_IN = ("agents", "blocks", "swap", "domains")
+# `domains`: four targets of their own, tested on its own; `turns`: each kind of turn traced, tested on its own).
+OPT_IN = ("agents", "blocks", "swap", "domains", "turns")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -54,6 +54,8 @@ class RequestEntry:
     time: float = field(default_factory=time.time)
     # The cache domain of the request's session (types.SessionKey): whose journal view it shows in.
     domain: str = ""
+    # Milliseconds from asking for a slot to holding it (queue, save of its occupant, decision, restore).
+    lease_ms: float | None = None
 
     def log_line(self) -> str:
         """The human-readable request log line (`slotkeeper.turn`)."""

@@ -59,6 +59,9 @@ class SessionNotes:
     def seen(self, key: SessionKey) -> None:
         _remember(self._seen, key, None)
 
+    def was_seen(self, key: SessionKey) -> bool:
+        return key in self._seen
+
     def left(self, key: SessionKey, reason: Reason, detail: str) -> None:
         _remember(self._left, key, (reason, detail))
 

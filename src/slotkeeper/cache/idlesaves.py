@@ -15,6 +15,7 @@ from typing import Any
 
 from slotkeeper.cache.saving import Saver
 from slotkeeper.cache.slots import Held, SlotState
+from slotkeeper.types import SnapshotKind
 from slotkeeper.upstream.health import BackendHealth
 
 # The shortest idle time before a changed slot is saved (when --save-idle-seconds is longer): an agent's next request
@@ -47,8 +48,12 @@ class IdleSaves:
         """How long a changed slot stays idle before it is saved: `save_idle_seconds` at most; a state the backend
         writes quickly sooner, after twice its expected save time and at least IDLE_SAVE_FLOOR_SECONDS. A
         conversation that comes back within that finds its slot unsaved and hot; one that comes back later, or
-        another conversation that needs the slot, finds the state on disk already and waits for no save."""
+        another conversation that needs the slot, finds the state on disk already and waits for no save. A side
+        task's state is saved at once: no conversation comes back to it, and the next request, which needs the slot,
+        often follows within milliseconds (OpenWebUI's tasks, one after another)."""
         cap = self._save_idle_seconds
+        if slot.kind is SnapshotKind.SIDE:
+            return 0.0
         expected = self._saver.expected_seconds(slot.n_tokens)
         if expected is None:
             return cap

@@ -38,6 +38,7 @@ from slotkeeper.cache.sidestates import side_key
 from slotkeeper.cache.slots import Held, SlotLease, SlotState, TurnEnd
 from slotkeeper.cache.snapshots import Snapshots, snapshot_id
 from slotkeeper.cache.systemprompt import SystemPrompt
+from slotkeeper.cache.tokens import Tokens
 from slotkeeper.cache.warmups import WarmUps
 from slotkeeper.errors import Overloaded
 from slotkeeper.types import CacheOutcome, SessionKey, SnapshotKind
@@ -137,6 +138,25 @@ class SlotPool:
             await self._hold_side()
         choose = (lambda: self._choose_side(key)) if side else (lambda: self._choose(key, chain))
         slot = await self._take(choose, bounded=True, side=side, key=None if side else key)
+        early = None
+        if (tokens is not None and (side or not self.notes.was_seen(key)) and not key.is_default
+                and self.policy.strategy is not Strategy.KEEP_HOT):
+            # A side task or a conversation not seen yet (a new chat, a client without ids) is the request whose
+            # exact tokens the planner most likely asks for: the backend renders and tokenizes them meanwhile
+            # (while the slot's occupant is saved, and the saved states are looked up), not after.
+            early = asyncio.ensure_future(tokens())
+            early.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, if not used
+            tokens = _awaiting(early)
+        try:
+            return await self._lease(slot, key, chain, side, system, tokens)
+        finally:
+            if early is not None and not early.done():
+                early.cancel()  # not needed after all
+
+    async def _lease(self, slot: SlotState, key: SessionKey, chain: Sequence[Link], side: bool,
+                     system: SystemPrompt | None, tokens: TokenSource | None) -> SlotLease:
+        """The slot is taken for `key`'s request: save its changed occupant, bring in what the request starts from
+        (bringing.py), and lease it."""
         previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
         held = Held.of(slot)
         extended = _extends(in_slot, chain, previous == key and not side)
@@ -434,6 +454,15 @@ class SlotPool:
         most `timeout` seconds; True when none is left running."""
         await self.idle_saves.aclose()
         return await self.snapshots.settle(timeout=timeout)
+
+
+def _awaiting(early: asyncio.Future[Tokens | None]) -> TokenSource:
+    """A token source whose answer was asked for ahead (see `acquire`)."""
+
+    async def tokens() -> Tokens | None:
+        return await early
+
+    return tokens
 
 
 def empty_slot(slot: SlotState) -> None:

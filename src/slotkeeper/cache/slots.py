@@ -83,6 +83,9 @@ class TurnCache:
     warm_ms: float = 0.0
     # The time the decision took: the look-ups, the request's tokens when the planner asked for them, the plan.
     decide_ms: float | None = None
+    # The whole time from asking for a slot to holding it: the wait in the queue, the save of its occupant, the
+    # decision and the restore (what the turn waited for before its request went to the backend).
+    lease_ms: float = 0.0
 
 
 @dataclass

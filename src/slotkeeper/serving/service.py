@@ -87,7 +87,7 @@ class TurnRecord:
             cache.restored_tokens, cache.restore_ms, cache.save_ms, _int(t.get("cache_n")),
             _int(t.get("prompt_n")), _int(t.get("predicted_n")), _float(t.get("prompt_ms")), self.status, end.value,
             (time.perf_counter() - self.started) * 1000, restored_from=cache.restored_from, why=str(cache.why),
-            why_detail=cache.detail, decide_ms=cache.decide_ms, domain=self.key.domain,
+            why_detail=cache.detail, decide_ms=cache.decide_ms, domain=self.key.domain, lease_ms=cache.lease_ms,
         )
         log.info("%s", entry.log_line(), extra={"request": entry})
         if self.journal is not None:
@@ -183,7 +183,10 @@ class TurnService:
         the turn calls at its end (which is called here already if no lease was had)."""
         leave = await self._backend_up(hung_up)
         try:
-            return await self._acquire(key, build, side, chat=chat, chain=chain), leave
+            started = time.perf_counter()
+            lease = await self._acquire(key, build, side, chat=chat, chain=chain)
+            lease.cache.lease_ms = (time.perf_counter() - started) * 1000
+            return lease, leave
         except BaseException:
             if leave is not None:
                 leave()
