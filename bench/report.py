@@ -40,7 +40,7 @@ def _header(results: dict[str, dict[str, Any]]) -> list[str]:
     ]
 
 
-OWN_HEADER = ("system", "agent", "scale", "day", "title", "client", "blocks", "swap", "domains")
+OWN_HEADER = ("system", "agent", "scale", "day", "title", "client", "blocks", "swap", "domains", "turns")
 
 
 def _reading(r: dict[str, Any]) -> list[str]:
@@ -174,7 +174,8 @@ SECTIONS = {"switch": _switch, "reading": _reading, "overhead": _overhead, "rest
             "system": sections.system, "agent": sections.agent, "scale": sections.scale, "day": sections.day,
             "title": sections.title, "beyond": sections.beyond, "first": sections.first, "client": sections.client,
             "backends": sections.backends, "decide": decide.section, "agents": agents.section,
-            "blocks": sections.blocks, "swap": sections.swap, "domains": sections.domains}
+            "blocks": sections.blocks, "swap": sections.swap, "domains": sections.domains,
+            "turns": sections.turns}
 
 
 def write_report(out: Path) -> Path:

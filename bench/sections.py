@@ -520,3 +520,39 @@ def domains(r: dict[str, Any]) -> list[str]:
               f"the probe (another user's prompt) takes {q['probe_ttft']:.1f}x as long: it is no longer answered "
               "from the other user's state.", ""]
     return lines
+
+
+def turns(r: dict[str, Any]) -> list[str]:
+    """bench/results/README.md's section for the `turns` scenario."""
+    kinds = r["summary"]["kinds"]
+    lines = [
+        "## turns: where each millisecond of a turn goes",
+        "",
+        f"Each kind of turn, {r['rounds']} rounds of new text each (conversations of about {r['tokens']:,} tokens), "
+        "sent alike to llama-server alone (`--cache-ram 0`, one slot) and to slotkeeper in front of another (RAM dir, "
+        "default idle saves), the two taking turns going first. *Added*: slotkeeper's time to first token (a side "
+        "task's whole time) minus llama-server's, median of the rounds. Of slotkeeper's: the time until its lease "
+        "(the queue, the save of the slot's occupant, the decision, the restore), and *other*: the rest beside the "
+        "backend's own prompt time (the proxy, and the backend's request handling), next to llama-server's. A "
+        "restore's *added over hot* is its time to first token minus llama-server's for the same next turn in a slot "
+        "that holds the conversation; its *floor* the time to read the restored bytes from tmpfs on this machine. "
+        f"{_model(r)}",
+        "",
+        "| kind | llama-server ms | slotkeeper ms | added ms | slotkeeper cache | decide ms | save ms | restore ms "
+        "| lease ms | other ms (alone / slotkeeper) | prompt_n (alone / slotkeeper) | restored MiB | floor ms "
+        "| added over hot ms | over floor |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind, k in kinds.items():
+        restored = f"{k['restored_bytes'] / 2**20:.1f}" if "restored_bytes" in k else "-"
+        floor = _fmt(k["read_floor_ms"], 2) if "read_floor_ms" in k else "-"
+        over_hot = _fmt(k["added_over_hot_ms"], 1) if "added_over_hot_ms" in k else "-"
+        over_floor = f"{k['added_over_floor']:.0f}x" if k.get("added_over_floor") is not None else "-"
+        lines.append(
+            f"| {kind} | {_fmt(k['llama_server_ttft_ms'], 1)} | {_fmt(k['slotkeeper_ttft_ms'], 1)} "
+            f"| {k['added_ms']:+.1f} | {', '.join(k['slotkeeper_cache'])} | {_fmt(k['decide_ms'], 1)} "
+            f"| {_fmt(k['save_ms'], 1)} | {_fmt(k['restore_ms'], 1)} | {_fmt(k['lease_ms'], 1)} "
+            f"| {_fmt(k['llama_server_other_ms'], 1)} / {_fmt(k['slotkeeper_other_ms'], 1)} "
+            f"| {k['llama_server_prompt_n']:g} / {k['slotkeeper_prompt_n']:g} | {restored} | {floor} | {over_hot} "
+            f"| {over_floor} |")
+    return [*lines, ""]

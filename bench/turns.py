@@ -250,7 +250,8 @@ def summarize(samples: list[dict[str, Any]], bytes_per_token: float,
             n_bytes = int(statistics.median(s["restored"] for s in restored) * bytes_per_token)
             row["restored_bytes"] = n_bytes
             row["read_floor_ms"] = floor(n_bytes)
-            over_hot = [s["ttft_ms"] - hot_alone[s["round"]] for s in restored if s["round"] in hot_alone]
+            over_hot = [s["ttft_ms"] - hot_alone[s["round"]] for s in restored
+                        if s["round"] in hot_alone and kind in ("restore", "switch")]
             if over_hot:
                 row["added_over_hot_ms"] = statistics.median(over_hot)
                 row["added_over_floor"] = (row["added_over_hot_ms"] / row["read_floor_ms"]

@@ -455,3 +455,26 @@ def test_domains(tmp_path: Path) -> None:
     assert apart["kept"]["domains"] == data["users"] + 1 and one["kept"]["domains"] == 1
     assert warmed["kept"]["system_states"] >= data["users"]
     assert "## domains: what keeping users apart costs" in (tmp_path / "README.md").read_text()
+
+
+def test_turns(tmp_path: Path) -> None:
+    """`--scenario turns` (opt-in, so run on its own): each kind of turn against llama-server alone. The counts are
+    what each kind implies: a hot turn and a restored one prefill only the new message on slotkeeper, where
+    llama-server alone prefills the whole conversation again after another took the slot; a restore's bytes and
+    their read floor are measured; every part of slotkeeper's time is recorded."""
+    run = subprocess.run([sys.executable, "-m", "bench", "--scenario", "turns", "--small", "--out", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    kinds = load(tmp_path, "turns")["summary"]["kinds"]
+    assert set(kinds) == {"cold", "hot", "restore", "switch", "side", "side-next", "new-system"}
+    assert kinds["hot"]["slotkeeper_cache"] == ["hot"]
+    for kind in ("restore", "switch"):
+        k = kinds[kind]
+        assert k["slotkeeper_cache"] == ["restored"]
+        assert k["slotkeeper_prompt_n"] < 150 < k["llama_server_prompt_n"]
+        assert k["restored_bytes"] > 0 and positive(k["read_floor_ms"]) and positive(k["restore_ms"])
+        assert "added_over_hot_ms" in k
+    assert kinds["switch"]["save_ms"] > 0 and kinds["restore"]["save_ms"] == 0  # the pause let the idle save run
+    assert kinds["cold"]["slotkeeper_prompt_n"] == kinds["cold"]["llama_server_prompt_n"]
+    assert all(positive(k["lease_ms"]) or k["slotkeeper_cache"] == ["hot"] for k in kinds.values())
+    assert "## turns: where each millisecond of a turn goes" in (tmp_path / "README.md").read_text()

@@ -54,6 +54,27 @@ def test_switching_sessions_restores_from_disk(stack: Stack, client_for) -> None
     assert keeper.row("session-a")["checksum"] == row_a["checksum"]  # type: ignore[index]
 
 
+def test_what_a_restore_and_a_prefill_cost_is_measured_as_it_runs(stack: Stack, client_for) -> None:
+    """Two conversations taking turns on one slot: from their restores and prefills slotkeeper measures what each
+    costs on this backend (cache/costs.py), and shows it; every restore it made paid by that measure."""
+    keeper = stack.slotkeeper(stack.backend(parallel=1, cache_ram=0))
+    client = client_for(keeper)
+    a = Conversation(client, "cost-a", size=800, seed=5)
+    b = Conversation(client, "cost-b", size=800, seed=6)
+    answers = [conv.turn() for _ in range(3) for conv in (a, b)]
+    assert [r.headers["x-slotkeeper-cache"] for r in answers[2:]] == ["restored"] * 4
+    costs = client.get("/api/backend").json()["restore_costs"]
+    assert costs["prefill_ms_per_token"] > 0
+    [(tier, fit)] = costs["restore"].items()  # one tier measured: the slot dir (no RAM dir here)
+    assert tier == "disk" and fit["fixed_ms"] >= 0 and fit["ms_per_mib"] >= 0
+    row = keeper.row("cost-a")
+    assert row is not None
+    assert costs["bytes_per_token"] == pytest.approx(row["n_bytes"] / row["n_tokens"], rel=0.2)
+    restore_ms = fit["fixed_ms"] + fit["ms_per_mib"] * row["n_bytes"] / 2**20
+    assert restore_ms < costs["prefill_ms_per_token"] * row["n_tokens"]  # a whole conversation's restore pays
+    assert 1 <= costs["floor_tokens"] < row["n_tokens"]
+
+
 def test_restart_of_backend_and_slotkeeper_resumes_from_disk(stack: Stack, client_for) -> None:
     backend = stack.backend(cache_ram=0)
     keeper = stack.slotkeeper(backend)

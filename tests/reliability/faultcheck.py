@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 SLACK = 8  # tokens a restore may give back (the template's last message boundary)
-# A state sharing fewer tokens than this is not restored, by design (--min-restore-tokens, its default).
+# A state sharing fewer tokens than this is not restored, by design (the --min-restore-tokens the run gives).
 MIN_RESTORE_TOKENS = 128
 # A save lands this long after its turn at most (the idle save, 0.3 s in the runs, and its commit and upload); a
 # fault that began after this is not the reason a turn's state is missing.

@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 
 from slotkeeper.upstream.launcher import free_port
-from tests.reliability.faultcheck import Fault, LeaseTaken, ManifestSample, Turn, check
+from tests.reliability.faultcheck import MIN_RESTORE_TOKENS, Fault, LeaseTaken, ManifestSample, Turn, check
 from tests.support import (
     REPLICA_ARGS,
     Backend,
@@ -181,7 +181,10 @@ def cluster(root: Path, kind: str, model: Path) -> Iterator[Cluster]:
             config = backends_config(root / f"{name}.toml", MODEL, mine)
             keeper = Slotkeeper(root / f"{name}-cache", root / f"{name}.log", extra_args=(
                 "--config", str(config), "--save-idle-seconds", "0.3", "--directory", redis.url, "--shared-store",
-                f"s3://{store.bucket}/{PREFIX}", "--shared-endpoint", proxy.url, *REPLICA_ARGS))
+                f"s3://{store.bucket}/{PREFIX}", "--shared-endpoint", proxy.url,
+                # The checker's floor, fixed: under the measured rule a loaded machine could find a short state
+                # cheaper to prefill than to restore, which the checker would count as a lost turn.
+                "--min-restore-tokens", str(MIN_RESTORE_TOKENS), *REPLICA_ARGS))
             stack.callback(keeper.stop)
             keepers.append(keeper.start(timeout=120))
         if not wait_until(lambda: all("joined with" in Path(k.log_path).read_text(errors="replace")

@@ -222,11 +222,12 @@ class Bringer:
         if not self._restorer.fits(snapshot):
             return
         restored = await self._restorer.restore(slot.slot_id, lease.cache, snapshot, outcome, expected, tier)
-        slot.chain = []  # a restore replaces the slot's content, a failed one empties it
-        slot.tokens = None
+        # A restore replaces the slot's content, a failed one empties it. The restored state's tokens are not read
+        # here, on the turn's path: the turn's end records what the slot then holds (the request's tokens, when
+        # they were asked for).
+        slot.chain, slot.tokens = [], None
         if restored is not None:
             slot.n_tokens = restored
-            slot.tokens = await self._snapshots.tokens_of(snapshot)
 
 
 def _remember(memory: OrderedDict[SessionKey, Any], key: SessionKey, value: Any) -> None:

@@ -29,7 +29,7 @@ class Reason(enum.StrEnum):
     SLOT_TAKEN = "slot-taken"  # another session took the slot, and this backend cannot bring the state back
     NOT_EXTENDED = "not-extended"  # a recurrent/hybrid state restores only for a request that extends all of it
     KEEP_HOT = "keep-hot"  # restores cannot help on this backend (sliding window without checkpoints)
-    TOO_SHORT = "too-short"  # what could be restored is less than --min-restore-tokens
+    TOO_SHORT = "too-short"  # restoring what could be restored costs more than prefilling it (costs.py)
     TOO_LONG = "too-long"  # the snapshot is larger than a slot
     NOTHING_SHARED = "nothing-shared"  # no snapshot shares enough with the request
     RESTORE_FAILED = "restore-failed"  # the backend refused the restore; the turn ran cold

@@ -314,10 +314,6 @@ class Snapshots:
         """After a restore `materialize` prepared (whatever came of it)."""
         await asyncio.to_thread(self._store.restored, snapshot)
 
-    async def tokens_of(self, snapshot: Snapshot) -> Tokens | None:
-        """The tokens a saved state holds (None: its file is not one this code reads)."""
-        return await asyncio.to_thread(self._store.tokens_of, snapshot)
-
     async def system(self, key: SessionKey, checked: bool = True) -> Snapshot | None:
         """The system snapshot of `key` (model, system digest); unchecked (its index row only) when all that matters
         is whether there is one."""

@@ -310,7 +310,7 @@ def _prewarm(client: AdminClient, args: argparse.Namespace, out: TextIO, err: Te
         print_json(result, out)
         return 0
     what = {"saved": "saved as a system snapshot", "exists": "already had a system snapshot",
-            "too-short": "is shorter than --min-restore-tokens: not worth a snapshot"}[str(result["status"])]
+            "too-short": "is too short for its restore to pay: not worth a snapshot"}[str(result["status"])]
     print(f"system prompt {str(result['system'])[:12]} ({result['model']}, {result['tokens']} tokens) {what}"
           + (f", {human_bytes(result['bytes'])}" if result["status"] == "saved" else "")
           + f" in {float(result['ms']) / 1000:.1f} s", file=out)

@@ -24,7 +24,7 @@ WORDS: dict[str, str] = {
     "slot-taken": "another session took its slot, and this backend cannot bring the state back from disk",
     "not-extended": "this backend restores a recurrent or hybrid state only for a request that extends all of it",
     "keep-hot": "restores cannot help on this backend, so only a conversation still in its slot is reused",
-    "too-short": "what could be restored was shorter than --min-restore-tokens, cheaper to prefill",
+    "too-short": "restoring what could be restored would cost more than prefilling it (measured)",
     "too-long": "its snapshot is larger than a slot's context",
     "warm-up": "a new system prompt: it was evaluated and saved first, for the conversations that will use it",
     "nothing-shared": "no saved state shares enough with the request",

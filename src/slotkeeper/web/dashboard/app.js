@@ -441,7 +441,7 @@ document.getElementById("clear-slots").addEventListener("click", async () => {
 const PREWARM_STATUS = {
   saved: "saved as a system snapshot",
   exists: "already had a system snapshot",
-  "too-short": "is too short to be worth a snapshot (fewer tokens than --min-restore-tokens)",
+  "too-short": "is too short to be worth a snapshot (its restore would cost more than its prefill)",
 };
 
 document.getElementById("prewarm-form").addEventListener("submit", async (event) => {
