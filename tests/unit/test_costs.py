@@ -7,7 +7,6 @@ import pytest
 from slotkeeper.cache.capability import Strategy
 from slotkeeper.cache.costs import (
     MIN_PREFILL_TOKENS,
-    NEVER,
     PRIOR_TOKENS,
     WINDOW,
     CostMeter,
@@ -38,15 +37,17 @@ MEASURED = Costs(0.2, ((Tier.RAM, RestoreCost(5.0, 1.0 / MIB)), (Tier.DISK, Rest
     # nothing measured yet: the prior floor
     (PRIOR_TOKENS, 100 * MIB, Tier.RAM, Costs(), None, True),
     (PRIOR_TOKENS - 1, 1000, Tier.RAM, Costs(), None, False),
-    (PRIOR_TOKENS, 1000, Tier.RAM, Costs(prefill_ms_per_token=0.2), None, True),  # no restore measured
+    (PRIOR_TOKENS - 1, 1000, Tier.RAM, Costs(prefill_ms_per_token=0.2), None, False),  # no restore measured
     # measured: 1 MiB from RAM costs 6 ms; 100 tokens of prefill 20 ms, 20 tokens 4 ms
     (100, MIB, Tier.RAM, MEASURED, None, True),
     (20, MIB, Tier.RAM, MEASURED, None, False),
     (29, MIB, Tier.RAM, MEASURED, None, False),  # 6 ms against 5.8 ms
     (31, MIB, Tier.RAM, MEASURED, None, True),
-    # the same share from a large state does not pay: 40 MiB cost 45 ms, more than 200 tokens' 40 ms
-    (200, 40 * MIB, Tier.RAM, MEASURED, None, False),
-    (200, 10 * MIB, Tier.RAM, MEASURED, None, True),
+    # the same share from a large state does not pay: 40 MiB cost 45 ms, more than 100 tokens' 20 ms
+    (100, 40 * MIB, Tier.RAM, MEASURED, None, False),
+    (100, 10 * MIB, Tier.RAM, MEASURED, None, True),
+    # the measure only lowers the floor: at PRIOR_TOKENS and more a restore is made, whatever it costs
+    (PRIOR_TOKENS, 400 * MIB, Tier.DISK, MEASURED, None, True),
     # from disk it costs more: 1 MiB 12 ms
     (50, MIB, Tier.DISK, MEASURED, None, False),
     (61, MIB, Tier.DISK, MEASURED, None, True),
@@ -65,8 +66,9 @@ def test_a_restore_pays_when_it_costs_less_than_the_prefill_it_saves(
     (Costs(0.2, ((Tier.RAM, RestoreCost(5.0, 1.0 / MIB)),)), None, PRIOR_TOKENS),  # no size per token yet
     # 5 ms fixed, a token 0.2 ms to prefill and 2 KiB x 1 ms/MiB (about 0.002 ms) to restore: 26 tokens and up
     (MEASURED, None, 26),
-    # a restore costs more per token than a prefill: never
-    (Costs(0.001, ((Tier.RAM, RestoreCost(5.0, 1.0 / MIB)),), 2048.0), None, NEVER),
+    # a restore costs more per token than a prefill, or more than PRIOR_TOKENS are needed: the prior floor
+    (Costs(0.001, ((Tier.RAM, RestoreCost(5.0, 1.0 / MIB)),), 2048.0), None, PRIOR_TOKENS),
+    (Costs(0.02, ((Tier.RAM, RestoreCost(5.0, 1.0 / MIB)),), 2048.0), None, PRIOR_TOKENS),
     # no fixed cost: any state pays
     (Costs(0.2, ((Tier.RAM, RestoreCost(0.0, 1.0 / MIB)),), 2048.0), None, 1),
 ])
@@ -145,14 +147,18 @@ def test_the_planner_restores_only_what_pays() -> None:
     big = candidate("big", 84, 20000, 40 * MIB)
     chosen = plan(Request(3), rules, InSlot(), [big])
     assert chosen.restore is None and chosen.why is Why.TOO_SHORT
+    # sharing PRIOR_TOKENS, it is restored as it always was
+    assert plan(Request(3), rules, InSlot(), [candidate("big", PRIOR_TOKENS, 20000, 40 * MIB)]).restore is not None
     # under the old fixed floor of 128 tokens neither was restored
     assert plan(Request(3), Rules(Strategy.RESTORE, 128), InSlot(), [small]).restore is None
 
 
 def test_what_the_slot_already_gives_is_not_paid_for_again() -> None:
     rules = Rules(Strategy.RESTORE, None, costs=MEASURED)
-    # 1,000 tokens in the slot, a 2 MiB state sharing 1,040: 40 tokens more (8 ms) for a 7 ms restore: it pays
-    assert plan(Request(3), rules, InSlot(1000, 2), [candidate("a", 1040, 1040, 2 * MIB)]).restore is not None
-    # sharing 1,030: 30 tokens more (6 ms) for 7 ms: the slot's content is kept
-    chosen = plan(Request(3), rules, InSlot(1000, 2), [candidate("a", 1030, 1030, 2 * MIB)])
+    # 50 tokens in the slot, a 2 MiB state sharing 100: 50 tokens more (10 ms) for a 7 ms restore: it pays
+    assert plan(Request(3), rules, InSlot(50, 2), [candidate("a", 100, 100, 2 * MIB)]).restore is not None
+    # 70 in the slot: 30 tokens more (6 ms) for 7 ms: the slot's content is kept
+    chosen = plan(Request(3), rules, InSlot(70, 2), [candidate("a", 100, 100, 2 * MIB)])
     assert chosen.restore is None and chosen.why is Why.IN_SLOT
+    # a state sharing PRIOR_TOKENS or more is weighed as it always was: by the tokens beyond a near-tie
+    assert plan(Request(3), rules, InSlot(1000, 2), [candidate("a", 1010, 1010, 2 * MIB)]).restore is not None

@@ -1,12 +1,14 @@
-"""What a restore and a prefill cost on this backend, learned as it runs, and the rule that weighs them: restore a
-saved state only when bringing its bytes in costs less time than prefilling the tokens it shares with the request.
+"""What a restore and a prefill cost on this backend, learned as it runs, and the rule that weighs them: a saved
+state sharing fewer tokens with the request than the fixed floor the rule replaced (PRIOR_TOKENS) is restored when
+bringing its bytes in costs less time than prefilling what it gives. The measure only ever lowers that floor: a
+state sharing more is restored as before, so what is reused never drops (skipping a large restore that costs more
+than its prefill, as on a fast GPU with a slow disk, is not done yet).
 
 Both costs are measured where they happen. A restore's is its wall time on the request's path (assembling the file
 from blocks when it is not in the RAM dir, the backend's read, the round trip), fitted per tier as a fixed part plus
 a part per byte over the most recent restores. A prefill's is what the backend reports for each turn
 (`timings.prompt_ms` over `timings.prompt_n`), as milliseconds per token over the most recent turns. Until both are
-measured the rule falls back to a prior floor of tokens; an operator's `--min-restore-tokens` replaces the measured
-rule with that fixed floor.
+measured, only the prior floor holds; an operator's `--min-restore-tokens` replaces the rule with that fixed floor.
 
 `pays` and `floor_tokens` are pure functions of plain values (table-tested); `CostMeter` only keeps the samples.
 """
@@ -17,7 +19,8 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-# The floor of shared tokens before anything is measured (the constant this rule replaced).
+# The floor of shared tokens the rule replaced: a state sharing this many is always worth its restore; the measured
+# costs decide below it.
 PRIOR_TOKENS = 128
 # Samples kept per measure: the recent past, so that a backend that slows down (a loaded machine, a longer
 # context) is followed within a few dozen turns.
@@ -26,8 +29,6 @@ WINDOW = 32
 MIN_PREFILL_TOKENS = 16
 # Samples needed before a measure is trusted.
 MIN_SAMPLES = 3
-# What "never pays" is told as, in tokens: more than any slot holds.
-NEVER = 1 << 30
 
 
 class Tier(enum.IntEnum):
@@ -69,23 +70,25 @@ class Costs:
 
 
 def pays(shared_tokens: int, n_bytes: int, tier: Tier, costs: Costs, fixed_floor: int | None) -> bool:
-    """Whether restoring a state of `n_bytes` from `tier` that shares `shared_tokens` with the request is faster
-    than prefilling those tokens. `fixed_floor` (the operator's --min-restore-tokens) replaces the measured rule;
-    without measures, the prior floor decides."""
+    """Whether restoring a state of `n_bytes` from `tier` that gives the request `shared_tokens` is worth it: at
+    PRIOR_TOKENS or more always; below, when it is faster than prefilling those tokens (both measured; not before
+    they are). `fixed_floor` (the operator's --min-restore-tokens) replaces the rule."""
     if shared_tokens <= 0:
         return False
     if fixed_floor is not None:
         return shared_tokens >= max(fixed_floor, 1)
+    if shared_tokens >= PRIOR_TOKENS:
+        return True
     restore = costs.restore_cost(tier)
     if costs.prefill_ms_per_token is None or restore is None:
-        return shared_tokens >= PRIOR_TOKENS
+        return False
     return restore.ms(n_bytes) < costs.prefill_ms_per_token * shared_tokens
 
 
 def floor_tokens(costs: Costs, fixed_floor: int | None, tier: Tier = Tier.RAM) -> int:
     """The fewest tokens a state must share with a request for its restore to pay, when it holds no more than it
-    shares (the best case: a state that holds more costs more bytes). What keeping a small state (a side task's, a
-    short chat's, a short system part's) is weighed against. NEVER when no restore pays."""
+    shares (the best case: a state that holds more costs more bytes), and at most PRIOR_TOKENS. What keeping a
+    small state (a side task's, a short chat's, a short system part's) is weighed against."""
     if fixed_floor is not None:
         return max(fixed_floor, 1)
     restore = costs.restore_cost(tier)
@@ -94,8 +97,8 @@ def floor_tokens(costs: Costs, fixed_floor: int | None, tier: Tier = Tier.RAM) -
     # fixed + per_byte * bytes_per_token * n < prefill * n  <=>  n > fixed / (prefill - per_byte * bytes_per_token)
     gain = costs.prefill_ms_per_token - restore.ms_per_byte * costs.bytes_per_token
     if gain <= 0:
-        return NEVER
-    return int(restore.fixed_ms / gain) + 1
+        return PRIOR_TOKENS
+    return min(int(restore.fixed_ms / gain) + 1, PRIOR_TOKENS)
 
 
 def fit(samples: list[tuple[int, float]]) -> RestoreCost | None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from slotkeeper.cache.capability import Strategy
-from slotkeeper.cache.costs import Costs, Tier, pays
+from slotkeeper.cache.costs import PRIOR_TOKENS, Costs, Tier, pays
 from slotkeeper.types import CacheOutcome, Snapshot, SnapshotKind
 
 
@@ -169,11 +169,13 @@ def plan(request: Request, rules: Rules, in_slot: InSlot = InSlot(), saved: Sequ
 
 
 def _pays(candidate: Candidate, in_slot: InSlot, rules: Rules) -> bool:
-    """Whether the restore is worth its cost: under the measured rule, what it gives beyond what the slot holds
-    (the tokens it saves a prefill of) against the time to bring its bytes in; under a fixed floor, the tokens it
-    shares (as that floor always meant). A near-tie the own state wins by its next message is weighed whole."""
+    """Whether the restore is worth its cost (costs.py): a state sharing PRIOR_TOKENS or more always is, as is one
+    over a fixed floor; below, what it gives beyond what the slot holds (the tokens it saves a prefill of) is
+    weighed against the time to bring its bytes in. A near-tie the own state wins by its next message is weighed
+    whole."""
     gain = candidate.tokens
-    if rules.min_restore_tokens is None and not _next_message(candidate, in_slot):
+    if (rules.min_restore_tokens is None and candidate.tokens < PRIOR_TOKENS
+            and not _next_message(candidate, in_slot)):
         gain -= in_slot.tokens
     return pays(gain, candidate.snapshot.n_bytes, candidate.tier, rules.costs, rules.min_restore_tokens)
 
