@@ -85,7 +85,8 @@ def test_the_floor_agrees_with_the_rule() -> None:
 
 @pytest.mark.parametrize(("samples", "expected"), [
     ([], None),
-    ([(1000, 2.0), (2000, 3.0)], None),  # too few
+    ([(1000, 2.0)], RestoreCost(0.0, 0.002)),  # one: all of it per byte
+    ([(1000, 2.0), (2000, 3.0)], RestoreCost(1.0, 0.001)),  # two: a line
     ([(1000, 2.0), (2000, 3.0), (3000, 4.0)], RestoreCost(1.0, 0.001)),  # a line
     ([(1000, 2.0), (1000, 4.0), (1000, 3.0)], RestoreCost(0.0, 0.003)),  # one size: its mean per byte
     ([(1000, 4.0), (2000, 3.0), (3000, 2.0)], RestoreCost(3.0, 0.0)),  # larger is faster: all of it fixed

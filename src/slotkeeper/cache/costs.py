@@ -27,8 +27,10 @@ PRIOR_TOKENS = 128
 WINDOW = 32
 # Prefills shorter than this say more about a request's fixed costs than about a token's: not counted.
 MIN_PREFILL_TOKENS = 16
-# Samples needed before a measure is trusted.
-MIN_SAMPLES = 3
+# Prefills needed before their cost per token is trusted. One restore is enough to start from (its time per byte,
+# all of it taken as a part per byte: a small state then looks cheap, as it mostly is); a fixed part is fitted from
+# two restores of different sizes on. A day's first side tasks and short chats come after a handful of turns.
+MIN_PREFILLS = 3
 
 
 class Tier(enum.IntEnum):
@@ -103,8 +105,8 @@ def floor_tokens(costs: Costs, fixed_floor: int | None, tier: Tier = Tier.RAM) -
 
 def fit(samples: list[tuple[int, float]]) -> RestoreCost | None:
     """A fixed part and a part per byte through (bytes, ms) samples by least squares, neither below zero; with
-    samples all of one size, the time per byte of their mean. None with fewer than MIN_SAMPLES."""
-    if len(samples) < MIN_SAMPLES:
+    samples all of one size (or one sample), the time per byte of their mean. None without samples."""
+    if not samples:
         return None
     n = len(samples)
     mean_x = sum(x for x, _ in samples) / n
@@ -152,7 +154,7 @@ class CostMeter:
 
     def _measure(self) -> Costs:
         prefill = None
-        if len(self._prefills) >= MIN_SAMPLES:
+        if len(self._prefills) >= MIN_PREFILLS:
             prefill = sum(ms for _, ms in self._prefills) / sum(n for n, _ in self._prefills)
         fits = tuple((tier, fitted) for tier, samples in sorted(self._restores.items())
                      if (fitted := fit(list(samples))) is not None)
