@@ -212,8 +212,10 @@ def test_a_file_changed_in_place_after_it_was_hashed_is_refused(stack: Stack, cl
     finally:
         os.close(fd)
     response = victim.turn()
-    assert response.headers["x-slotkeeper-cache"] == "cold"
-    assert timings(response)["cache_n"] < row["n_tokens"] // 2  # at most the system text the slot's state shares
+    # Never the victim's own state: cold, or another conversation's restored for the system text it shares (when
+    # that restore costs less than its prefill, measured: cache/costs.py).
+    assert response.headers["x-slotkeeper-cache"] in ("cold", "prefix")
+    assert timings(response)["cache_n"] < row["n_tokens"] // 2  # at most the system text another state shares
     assert backend.alive()
     assert keeper.row("victim") is None
     assert not path.exists()
