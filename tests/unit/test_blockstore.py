@@ -22,7 +22,7 @@ from slotkeeper.cache import blockstore as blockstore_module
 from slotkeeper.cache.blocks import Cut, block_payload, block_prefixes, place_block, place_tail, plan_cut, tail_pieces
 from slotkeeper.cache.blockstore import TAIL_SUFFIX, BlockStore, DamagedState
 from slotkeeper.cache.slotformat import SlotLayout, TokenRegion
-from slotkeeper.cache.store import SnapshotStore
+from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore
 from slotkeeper.cache.tokens import as_tokens
 from slotkeeper.errors import SnapshotError
 from slotkeeper.types import SessionKey, SnapshotKind
@@ -519,3 +519,30 @@ def test_a_damaged_block_costs_a_prefill_once_and_the_next_save_writes_it_again(
     store.commit(c, _save(store, c, first), FINGERPRINT, 64)
     checked_c = store.checked_snapshot(c, FINGERPRINT)
     assert checked_c is not None and store.materialize(checked_c)
+
+
+def test_a_damaged_block_met_by_an_export_is_removed_so_that_the_next_save_of_its_bytes_writes_it_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault-run seed 920808289 (CI, embedded): a session moving off a backend met a damaged block while its state
+    was copied out; the state went to quarantine but the block stayed, so the state the session brought back there
+    later (the same bytes, so the same digest, present by its size) named it again and lost a second turn."""
+    data, layout, _ = _file(64, [(1, 8)], seed=26)
+    a, b = SessionKey("m", "a"), SessionKey("m", "b")
+    store = _snapshot_store(tmp_path, monkeypatch, {k.file_stem(FINGERPRINT, _kind()): layout for k in (a, b)})
+    snap_a = store.commit(a, _save(store, a, data), FINGERPRINT, 64)
+    damaged = store.blocks.manifest(snap_a.filename).digests[1]
+    path = store.blocks.block_path(damaged)
+    good = path.read_bytes()
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # same size: present, by what a save looks at
+    with pytest.raises(DamagedState):
+        store.open_whole(snap_a)
+    assert not path.exists()  # moved into the quarantine
+    assert any(p.name.startswith(damaged) for p in (store.slot_dir / QUARANTINE_DIR).iterdir())
+    # The same bytes come back (a copy of the state from another backend): the block is written again, intact.
+    snap_b = store.commit(b, _save(store, b, data), FINGERPRINT, 64)
+    assert path.read_bytes() == good
+    checked = store.checked_snapshot(b, FINGERPRINT)
+    assert checked is not None and store.materialize(checked)
+    store.restored(checked)
+    with store.open_whole(snap_b) as fh:
+        assert fh.read() == data

@@ -130,11 +130,18 @@ class Assembly:
 
     def open_whole(self, snapshot: Snapshot) -> BinaryIO:
         """The state's whole file, open for reading (a state kept as blocks is assembled into a temporary file that
-        is gone when it is closed). FileNotFoundError when it is gone; DamagedState when it cannot be assembled."""
+        is gone when it is closed). FileNotFoundError when it is gone; DamagedState when it cannot be assembled (a
+        damaged block is removed then, as `materialize` does, so that the next save of its tokens writes it again
+        instead of naming it once more)."""
         if not snapshot.tail_bytes:
             return (self.slot_dir / snapshot.filename).open("rb")
         temp = self.slot_dir / f".export-{secrets.token_hex(4)}.bin"
-        self.blocks.assemble(snapshot.filename, temp)
+        try:
+            self.blocks.assemble(snapshot.filename, temp)
+        except DamagedState as exc:
+            if exc.block is not None:
+                self.blocks.forget_damaged(exc.block)
+            raise
         try:
             return temp.open("rb")
         finally:
