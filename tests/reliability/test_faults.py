@@ -32,13 +32,16 @@ from tests.support import Backend
 # Printed by every run; a failing seed replays its schedule: python -m tests.reliability.faultrun --seed N. Each seed
 # here once failed: 1323334352 (a fresh seed in CI, embedded) lost a turn to Redis being away, when a replica brought
 # an older version of a session, newer by its lease, over the copy it had made since; 2812 (CI, embedded) had a block
-# damaged 9 ms after a turn began, which cost that turn its restore, and the check excused only turns begun after.
-SEEDS = [2812, 1323334352]
+# damaged 9 ms after a turn began, which cost that turn its restore, and the check excused only turns begun after;
+# 920808289 (CI, embedded) lost a session's turn twice to one damaged block: a move off the backend met the block
+# while copying the state out and left it in place, and a state of the same bytes later named it again. Each runs on
+# the kind of backend it failed on (the fresh seed below covers both kinds on every run).
+SEEDS = [(2812, "embedded"), (1323334352, "embedded"), (920808289, "embedded")]
 
 
 @pytest.mark.backend
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("seed", "backend_kind"), SEEDS)
 def test_a_short_run_of_faults_breaks_no_promise(tmp_path: Path, backend_kind: str, tiny_model: Path,
                                                  seed: int) -> None:
     result = run(tmp_path, tiny_model, backend_kind, seed, seconds=40)
@@ -79,7 +82,7 @@ def test_a_backend_the_run_restarts_from_a_thread_outlives_that_thread(tmp_path:
 
 def test_a_seed_gives_the_same_schedule_and_every_kind_of_fault() -> None:
     assert schedule(7, 50) == schedule(7, 50) != schedule(8, 50)
-    assert {p.kind for p in schedule(SEEDS[0], 200)} == set(FAULT_KINDS)
+    assert {p.kind for p in schedule(SEEDS[0][0], 200)} == set(FAULT_KINDS)
 
 
 A, B = "http://gpu-a:8080", "http://gpu-b:8080"

@@ -290,6 +290,56 @@ async def test_a_store_that_does_not_answer_holds_a_turn_back_once_then_is_skipp
     assert time.monotonic() - started < 0.05
 
 
+async def test_a_store_back_after_an_outage_is_read_again_at_the_probes_first_answer_not_after_the_pause(
+        slot_dir: Path, store: SnapshotStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault-run seed 920808289 (CI, embedded): the store stalled for 3 s, and 10 s after it answered again a session
+    moved to the other replica, which was still skipping look-ups (30 s after its one that failed) and prefilled it.
+    Now a probe beside the turns ends the pause at the store's first answer within the look-up timeout: one that
+    fails or comes late keeps it."""
+    import time
+
+    from slotkeeper.fleet import shared
+
+    monkeypatch.setattr(shared, "LOOKUP_TIMEOUT_SECONDS", 0.2)
+    monkeypatch.setattr(shared, "PROBE_SECONDS", 0.05)
+    memory = MemoryStore()
+    pool_a = make_pool(FakeClient(slot_dir), store)
+    tier_a = tier_of(pool_a, memory)
+    await turn(pool_a, A)
+    await flush(pool_a)
+    await upload_all(tier_a)
+    store_b = SnapshotStore(tmp_path / "b-slots", tmp_path / "b-index" / "index.db")
+    try:
+        pool_b = make_pool(FakeClient(tmp_path / "b-slots"), store_b)
+        tier_b = tier_of(pool_b, memory)
+        uploader = asyncio.create_task(tier_b.run())  # owns the probe: cancelling it stops the probe
+        answer, slow = memory.get_json, [True]
+
+        def late_then_on_time(key: str) -> tuple[dict[str, Any], str] | None:
+            if slow[0]:  # the first read after the outage is answered, but later than a turn would wait
+                slow[0] = False
+                time.sleep(0.4)
+            return answer(key)
+
+        memory.down = True
+        assert await tier_b.bring(A, SnapshotKind.SESSION) is None  # fails: the pause begins
+        await asyncio.sleep(0.3)  # the probe's reads fail meanwhile
+        probes = memory.calls.count("get_json")
+        assert probes >= 3
+        assert await tier_b.bring(A, SnapshotKind.SESSION) is None  # still paused: not read, nothing waited for
+        assert memory.calls.count("get_json") - probes <= 1  # at most a probe's read, none of the turn's
+        memory.get_json = late_then_on_time  # type: ignore[method-assign]
+        memory.down = False
+        await asyncio.sleep(0.6)  # the late answer does not end the pause; the next one, on time, does
+        assert not slow[0]
+        brought = await tier_b.bring(A, SnapshotKind.SESSION)
+        assert brought is not None and tier_b.downloads == 1  # well within the 30 s pause
+        uploader.cancel()
+        await asyncio.gather(uploader, return_exceptions=True)
+    finally:
+        store_b.close()
+
+
 async def test_the_budget_removes_the_least_recently_saved_and_files_no_manifest_names(slot_dir: Path,
                                                                                        store: SnapshotStore) -> None:
     memory = MemoryStore()

@@ -59,9 +59,11 @@ log = logging.getLogger("slotkeeper.shared")
 # Attempts at a conditional manifest write that another host's write got ahead of.
 MANIFEST_ATTEMPTS = 4
 # A turn waits this long for a manifest look-up; after one fails, look-ups pause for the second figure (turns then
-# start from what this host has without waiting for a store that is down).
+# start from what this host has without waiting for a store that is down), or until a probe beside the turns, one
+# read at a time with PROBE_SECONDS between them, gets an answer within the first figure.
 LOOKUP_TIMEOUT_SECONDS = 3.0
 UNREACHABLE_PAUSE_SECONDS = 30.0
+PROBE_SECONDS = 1.0
 # The store is swept after an upload at most this often.
 SWEEP_SECONDS = 300.0
 
@@ -89,6 +91,7 @@ class SharedTier:
         self.downloads = 0
         self.refused_downloads = 0
         self._unreachable_until = 0.0
+        self._probe: asyncio.Task[None] | None = None  # reads the store while look-ups pause, to end the pause
         self.budget = budget  # bytes of snapshot files the store may hold (0: no limit)
         self.uploaded_bytes = 0  # bytes of files, tails and blocks put into the store
         self.downloaded_bytes = 0  # bytes of blocks fetched (files and tails are counted by their snapshots)
@@ -115,7 +118,14 @@ class SharedTier:
         self._wake.set()
 
     async def run(self) -> None:
-        """The uploader: one upload at a time, oldest queued first."""
+        """The uploader: one upload at a time, oldest queued first. Cancelling it stops a probe of the store too."""
+        try:
+            await self._uploads()
+        finally:
+            if self._probe is not None:
+                self._probe.cancel()
+
+    async def _uploads(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -261,9 +271,11 @@ class SharedTier:
             current = await asyncio.wait_for(asyncio.to_thread(self._store.get_json, name), LOOKUP_TIMEOUT_SECONDS)
         except Exception as exc:  # down, refusing, or slower than a turn should wait
             self._unreachable_until = time.monotonic() + UNREACHABLE_PAUSE_SECONDS
+            why = f"no answer in {LOOKUP_TIMEOUT_SECONDS:g} s" if isinstance(exc, TimeoutError) else _message(exc)
             log.warning("the shared store cannot be read (%s): %s starts from what this host has, and look-ups pause "
-                        "for %.0f s", _message(exc) if not isinstance(exc, TimeoutError) else
-                        f"no answer in {LOOKUP_TIMEOUT_SECONDS:g} s", key, UNREACHABLE_PAUSE_SECONDS)
+                        "for %.0f s or until the store answers again", why, key, UNREACHABLE_PAUSE_SECONDS)
+            if self._probe is None or self._probe.done():
+                self._probe = asyncio.create_task(self._probe_until_back(name))
             return None
         if current is None:
             return None
@@ -285,6 +297,23 @@ class SharedTier:
         if local is not None and await self._extends(key, local, manifest):
             return None
         return await self._download(key, kind, manifest, (name, current[1]), staged)
+
+    async def _probe_until_back(self, name: str) -> None:
+        """While look-ups pause, read the manifest `name` again and again, one read at a time (a read the store holds
+        leaves no second thread behind it), and end the pause at the first answer within LOOKUP_TIMEOUT_SECONDS: a
+        store back after a few seconds is not skipped for the rest of the pause, when sessions moving between hosts
+        need it (a session that changes hosts then would start without its newest state)."""
+        while time.monotonic() < self._unreachable_until:
+            await asyncio.sleep(PROBE_SECONDS)
+            started = time.monotonic()
+            try:
+                await asyncio.to_thread(self._store.get_json, name)
+            except Exception:
+                continue
+            if time.monotonic() - started <= LOOKUP_TIMEOUT_SECONDS and time.monotonic() < self._unreachable_until:
+                self._unreachable_until = 0.0
+                log.info("the shared store answers again: look-ups resume")
+                return
 
     async def _extends(self, key: SessionKey, local: Snapshot, manifest: Manifest) -> bool:
         """Whether this host's snapshot already holds every message and token of the store's newer version: its
