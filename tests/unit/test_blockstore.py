@@ -153,11 +153,12 @@ def test_damage_is_caught_before_any_byte_is_used(store: BlockStore, tmp_path: P
     with pytest.raises(DamagedState) as caught:
         store.assemble("a.bin", tmp_path / "out.bin")
     assert caught.value.block == split.digests[1] and not (tmp_path / "out.bin").exists()
+    assert not block.exists()  # moved into the quarantine by the assembly that met it
     # A truncated block; a missing block.
     block.write_bytes(good[:-5])
     with pytest.raises(DamagedState):
         store.assemble("a.bin", tmp_path / "out.bin")
-    block.unlink()
+    block.unlink(missing_ok=True)
     with pytest.raises(DamagedState, match="missing"):
         store.assemble("a.bin", tmp_path / "out.bin")
     block.write_bytes(good)

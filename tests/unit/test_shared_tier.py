@@ -100,6 +100,23 @@ async def upload_all(tier: SharedTier) -> None:
     await asyncio.gather(uploader, return_exceptions=True)
 
 
+async def uploaded_by_a(slot_dir: Path, store: SnapshotStore, memory: MemoryStore) -> tuple[SlotPool, SharedTier]:
+    """Host A, one turn of A saved and uploaded to `memory`."""
+    pool_a = make_pool(FakeClient(slot_dir), store)
+    tier_a = tier_of(pool_a, memory)
+    await turn(pool_a, A)
+    await flush(pool_a)
+    await upload_all(tier_a)
+    return pool_a, tier_a
+
+
+def host_b(tmp_path: Path, memory: MemoryStore) -> tuple[SnapshotStore, SlotPool, SharedTier]:
+    """A second host on the same object store, with a slot dir and index of its own (the caller closes its store)."""
+    store_b = SnapshotStore(tmp_path / "b-slots", tmp_path / "b-index" / "index.db")
+    pool_b = make_pool(FakeClient(tmp_path / "b-slots"), store_b)
+    return store_b, pool_b, tier_of(pool_b, memory)
+
+
 @pytest.fixture
 def pool(slot_dir: Path, store: SnapshotStore) -> SlotPool:
     return make_pool(FakeClient(slot_dir), store)
@@ -241,16 +258,9 @@ async def test_a_damaged_download_is_fetched_again_then_removed(slot_dir: Path, 
     """Host A uploads; host B's downloads of a damaged object are refused twice, then it is removed and its manifest
     withdrawn (a conditional write on the manifest read)."""
     memory = MemoryStore()
-    pool_a = make_pool(FakeClient(slot_dir), store)
-    tier_a = tier_of(pool_a, memory)
-    await turn(pool_a, A)
-    await flush(pool_a)
-    await upload_all(tier_a)
-    b_slots = tmp_path / "b-slots"
-    store_b = SnapshotStore(b_slots, tmp_path / "b-index" / "index.db")
+    pool_a, tier_a = await uploaded_by_a(slot_dir, store, memory)
+    store_b, pool_b, tier_b = host_b(tmp_path, memory)
     try:
-        pool_b = make_pool(FakeClient(b_slots), store_b)
-        tier_b = tier_of(pool_b, memory)
         [blob] = memory.blobs()
         good = memory.objects[blob]
         memory.objects[blob] = bytes(b ^ 0xFF for b in good)
@@ -303,15 +313,9 @@ async def test_a_store_back_after_an_outage_is_read_again_at_the_probes_first_an
     monkeypatch.setattr(shared, "LOOKUP_TIMEOUT_SECONDS", 0.2)
     monkeypatch.setattr(shared, "PROBE_SECONDS", 0.05)
     memory = MemoryStore()
-    pool_a = make_pool(FakeClient(slot_dir), store)
-    tier_a = tier_of(pool_a, memory)
-    await turn(pool_a, A)
-    await flush(pool_a)
-    await upload_all(tier_a)
-    store_b = SnapshotStore(tmp_path / "b-slots", tmp_path / "b-index" / "index.db")
+    await uploaded_by_a(slot_dir, store, memory)
+    store_b, _, tier_b = host_b(tmp_path, memory)
     try:
-        pool_b = make_pool(FakeClient(tmp_path / "b-slots"), store_b)
-        tier_b = tier_of(pool_b, memory)
         uploader = asyncio.create_task(tier_b.run())  # owns the probe: cancelling it stops the probe
         answer, slow = memory.get_json, [True]
 

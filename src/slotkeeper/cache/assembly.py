@@ -61,10 +61,8 @@ class Assembly:
             return None
         try:
             self._assemble(snapshot)
-        except (DamagedState, OSError) as exc:
+        except (DamagedState, OSError) as exc:  # a damaged block is quarantined by the assembly that met it
             self.restored(snapshot)
-            if isinstance(exc, DamagedState) and exc.block is not None:
-                self.blocks.forget_damaged(exc.block)
             self.last_problem = str(exc)
             return False
         return True
@@ -122,7 +120,7 @@ class Assembly:
                 _, checksum = self.blocks.assemble(snapshot.filename, target)
                 _, identity = read_identity(target)
             except (DamagedState, OSError):
-                continue  # its restore will find out, and quarantine it
+                continue  # its damaged block is quarantined; its restore will find the state unassemblable
             self.ram.hashes.remember(snapshot.filename, identity, checksum)
             room -= snapshot.n_bytes
             done += 1
@@ -130,18 +128,12 @@ class Assembly:
 
     def open_whole(self, snapshot: Snapshot) -> BinaryIO:
         """The state's whole file, open for reading (a state kept as blocks is assembled into a temporary file that
-        is gone when it is closed). FileNotFoundError when it is gone; DamagedState when it cannot be assembled (a
-        damaged block is removed then, as `materialize` does, so that the next save of its tokens writes it again
-        instead of naming it once more)."""
+        is gone when it is closed). FileNotFoundError when it is gone; DamagedState when it cannot be assembled (its
+        damaged block quarantined, as for a restore: BlockStore.assemble_from)."""
         if not snapshot.tail_bytes:
             return (self.slot_dir / snapshot.filename).open("rb")
         temp = self.slot_dir / f".export-{secrets.token_hex(4)}.bin"
-        try:
-            self.blocks.assemble(snapshot.filename, temp)
-        except DamagedState as exc:
-            if exc.block is not None:
-                self.blocks.forget_damaged(exc.block)
-            raise
+        self.blocks.assemble(snapshot.filename, temp)
         try:
             return temp.open("rb")
         finally:

@@ -382,7 +382,17 @@ class BlockStore:
         return self.assemble_from(self.tail_path(filename), target)
 
     def assemble_from(self, tail_path: Path, target: Path) -> tuple[int, str]:
-        """`assemble` from the tail at `tail_path` (one here, or one downloaded)."""
+        """`assemble` from the tail at `tail_path` (one here, or one downloaded). A block found damaged on the way is
+        moved into the quarantine (`forget_damaged`), whoever assembles: the next save of its bytes, or the next
+        download naming it, writes it again instead of naming the damaged one once more."""
+        try:
+            return self._assemble_from(tail_path, target)
+        except DamagedState as exc:
+            if exc.block is not None:
+                self.forget_damaged(exc.block)
+            raise
+
+    def _assemble_from(self, tail_path: Path, target: Path) -> tuple[int, str]:
         manifest = self.manifest_at(tail_path)
         try:
             tail = self.read_tail_at(manifest, tail_path)
