@@ -1,9 +1,10 @@
 """Benchmark runner: `python -m bench [--scenario
 switch|reading|overhead|restart|system|agent|scale|day|title|beyond|first|client|backends|decide|agents|blocks|swap|
-domains|turns|all] [--small]` (`all` leaves out `agents`, which drives real coding agents installed by
+domains|turns|days|all] [--small]` (`all` leaves out `agents`, which drives real coding agents installed by
 scripts/install-agents.sh, `blocks`, the block store against whole files: bytes on disk, written and uploaded, and
 restore TTFT, `swap`, models taking turns behind a llama-server router, `domains`, what keeping users apart
-costs, and `turns`, where each millisecond of each kind of turn goes).
+costs, `turns`, where each millisecond of each kind of turn goes, and `days`, the two judged days replayed live
+against llama-server's RAM cache and hearth-llm).
 
 Starts the llama-server processes (and slotkeepers) each scenario needs on loopback ports, measures slotkeeper
 against llama-server alone side by side, and writes `<out>/<scenario>.json` and `<out>/README.md`."""
@@ -27,6 +28,7 @@ from bench import (
     blocks,
     client,
     day,
+    days,
     decide,
     domains,
     first,
@@ -48,12 +50,13 @@ SCENARIOS: dict[str, Callable[[BenchConfig, Path], dict[str, Any]]] = {
     "system": system.run, "agent": agent.run, "scale": scale.run, "day": day.run, "title": title.run,
     "beyond": beyond.run, "first": first.run, "client": client.run, "backends": backends.run, "decide": decide.run,
     "agents": agents.run, "blocks": blocks.run, "swap": swap.run, "domains": domains.run,
-    "turns": turns.run,
+    "turns": turns.run, "days": days.run,
 }
 # Scenarios `all` leaves out: they need what a plain test run does not have (the agents from the npm registry) or
 # take long (`blocks`: several slotkeepers per block size, an S3 server; `swap`: model loads, tested on its own;
-# `domains`: four targets of their own, tested on its own; `turns`: each kind of turn traced, tested on its own).
-OPT_IN = ("agents", "blocks", "swap", "domains", "turns")
+# `domains`: four targets of their own, tested on its own; `turns`: each kind of turn traced, tested on its own;
+# `days`: two days on each target, tested on its own).
+OPT_IN = ("agents", "blocks", "swap", "domains", "turns", "days")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

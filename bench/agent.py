@@ -69,11 +69,12 @@ class AgentSession:
         body["metadata"] = {"user_id": self.user_id}
         return body
 
-    def answered(self) -> None:
+    def answered(self, text: str | None = None) -> None:
+        """The turn's answer (`text`, what the model said; fixed filler when None), a tool call and its result."""
         n = len(self.messages) // 2
         tool_id = f"toolu_{self.session}_{n}"
         self.messages += [
-            {"role": "assistant", "content": [{"type": "text", "text": words(30, 300 + n)},
+            {"role": "assistant", "content": [{"type": "text", "text": words(30, 300 + n) if text is None else text},
                                               {"type": "tool_use", "id": tool_id, "name": "read_file",
                                                "input": {"arg": f"src/module_{n}.py"}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_id,

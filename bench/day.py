@@ -112,6 +112,7 @@ class Sent:
     total_ms: float
     reported_prompt: int  # prompt tokens the response reports (evaluated + from cache), -1 if none
     error: str = ""
+    text: str = ""  # the answer's text, which a client that sends its answers back puts in the next turn
 
 
 def send(client: httpx.Client, url: str, r: Request, per_user: bool = False) -> Sent:
@@ -129,17 +130,20 @@ def user_headers(r: Request) -> dict[str, str]:
 
 def _send(client: httpx.Client, url: str, r: Request, per_user: bool = False) -> Sent:
     path = "/v1/messages" if r.api == "messages" else "/v1/chat/completions"
-    headers = user_headers(r) if per_user else None
+    headers = {**r.headers, **(user_headers(r) if per_user else {})}
     t0 = time.perf_counter()
     if not r.body.get("stream"):
         response = client.post(f"{url}{path}", json=r.body, headers=headers)
         total = (time.perf_counter() - t0) * 1000
         if response.status_code != 200:
             return Sent(response.status_code, total, total, -1, response.text[:300])
-        t = response.json().get("timings") or {}
-        return Sent(200, total, total, int(t.get("prompt_n", -1)) + int(t.get("cache_n", 0)))
+        data = response.json()
+        t = data.get("timings") or {}
+        text = str((data.get("choices") or [{}])[0].get("message", {}).get("content") or "")
+        return Sent(200, total, total, int(t.get("prompt_n", -1)) + int(t.get("cache_n", 0)), text=text)
     first: float | None = None
     reported = -1
+    parts: list[str] = []
     with client.stream("POST", f"{url}{path}", json=r.body, headers=headers) as response:
         if response.status_code != 200:
             response.read()
@@ -150,8 +154,9 @@ def _send(client: httpx.Client, url: str, r: Request, per_user: bool = False) ->
                 continue
             event = json.loads(line[6:])
             if r.api == "messages":
-                if event.get("type") == "content_block_delta" and first is None:
-                    first = time.perf_counter()
+                if event.get("type") == "content_block_delta":
+                    first = first or time.perf_counter()
+                    parts.append(str(event.get("delta", {}).get("text") or ""))
                 usage = event.get("usage") or (event.get("message") or {}).get("usage") or {}
                 n = int(usage.get("input_tokens", 0)) + int(usage.get("cache_read_input_tokens", 0))
                 if n > 0:
@@ -159,10 +164,12 @@ def _send(client: httpx.Client, url: str, r: Request, per_user: bool = False) ->
                 continue
             if "timings" in event:
                 reported = int(event["timings"].get("prompt_n", -1)) + int(event["timings"].get("cache_n", 0))
-            if first is None and any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
-                first = time.perf_counter()
+            content = "".join(str(c.get("delta", {}).get("content") or "") for c in event.get("choices", []))
+            if content:
+                first = first or time.perf_counter()
+                parts.append(content)
     end = time.perf_counter()
-    return Sent(200, ((first or end) - t0) * 1000, (end - t0) * 1000, reported)
+    return Sent(200, ((first or end) - t0) * 1000, (end - t0) * 1000, reported, text="".join(parts))
 
 
 class Target:

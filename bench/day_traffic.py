@@ -31,6 +31,7 @@ class Request:
     render: dict[str, Any]
     tokens: list[int] = field(default_factory=list)
     shared: int = 0  # S_i: longest token prefix shared with any earlier request's prompt
+    headers: dict[str, str] = field(default_factory=dict)  # what the client sends beside the body (a chat id)
 
 
 # A step is one request, or a new chat's title task and, 30 ms after it, the chat's first turn.

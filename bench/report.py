@@ -40,7 +40,8 @@ def _header(results: dict[str, dict[str, Any]]) -> list[str]:
     ]
 
 
-OWN_HEADER = ("system", "agent", "scale", "day", "title", "client", "blocks", "swap", "domains", "turns")
+OWN_HEADER = ("system", "agent", "scale", "day", "title", "client", "blocks", "swap", "domains", "turns",
+              "days")
 
 
 def _reading(r: dict[str, Any]) -> list[str]:
@@ -175,7 +176,7 @@ SECTIONS = {"switch": _switch, "reading": _reading, "overhead": _overhead, "rest
             "title": sections.title, "beyond": sections.beyond, "first": sections.first, "client": sections.client,
             "backends": sections.backends, "decide": decide.section, "agents": agents.section,
             "blocks": sections.blocks, "swap": sections.swap, "domains": sections.domains,
-            "turns": sections.turns}
+            "turns": sections.turns, "days": sections.days}
 
 
 def write_report(out: Path) -> Path:

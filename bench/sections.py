@@ -556,3 +556,28 @@ def turns(r: dict[str, Any]) -> list[str]:
             f"| {k['llama_server_prompt_n']:g} / {k['slotkeeper_prompt_n']:g} | {restored} | {floor} | {over_hot} "
             f"| {over_floor} |")
     return [*lines, ""]
+
+
+def days(r: dict[str, Any]) -> list[str]:
+    """bench/results/README.md's section for the `days` scenario."""
+    lines = [
+        "## days: the two judged days, replayed live",
+        "",
+        "Each target on its own llama-server (one slot), every client sending back the answers its target generated. "
+        "`ids`: OpenWebUI with chat ids, coding agents with session ids, a Claude-Code-shaped client; `default`: "
+        "OpenWebUI's default settings (no ids, no system prompt, a pasted document, a reasoning chat whose answers "
+        "come back without their reasoning) and coding agents without ids. *Reuse*: tokens not prefilled over the "
+        "tokens each prompt shares with an earlier one the same target was sent. *Main TTFT*: the chats' and "
+        "agents' times to first token, summed. Each target on fresh processes, one after another; each figure the "
+        f"median of {r['rounds']} round(s), the order reversed every other round. {_model(r)}",
+        "",
+        "| day | target | reuse | prefilled | wall s | side tasks s | main TTFT s | main TTFT p50 ms | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for day, d in r["days"].items():
+        for target, s in d["summary"].items():
+            lines.append(
+                f"| {day} | {target} | {s['reuse']:.1%} | {s['prefilled']:,.0f} | {s['wall_s']:.2f} "
+                f"| {s['side_tasks_s']:.2f} | {s['main_ttft_s']:.2f} | {_fmt(s['main_ttft_p50_ms'], 0)} "
+                f"| {s['errors']} |")
+    return [*lines, ""]

@@ -478,3 +478,29 @@ def test_turns(tmp_path: Path) -> None:
     assert kinds["cold"]["slotkeeper_prompt_n"] == kinds["cold"]["llama_server_prompt_n"]
     assert all(positive(k["lease_ms"]) or k["slotkeeper_cache"] == ["hot"] for k in kinds.values())
     assert "## turns: where each millisecond of a turn goes" in (tmp_path / "README.md").read_text()
+
+
+def test_days(tmp_path: Path) -> None:
+    """`--scenario days` (opt-in, so run on its own): both judged days, each target answering its own clients. The
+    counts are what the days imply: no request fails, every target is sent the same number of requests, and
+    slotkeeper prefills far less than llama-server alone on both, reusing most of what the prompts share."""
+    run = subprocess.run([sys.executable, "-m", "bench", "--scenario", "days", "--small", "--out", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    data = json.loads((tmp_path / "days.json").read_text())
+    assert data["scenario"] == "days" and data["config"]["small"] is True
+    assert data["targets"] == ["llama-server alone", "llama-server RAM cache", "slotkeeper"]
+    assert "hearth-llm" in data["skipped_targets"]
+    for day, kinds in (("ids", {"chat", "title", "tags", "follow_ups", "agent", "claude-code"}),
+                       ("default", {"chat", "title", "tags", "follow_ups", "agent", "subagent"})):
+        summary = data["days"][day]["summary"]
+        assert len(data["days"][day]["rounds"]) == data["rounds"] == 2  # the CI size's rounds, each target in each
+        assert {s["requests"] for s in summary.values()} == {summary["slotkeeper"]["requests"]}
+        for name, s in summary.items():
+            assert s["errors"] == 0, (day, name)
+            assert set(s["by_kind"]) == kinds
+            assert s["shared_prefix_tokens"] > 0 and positive(s["wall_s"]) and positive(s["side_tasks_s"])
+        keeper, alone = summary["slotkeeper"], summary["llama-server alone"]
+        assert keeper["prefilled"] < alone["prefilled"], day
+        assert keeper["reuse"] >= 0.85 and keeper["reuse"] > alone["reuse"] + 0.3, (day, keeper, alone)
+    assert "## days: the two judged days, replayed live" in (tmp_path / "README.md").read_text()
