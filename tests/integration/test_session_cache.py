@@ -67,6 +67,7 @@ def test_what_a_restore_and_a_prefill_cost_is_measured_as_it_runs(stack: Stack, 
     assert costs["prefill_ms_per_token"] > 0
     [(tier, fit)] = costs["restore"].items()  # one tier measured: the slot dir (no RAM dir here)
     assert tier == "disk" and fit["fixed_ms"] >= 0 and fit["ms_per_mib"] >= 0
+    assert costs["trusted"] == []  # 4 restores: too few for a large restore to be skipped on their measure
     row = keeper.row("cost-a")
     assert row is not None
     assert costs["bytes_per_token"] == pytest.approx(row["n_bytes"] / row["n_tokens"], rel=0.2)

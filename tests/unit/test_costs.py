@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from slotkeeper.cache.capability import Strategy
 from slotkeeper.cache.costs import (
     MIN_PREFILL_TOKENS,
+    MIN_RESTORES_TO_SKIP,
     PRIOR_TOKENS,
     WINDOW,
     CostMeter,
@@ -24,6 +27,8 @@ MIB = 2**20
 # A backend where a restore costs 5 ms plus 1 ms per MiB from RAM (4 ms per MiB from disk), a prefill 0.2 ms a
 # token, and a token's KV 2 KiB.
 MEASURED = Costs(0.2, ((Tier.RAM, RestoreCost(5.0, 1.0 / MIB)), (Tier.DISK, RestoreCost(8.0, 4.0 / MIB))), 2048.0)
+# The same, each tier measured often enough for a large restore to be skipped when it clearly loses.
+TRUSTED = dataclasses.replace(MEASURED, trusted=(Tier.RAM, Tier.DISK))
 
 
 @pytest.mark.parametrize(("shared", "n_bytes", "tier", "costs", "fixed", "expected"), [
@@ -46,8 +51,21 @@ MEASURED = Costs(0.2, ((Tier.RAM, RestoreCost(5.0, 1.0 / MIB)), (Tier.DISK, Rest
     # the same share from a large state does not pay: 40 MiB cost 45 ms, more than 100 tokens' 20 ms
     (100, 40 * MIB, Tier.RAM, MEASURED, None, False),
     (100, 10 * MIB, Tier.RAM, MEASURED, None, True),
-    # the measure only lowers the floor: at PRIOR_TOKENS and more a restore is made, whatever it costs
+    # at PRIOR_TOKENS and more a restore is made, whatever it costs, until its tier was measured often enough
     (PRIOR_TOKENS, 400 * MIB, Tier.DISK, MEASURED, None, True),
+    # then it is skipped only when it costs more than SKIP_FACTOR x the prefill: 400 MiB from disk 1,608 ms against
+    # 128 tokens' 25.6 ms (x3: 76.8 ms); 10 MiB from disk 48 ms, less than 76.8 ms: still made, though it loses
+    (PRIOR_TOKENS, 400 * MIB, Tier.DISK, TRUSTED, None, False),
+    (PRIOR_TOKENS, 10 * MIB, Tier.DISK, TRUSTED, None, True),
+    (PRIOR_TOKENS, 17 * MIB, Tier.DISK, TRUSTED, None, True),  # 76 ms: at most 3 x 25.6 ms
+    (PRIOR_TOKENS, 18 * MIB, Tier.DISK, TRUSTED, None, False),  # 80 ms: more
+    (1000, 400 * MIB, Tier.DISK, TRUSTED, None, False),  # 1,608 ms against 200 ms x 3
+    (3000, 400 * MIB, Tier.DISK, TRUSTED, None, True),  # 1,608 ms against 600 ms x 3
+    # a trusted tier decides for itself only: RAM trusted says nothing of a disk restore, and no prefill measured
+    # yet, or an operator's floor, keeps it
+    (PRIOR_TOKENS, 400 * MIB, Tier.DISK, dataclasses.replace(MEASURED, trusted=(Tier.RAM,)), None, True),
+    (PRIOR_TOKENS, 400 * MIB, Tier.DISK, dataclasses.replace(TRUSTED, prefill_ms_per_token=None), None, True),
+    (PRIOR_TOKENS, 400 * MIB, Tier.DISK, TRUSTED, 100, True),
     # from disk it costs more: 1 MiB 12 ms
     (50, MIB, Tier.DISK, MEASURED, None, False),
     (61, MIB, Tier.DISK, MEASURED, None, True),
@@ -121,6 +139,17 @@ def test_the_meter_learns_from_restores_and_prefills() -> None:
     assert floor_tokens(costs, None) == 26
 
 
+def test_a_tier_is_trusted_to_skip_a_large_restore_after_enough_restores() -> None:
+    meter = CostMeter()
+    for n in range(MIN_RESTORES_TO_SKIP - 1):
+        meter.restored(Tier.DISK, (n + 1) * MIB, 512, 8.0 + 4.0 * (n + 1))
+    assert meter.now().trusted == ()
+    meter.restored(Tier.RAM, MIB, 512, 6.0)
+    assert meter.now().trusted == ()  # counted per tier
+    meter.restored(Tier.DISK, MIB, 512, 12.0)
+    assert meter.now().trusted == (Tier.DISK,)
+
+
 def test_the_meter_follows_the_recent_past() -> None:
     meter = CostMeter()
     for _ in range(WINDOW):
@@ -148,8 +177,13 @@ def test_the_planner_restores_only_what_pays() -> None:
     big = candidate("big", 84, 20000, 40 * MIB)
     chosen = plan(Request(3), rules, InSlot(), [big])
     assert chosen.restore is None and chosen.why is Why.TOO_SHORT
-    # sharing PRIOR_TOKENS, it is restored as it always was
+    # sharing PRIOR_TOKENS, it is restored as it always was, until its tier's cost is trusted: 45 ms against 3 x
+    # 25.6 ms is made; 400 MiB (405 ms) is not
     assert plan(Request(3), rules, InSlot(), [candidate("big", PRIOR_TOKENS, 20000, 40 * MIB)]).restore is not None
+    trusted = Rules(Strategy.RESTORE, None, costs=TRUSTED)
+    assert plan(Request(3), trusted, InSlot(), [candidate("big", PRIOR_TOKENS, 20000, 40 * MIB)]).restore is not None
+    huge = plan(Request(3), trusted, InSlot(), [candidate("huge", PRIOR_TOKENS, 200000, 400 * MIB)])
+    assert huge.restore is None and huge.why is Why.TOO_SHORT
     # under the old fixed floor of 128 tokens neither was restored
     assert plan(Request(3), Rules(Strategy.RESTORE, 128), InSlot(), [small]).restore is None
 

@@ -1,8 +1,9 @@
 """What a restore and a prefill cost on this backend, learned as it runs, and the rule that weighs them: a saved
 state sharing fewer tokens with the request than the fixed floor the rule replaced (PRIOR_TOKENS) is restored when
-bringing its bytes in costs less time than prefilling what it gives. The measure only ever lowers that floor: a
-state sharing more is restored as before, so what is reused never drops (skipping a large restore that costs more
-than its prefill, as on a fast GPU with a slow disk, is not done yet).
+bringing its bytes in costs less time than prefilling what it gives. A state sharing more is restored unless the
+measure says it clearly loses: its restore costs more than SKIP_FACTOR times the prefill of what it gives, on a tier
+measured often enough to be trusted (a fast GPU reading a slow disk). Where restores are as cheap as they are from
+RAM, what is reused never drops.
 
 Both costs are measured where they happen. A restore's is its wall time on the request's path (assembling the file
 from blocks when it is not in the RAM dir, the backend's read, the round trip), fitted per tier as a fixed part plus
@@ -31,6 +32,12 @@ MIN_PREFILL_TOKENS = 16
 # all of it taken as a part per byte: a small state then looks cheap, as it mostly is); a fixed part is fitted from
 # two restores of different sizes on. A day's first side tasks and short chats come after a handful of turns.
 MIN_PREFILLS = 3
+# A state sharing PRIOR_TOKENS or more is skipped only when its restore costs more than this many times the prefill
+# of what it gives. The prefill's cost per token is measured on the workload's turns, mostly short prefills of new
+# messages; a long share costs more per token (attention over a longer context), so the measure errs low for it.
+SKIP_FACTOR = 3.0
+# Restores of a tier measured before its fit may skip a large restore: a few slow ones (a loaded machine) must not.
+MIN_RESTORES_TO_SKIP = 8
 
 
 class Tier(enum.IntEnum):
@@ -59,6 +66,7 @@ class Costs:
     prefill_ms_per_token: float | None = None
     restore: tuple[tuple[Tier, RestoreCost], ...] = ()
     bytes_per_token: float | None = None
+    trusted: tuple[Tier, ...] = ()  # the tiers with MIN_RESTORES_TO_SKIP restores measured
 
     def restore_cost(self, tier: Tier) -> RestoreCost | None:
         """The tier's fit; a tier not measured yet borrows the slowest measured one (a copy in RAM is never slower
@@ -73,14 +81,18 @@ class Costs:
 
 def pays(shared_tokens: int, n_bytes: int, tier: Tier, costs: Costs, fixed_floor: int | None) -> bool:
     """Whether restoring a state of `n_bytes` from `tier` that gives the request `shared_tokens` is worth it: at
-    PRIOR_TOKENS or more always; below, when it is faster than prefilling those tokens (both measured; not before
-    they are). `fixed_floor` (the operator's --min-restore-tokens) replaces the rule."""
+    PRIOR_TOKENS or more unless it costs more than SKIP_FACTOR times their prefill on a trusted tier; below, when it
+    is faster than prefilling those tokens (both measured; not before they are). `fixed_floor` (the operator's
+    --min-restore-tokens) replaces the rule."""
     if shared_tokens <= 0:
         return False
     if fixed_floor is not None:
         return shared_tokens >= max(fixed_floor, 1)
     if shared_tokens >= PRIOR_TOKENS:
-        return True
+        fitted = dict(costs.restore).get(tier)
+        if tier not in costs.trusted or fitted is None or costs.prefill_ms_per_token is None:
+            return True
+        return fitted.ms(n_bytes) <= SKIP_FACTOR * costs.prefill_ms_per_token * shared_tokens
     restore = costs.restore_cost(tier)
     if costs.prefill_ms_per_token is None or restore is None:
         return False
@@ -161,4 +173,6 @@ class CostMeter:
         per_token = None
         if self._sizes:
             per_token = sum(b for b, _ in self._sizes) / sum(t for _, t in self._sizes)
-        return Costs(prefill, fits, per_token)
+        trusted = tuple(tier for tier, samples in sorted(self._restores.items())
+                        if len(samples) >= MIN_RESTORES_TO_SKIP)
+        return Costs(prefill, fits, per_token, trusted)

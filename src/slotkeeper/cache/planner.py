@@ -169,8 +169,8 @@ def plan(request: Request, rules: Rules, in_slot: InSlot = InSlot(), saved: Sequ
 
 
 def _pays(candidate: Candidate, in_slot: InSlot, rules: Rules) -> bool:
-    """Whether the restore is worth its cost (costs.py): a state sharing PRIOR_TOKENS or more always is, as is one
-    over a fixed floor; below, what it gives beyond what the slot holds (the tokens it saves a prefill of) is
+    """Whether the restore is worth its cost (costs.py): a state sharing PRIOR_TOKENS or more is unless it clearly
+    loses to the prefill, one over a fixed floor always; below, what it gives beyond what the slot holds (the tokens it saves a prefill of) is
     weighed against the time to bring its bytes in. A near-tie the own state wins by its next message is weighed
     whole."""
     gain = candidate.tokens

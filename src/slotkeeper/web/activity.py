@@ -171,4 +171,6 @@ def _costs(pool: SlotPool) -> dict[str, Any]:
                     for tier, fit in costs.restore},
         "bytes_per_token": costs.bytes_per_token,
         "floor_tokens": pool.floor(),
+        # the tiers measured often enough that a large restore from them is skipped when it clearly loses
+        "trusted": [tier.name.lower() for tier in costs.trusted],
     }
