@@ -123,25 +123,31 @@ class Bringer:
         # A side task has no state of its own: what its name could find is the state an identical task left.
         named = side_key(key, chain) if lease.side else key
         found = Found(None, None, [])
-        if not key.is_default and strategy is not Strategy.KEEP_HOT:
-            found = await self._snapshots.candidates(named, chain, None, system_key, n_system)
+        looks = not key.is_default and strategy is not Strategy.KEEP_HOT
+        exact: Tokens | None = None
+        if looks and lease.side and tokens is not None and not extended:
+            # A side task's one message is held whole by no saved state but an identical task's, so its exact tokens
+            # (asked of the backend since its slot was taken) are what finds what it shares: one look-up with them
+            # instead of one by the chains and a second with the tokens.
+            exact = await self._ask(tokens)
+            lease.tokens = exact
+        if looks:
+            found = await self._snapshots.candidates(named, chain, exact, system_key, n_system)
         if not lease.side and self._one_off(slot, lease, in_slot, shared, previous, found):
             named, system, system_key = side_key(key, chain), None, None
             found = await self._snapshots.candidates(named, chain, None, None, 0)
         slot_tokens = _in_slot_tokens(slot, in_slot, kept)
-        if (not key.is_default and strategy is not Strategy.KEEP_HOT and tokens is not None and not extended
+        if (looks and exact is None and tokens is not None and not extended
                 and self._needs_tokens(chain, kept, previous == key, found, lease.side)):
-            asked = time.perf_counter()
-            exact = await tokens()
-            self.token_lookups += 1
-            self.token_lookup_ms += (time.perf_counter() - asked) * 1000
+            exact = await self._ask(tokens)
             if exact is not None:
                 lease.tokens = exact
                 fate = found.fate  # what the first look-up found of the own state (a quarantine is done by then)
                 found = await self._snapshots.candidates(named, chain, exact, system_key, n_system)
                 found = found if found.fate is not None else dataclasses.replace(found, fate=fate)
-                if slot.tokens is not None and (kept == len(in_slot) or not self._policy.capability.needs_checkpoints):
-                    slot_tokens = common_tokens(slot.tokens, exact)
+        if (exact is not None and slot.tokens is not None
+                and (kept == len(in_slot) or not self._policy.capability.needs_checkpoints)):
+            slot_tokens = common_tokens(slot.tokens, exact)
         saved = found.saved
         # The slot shares at least what a saved state made of messages it holds too has (a count, not an estimate).
         slot_tokens = max([slot_tokens, *(c.tokens for c in saved if c.whole and 0 < c.messages <= kept)])
@@ -150,6 +156,14 @@ class Bringer:
         chosen = plan(request, rules, InSlot(slot_tokens, kept, previous == key), saved)
         lease.cache.decide_ms = (time.perf_counter() - started) * 1000
         await self._act(slot, lease, chosen, found, known, in_slot, kept, previous)
+
+    async def _ask(self, tokens: TokenSource) -> Tokens | None:
+        """The request's exact tokens, counted in the look-up statistics."""
+        asked = time.perf_counter()
+        exact = await tokens()
+        self.token_lookups += 1
+        self.token_lookup_ms += (time.perf_counter() - asked) * 1000
+        return exact
 
     def _one_off(self, slot: SlotState, lease: SlotLease, in_slot: Sequence[Link], in_common: int,
                  previous: SessionKey | None, found: Found) -> bool:

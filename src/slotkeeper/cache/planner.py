@@ -170,9 +170,9 @@ def plan(request: Request, rules: Rules, in_slot: InSlot = InSlot(), saved: Sequ
 
 def _pays(candidate: Candidate, in_slot: InSlot, rules: Rules) -> bool:
     """Whether the restore is worth its cost (costs.py): a state sharing PRIOR_TOKENS or more is unless it clearly
-    loses to the prefill, one over a fixed floor always; below, what it gives beyond what the slot holds (the tokens it saves a prefill of) is
-    weighed against the time to bring its bytes in. A near-tie the own state wins by its next message is weighed
-    whole."""
+    loses to the prefill, one over a fixed floor always; below, what it gives beyond what the slot holds (the tokens
+    it saves a prefill of) is weighed against the time to bring its bytes in. A near-tie the own state wins by its
+    next message is weighed whole."""
     gain = candidate.tokens
     if (rules.min_restore_tokens is None and candidate.tokens < PRIOR_TOKENS
             and not _next_message(candidate, in_slot)):
