@@ -560,6 +560,8 @@ def turns(r: dict[str, Any]) -> list[str]:
 
 def days(r: dict[str, Any]) -> list[str]:
     """bench/results/README.md's section for the `days` scenario."""
+    rounds = (f"each figure the median of {r['rounds']} rounds, the order reversed every other round" if r["rounds"] > 1
+              else "one round")
     lines = [
         "## days: the two judged days, replayed live",
         "",
@@ -568,8 +570,9 @@ def days(r: dict[str, Any]) -> list[str]:
         "OpenWebUI's default settings (no ids, no system prompt, a pasted document, a reasoning chat whose answers "
         "come back without their reasoning) and coding agents without ids. *Reuse*: tokens not prefilled over the "
         "tokens each prompt shares with an earlier one the same target was sent. *Main TTFT*: the chats' and "
-        "agents' times to first token, summed. Each target on fresh processes, one after another; each figure the "
-        f"median of {r['rounds']} round(s), the order reversed every other round. {_model(r)}",
+        "agents' times to first token, summed. Reuse above 100%: a state holds the answer its model generated, which "
+        "the next prompt shares too, and S counts what prompts share. Each target on fresh processes, one after "
+        f"another; {rounds}. {_model(r)}",
         "",
         "| day | target | reuse | prefilled | wall s | side tasks s | main TTFT s | main TTFT p50 ms | errors |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
