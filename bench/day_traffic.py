@@ -16,7 +16,7 @@ from bench import day_openwebui
 from bench.agent import AgentSession
 from bench.common import GRAMMAR, BenchConfig
 from bench.messages import CHARS_PER_TOKEN, system_part
-from bench.openwebui import TASKS
+from bench.openwebui import task_content
 from tests.support import words
 
 
@@ -63,7 +63,7 @@ def shape(config: BenchConfig) -> Shape:
                  document_tokens=2500)
 
 
-def _chat_body(messages: list[dict[str, Any]], max_tokens: int, stream: bool) -> dict[str, Any]:
+def chat_body(messages: list[dict[str, Any]], max_tokens: int, stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "stream": stream,
                             "temperature": 0, "ignore_eos": True, "grammar": GRAMMAR}
     if stream:
@@ -71,7 +71,8 @@ def _chat_body(messages: list[dict[str, Any]], max_tokens: int, stream: bool) ->
     return body
 
 
-def _text(tokens: int, seed: int) -> str:
+def filler(tokens: int, seed: int) -> str:
+    """About `tokens` tokens of filler text, the same for the same seed."""
     return words(int(tokens * CHARS_PER_TOKEN), seed)
 
 
@@ -109,11 +110,11 @@ def traffic(config: BenchConfig) -> list[Step]:
     def answer() -> int:
         return rng.randint(*s.answer_tokens)
 
-    owui_system = "You are a helpful assistant in OpenWebUI. " + _text(s.owui_tokens, 61)
-    tool_text = "\n".join(f"- {name}(arg: string): " + _text(60, 70 + i)
+    owui_system = "You are a helpful assistant in OpenWebUI. " + filler(s.owui_tokens, 61)
+    tool_text = "\n".join(f"- {name}(arg: string): " + filler(60, 70 + i)
                           for i, name in enumerate(("read_file", "edit_file", "run_command", "search", "task")))
     agent_system = (f"You are a coding agent working in a repository.\n# Tools\n{tool_text}\n# Rules\n"
-                    + _text(max(0, s.agent_tokens - 400), 81))
+                    + filler(max(0, s.agent_tokens - 400), 81))
     chats: dict[str, list[dict[str, Any]]] = {}
     agents: dict[str, list[dict[str, Any]]] = {}
     claude = AgentSession(system_part(s.agent_tokens, 909), "day-claude", 100, s.result_tokens)
@@ -122,17 +123,17 @@ def traffic(config: BenchConfig) -> list[Step]:
         history = chats.setdefault(name, [{"role": "system", "content": owui_system}])
         n = len(history)
         if n == 1:
-            text = f"Chat {k}: please look at this. " + _text(s.first_message_tokens, 100 + k) + " What now?"
+            text = f"Chat {k}: please look at this. " + filler(s.first_message_tokens, 100 + k) + " What now?"
         else:
-            text = _text(60, 1000 * k + n)
+            text = filler(60, 1000 * k + n)
         history.append({"role": "user", "content": text})
-        main = Request("chat", name, "chat", _chat_body(list(history), answer(), True), {})
+        main = Request("chat", name, "chat", chat_body(list(history), answer(), True), {})
         steps: list[Step] = []
         if n == 1:
             steps.append([task("title", name, history), main])
         else:
             steps.append([main])
-        history.append({"role": "assistant", "content": _text(40, 2000 * k + n)})
+        history.append({"role": "assistant", "content": filler(40, 2000 * k + n)})
         if n == 1 and rng.random() < 0.75:
             steps.append([task("tags", name, history)])
         if rng.random() < 0.5:
@@ -140,25 +141,23 @@ def traffic(config: BenchConfig) -> list[Step]:
         return steps
 
     def task(kind: str, name: str, history: list[dict[str, Any]]) -> Request:
-        instruction, last = TASKS[kind]
-        quoted = "\n".join(f"{m['role'].upper()}: {m['content'][:500]}" for m in history[1:][-last:])
-        content = (f"### Task:\n{instruction}\n### Chat History:\n<chat_history>\n{quoted}\n</chat_history>")
-        return Request(kind, name, "chat", _chat_body([{"role": "user", "content": content}], answer(), False), {})
+        content = task_content(kind, history[1:])
+        return Request(kind, name, "chat", chat_body([{"role": "user", "content": content}], answer(), False), {})
 
     def agent_step(name: str, kind: str, seed: int) -> Step:
         history = agents.setdefault(name, [{"role": "system", "content": agent_system}])
         if len(history) == 1:
-            history.append({"role": "user", "content": f"{name}: fix the failing test. " + _text(120, seed)})
+            history.append({"role": "user", "content": f"{name}: fix the failing test. " + filler(120, seed)})
         else:
             n = len(history)
             call = f"call_{name}_{n}"
             history += [
-                {"role": "assistant", "content": _text(30, seed + n),
+                {"role": "assistant", "content": filler(30, seed + n),
                  "tool_calls": [{"id": call, "type": "function",
                                  "function": {"name": "read_file", "arguments": json.dumps({"arg": f"src/m{n}.py"})}}]},
-                {"role": "tool", "tool_call_id": call, "content": _text(s.result_tokens, seed + 500 + n)},
+                {"role": "tool", "tool_call_id": call, "content": filler(s.result_tokens, seed + 500 + n)},
             ]
-        return [Request(kind, name, "chat", _chat_body(list(history), answer(), True), {})]
+        return [Request(kind, name, "chat", chat_body(list(history), answer(), True), {})]
 
     def claude_step() -> Step:
         if claude.messages:
@@ -187,7 +186,7 @@ def traffic(config: BenchConfig) -> list[Step]:
                 agent_turns += 1
                 if agent_turns == min(3, s.agent_turns):
                     steps += [agent_step("subagent", "subagent", 5000) for _ in range(s.subagent_turns)]
-    groups = day_openwebui.part_steps(_text(s.document_tokens, 91), s.answer_tokens, _chat_body)
+    groups = day_openwebui.part_steps(filler(s.document_tokens, 91), s.answer_tokens, chat_body)
     steps = day_openwebui.interleave(steps, [[[Request(p.kind, p.conversation, "chat", p.body, {}) for p in step]
                                               for step in group] for group in groups])
     for step in steps:

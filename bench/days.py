@@ -42,9 +42,9 @@ import httpx
 from bench.agent import AgentSession
 from bench.common import GRAMMAR, BenchConfig, machine, make_model, percentile, prime, processes
 from bench.day import DEFAULT_CACHE_RAM, Hearth, hearth_binary, run_step
-from bench.day_traffic import Request, Step, _chat_body, _text, anthropic_as_chat, tokenize
+from bench.day_traffic import Request, Step, anthropic_as_chat, chat_body, filler, tokenize
 from bench.messages import PrefillCounters, prefill_counters, system_part
-from bench.openwebui import TASKS
+from bench.openwebui import task_content
 from tests.support import Slotkeeper
 
 DAYS = ("ids", "default")
@@ -97,11 +97,8 @@ class Chat:
             self.history.append({"role": "system", "content": self.system})
 
     def task(self, kind: str, max_tokens: int) -> Request:
-        instruction, last = TASKS[kind]
-        said = [m for m in self.history if m["role"] != "system"][-last:]
-        quoted = "\n".join(f"{m['role'].upper()}: {m['content'][:500]}" for m in said)
-        content = f"### Task:\n{instruction}\n### Chat History:\n<chat_history>\n{quoted}\n</chat_history>"
-        return Request(kind, self.name, "chat", _chat_body([{"role": "user", "content": content}], max_tokens, False),
+        content = task_content(kind, [m for m in self.history if m["role"] != "system"])
+        return Request(kind, self.name, "chat", chat_body([{"role": "user", "content": content}], max_tokens, False),
                        {}, headers=dict(self.headers))
 
     def answered(self, text: str) -> None:
@@ -127,7 +124,7 @@ class Agent:
     def request(self, max_tokens: int) -> Request:
         if not self.history:
             self.history = [{"role": "system", "content": self.system}, {"role": "user", "content": self.task}]
-        return Request(self.kind, self.name, "chat", _chat_body(list(self.history), max_tokens, True), {},
+        return Request(self.kind, self.name, "chat", chat_body(list(self.history), max_tokens, True), {},
                        headers=dict(self.headers))
 
     def answered(self, text: str) -> None:
@@ -137,7 +134,7 @@ class Agent:
             {"role": "assistant", "content": text,
              "tool_calls": [{"id": call, "type": "function",
                              "function": {"name": "read_file", "arguments": json.dumps({"arg": f"src/m{n}.py"})}}]},
-            {"role": "tool", "tool_call_id": call, "content": _text(self.result_tokens, self.seed + n)},
+            {"role": "tool", "tool_call_id": call, "content": filler(self.result_tokens, self.seed + n)},
         ]
 
 
@@ -152,30 +149,30 @@ class Day:
         self.day = day
         self.s = s = shape(config)
         self.rng = random.Random(SEED + DAYS.index(day))
-        tools = "\n".join(f"- {name}(arg: string): " + _text(60, 70 + i)
+        tools = "\n".join(f"- {name}(arg: string): " + filler(60, 70 + i)
                           for i, name in enumerate(("read_file", "edit_file", "run_command", "search", "task")))
         agent_system = (f"You are a coding agent working in a repository.\n# Tools\n{tools}\n# Rules\n"
-                        + _text(max(0, s.agent_tokens - 400), 81))
+                        + filler(max(0, s.agent_tokens - 400), 81))
         ids = day == "ids"
         self.chats: dict[str, Chat] = {}
         for k in range(s.chats):
             name = f"chat-{k}"
             if ids:
-                system: str | None = "You are a helpful assistant in OpenWebUI. " + _text(s.system_tokens, 61)
-                first = f"Chat {k}: please look at this. " + _text(s.first_message_tokens, 100 + k)
+                system: str | None = "You are a helpful assistant in OpenWebUI. " + filler(s.system_tokens, 61)
+                first = f"Chat {k}: please look at this. " + filler(s.first_message_tokens, 100 + k)
             else:
                 system = None
-                first = (f"Here is a document:\n{_text(s.document_tokens, 91)}\nPlease summarise it." if k == 0
-                         else f"Chat {k}: a short question. " + _text(s.first_message_tokens // 4, 100 + k))
+                first = (f"Here is a document:\n{filler(s.document_tokens, 91)}\nPlease summarise it." if k == 0
+                         else f"Chat {k}: a short question. " + filler(s.first_message_tokens // 4, 100 + k))
             self.chats[name] = Chat(name, system, first, {CHAT_HEADER: f"owui-{day}-{k}"} if ids else {},
                                     reasoning=not ids and k == 1)
         self.agents = {
-            name: Agent(name, "agent", agent_system, f"{name}: fix the failing test. " + _text(120, seed),
+            name: Agent(name, "agent", agent_system, f"{name}: fix the failing test. " + filler(120, seed),
                         s.result_tokens, seed + 500, {SESSION_HEADER: f"{day}-{name}"} if ids else {})
             for name, seed in (("agent-1", 3000), ("agent-2", 4000))}
         if not ids:
             self.agents["subagent"] = Agent("subagent", "subagent", agent_system,
-                                            "subagent: find where the test fails. " + _text(120, 5000),
+                                            "subagent: find where the test fails. " + filler(120, 5000),
                                             s.result_tokens, 5500, {})
         self.claude = AgentSession(system_part(s.agent_tokens, 909), f"days-{day}-claude", 100, s.result_tokens) \
             if ids else None
@@ -203,8 +200,8 @@ class Day:
     def chat_turn(self, chat: Chat) -> Turn:
         first = len([m for m in chat.history if m["role"] == "user"]) == 0
         chat.history.append({"role": "user", "content": chat.first_text if first
-                             else _text(60, 7000 + len(chat.history) + 100 * int(chat.name[-1]))})
-        main = Request("chat", chat.name, "chat", _chat_body(list(chat.history), self.answer(), True), {},
+                             else filler(60, 7000 + len(chat.history) + 100 * int(chat.name[-1]))})
+        main = Request("chat", chat.name, "chat", chat_body(list(chat.history), self.answer(), True), {},
                        headers=dict(chat.headers))
         if first:
             answers = yield [chat.task("title", self.answer()), main]

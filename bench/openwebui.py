@@ -47,10 +47,15 @@ class Chat:
         return ["title", "tags", "follow_ups"] if len(self.messages) == 2 else ["follow_ups"]
 
     def task_messages(self, task: str) -> list[dict[str, str]]:
-        instruction, last = TASKS[task]
-        history = "\n".join(f"{m['role'].upper()}: {m['content'][:500]}" for m in self.messages[-last:])
-        return [{"role": "user", "content": f"### Task:\n{instruction}\n### Chat History:\n<chat_history>\n"
-                 f"{history}\n</chat_history>"}]
+        return [{"role": "user", "content": task_content(task, self.messages)}]
+
+
+def task_content(task: str, said: list[dict[str, Any]]) -> str:
+    """The one user message of an OpenWebUI task: its instruction, then the last messages of `said` (the chat's
+    messages without its system prompt) that the task's template quotes."""
+    instruction, last = TASKS[task]
+    history = "\n".join(f"{m['role'].upper()}: {m['content'][:500]}" for m in said[-last:])
+    return f"### Task:\n{instruction}\n### Chat History:\n<chat_history>\n{history}\n</chat_history>"
 
 
 @dataclass(frozen=True, slots=True)
