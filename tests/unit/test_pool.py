@@ -151,6 +151,65 @@ async def test_switch_saves_and_restores(client: FakeClient, store: SnapshotStor
     lease_a.release(TurnEnd.COMPLETED, 40)
 
 
+class SlowSaves(FakeClient):
+    """A save that takes `save_delay`, and when each one ended."""
+
+    def __init__(self, slot_dir: Path) -> None:
+        super().__init__(slot_dir)
+        self.saves_done = 0
+
+    async def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> SlotActionResult:
+        result = await super().slot_action(slot_id, action, filename)
+        if action == "save":
+            self.saves_done += 1
+        return result
+
+
+async def test_a_switch_looks_up_while_the_backend_writes_and_restores_after(store: SnapshotStore,
+                                                                             slot_dir: Path) -> None:
+    client = SlowSaves(slot_dir)
+    pool = make_pool(client, store)
+    await turn(pool, A)
+    await turn(pool, B)  # A saved on the switch
+    await pool.snapshots.settle()
+    looked_up_during_save: list[bool] = []
+    find = pool.snapshots.candidates
+
+    async def candidates(*args, **kwargs):  # type: ignore[no-untyped-def]
+        looked_up_during_save.append(client.saves_done < 2)
+        return await find(*args, **kwargs)
+
+    pool.snapshots.candidates = candidates  # type: ignore[method-assign]
+    client.save_delay = 0.2
+    client.calls.clear()
+    lease = await pool.acquire(A)  # B is saved, and A's state found meanwhile
+    assert looked_up_during_save == [True]
+    assert [c[1] for c in client.calls] == ["save", "restore"]  # the restore came once the save had ended
+    assert lease.cache.outcome is CacheOutcome.RESTORED
+    assert lease.cache.save_ms >= 200
+    lease.release(TurnEnd.COMPLETED, 20)
+    await pool.snapshots.settle()
+    assert store.get(B) is not None
+
+
+async def test_a_look_up_that_fails_during_the_save_frees_the_slot_only_once_the_write_ended(
+        store: SnapshotStore, slot_dir: Path) -> None:
+    client = SlowSaves(slot_dir)
+    pool = make_pool(client, store)
+    await turn(pool, A)
+
+    async def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("index gone")
+
+    pool.snapshots.candidates = broken  # type: ignore[method-assign]
+    client.save_delay = 0.2
+    with pytest.raises(RuntimeError):
+        await pool.acquire(B)
+    assert client.saves_done == 1 and not pool.slots[0].busy
+    await pool.snapshots.settle()
+    assert store.get(A) is not None  # A's turn, saved all the same
+
+
 async def test_default_session_never_saved_or_restored(client: FakeClient, store: SnapshotStore) -> None:
     pool = make_pool(client, store)
     default = SessionKey("m", "default")
@@ -479,6 +538,42 @@ async def test_a_slow_save_waits_longer_and_never_past_the_idle_seconds(client: 
         await pool.aclose()
 
 
+async def test_a_conversation_that_side_tasks_follow_is_saved_at_once(client: FakeClient,
+                                                                      store: SnapshotStore) -> None:
+    """OpenWebUI sends its follow-up and tag tasks right after every answer: once a side task took a chat's slot
+    right after its turn, the chat's next turn is saved as soon as it ends, not after the idle time, so the next task
+    finds the slot saved. A chat whose own turn came next again goes back to the idle time."""
+    pool = make_pool(client, store, save_idle_seconds=30)
+    try:
+        await turn(pool, A)
+        task = await pool.acquire(A, side=True)  # saves A on its path: side tasks follow A
+        assert task.cache.save_ms > 0 and len(client.actions("save")) == 1
+        task.release(TurnEnd.COMPLETED)
+        await pool.snapshots.settle()
+        await turn(pool, A)  # restored, and saved at once when it ends
+        assert pool.idle_saves.delay(pool.slots[0]) == 0
+        waited = await wait_saved_again(client, 2, 5)
+        assert waited is not None and waited < IDLE_SAVE_FLOOR_SECONDS
+        task = await pool.acquire(A, side=True)
+        assert task.cache.save_ms == 0 and len(client.actions("save")) == 2  # nothing left to save on its path
+        task.release(TurnEnd.COMPLETED)
+        await turn(pool, A)
+        await turn(pool, A)  # its own turn came next this time: back to the idle time
+        assert pool.idle_saves.delay(pool.slots[0]) == IDLE_SAVE_FLOOR_SECONDS
+    finally:
+        await pool.aclose()
+
+
+async def wait_saved_again(client: FakeClient, saves: int, seconds: float) -> float | None:
+    """Seconds until the backend was asked for its `saves`-th save, or None if it was not within `seconds`."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        if len(client.actions("save")) >= saves:
+            return time.monotonic() - started
+        await asyncio.sleep(0.005)
+    return None
+
+
 async def test_no_early_save_while_another_slot_generates(client: FakeClient, store: SnapshotStore) -> None:
     """A backend's save pauses every slot's decoding: while another slot runs a turn, the idle slot waits the full
     --save-idle-seconds."""
@@ -792,6 +887,29 @@ async def test_a_new_session_restores_another_sessions_prefix(client: FakeClient
     fresh = await pool.acquire(C, chain_of("c1"))
     assert fresh.cache.outcome == CacheOutcome.PREFIX and fresh.cache.restored_from == "A"
     fresh.release(TurnEnd.COMPLETED, 30)
+
+
+async def test_a_chat_known_by_a_new_name_at_each_turn_keeps_its_side_tasks_note(client: FakeClient,
+                                                                                  store: SnapshotStore) -> None:
+    """A chat without an id is known by another name at each turn: a turn that starts from the state a side task
+    followed is expected to be followed by one too, and is saved at once; one that starts from nothing is not."""
+    pool = make_pool(client, store, save_idle_seconds=30, min_restore_tokens=0)
+    try:
+        first = await pool.acquire(A, chain_of("a1"))
+        first.release(TurnEnd.COMPLETED, 40)
+        task = await pool.acquire(D, side=True)  # A saved on its path: side tasks follow A
+        task.release(TurnEnd.COMPLETED)
+        await pool.snapshots.settle()
+        assert pool.notes.side_task_follows(A)
+        second = await pool.acquire(B, chain_of("a1", "r1", "a2"))  # the same chat under its next name
+        assert second.cache.restored_from == "A"
+        second.release(TurnEnd.COMPLETED, 60)
+        assert pool.notes.side_task_follows(B) and pool.idle_saves.delay(pool.slots[0]) == 0
+        other = await pool.acquire(C, chain_of("c1"))  # another chat, from nothing of A's
+        other.release(TurnEnd.COMPLETED, 40)
+        assert not pool.notes.side_task_follows(C)
+    finally:
+        await pool.aclose()
 
 
 async def test_two_chats_under_one_derived_name_each_start_from_their_own_state(client: FakeClient,

@@ -9,6 +9,7 @@ bookkeeping; this module only decides what the slot starts from, and brings it i
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections import OrderedDict
@@ -55,6 +56,9 @@ class SessionNotes:
         # What became of a session's state in its slot since its last turn: another session took the slot, or the
         # backend lost it (reason and words), for that session's next turn.
         self._left: OrderedDict[SessionKey, tuple[Reason, str]] = OrderedDict()
+        # The sessions whose slot was last taken, just after their turn, by a side task (OpenWebUI's follow-ups and
+        # tags come after every answer): their next turn's state is saved at once (idlesaves.py).
+        self._side_follows: OrderedDict[SessionKey, None] = OrderedDict()
 
     def seen(self, key: SessionKey) -> None:
         _remember(self._seen, key, None)
@@ -64,6 +68,24 @@ class SessionNotes:
 
     def left(self, key: SessionKey, reason: Reason, detail: str) -> None:
         _remember(self._left, key, (reason, detail))
+
+    def taken_after_turn(self, key: SessionKey, by_side_task: bool) -> None:
+        """`key`'s slot was taken just after its turn ended, by a side task or by a conversation's turn (its own
+        next one included)."""
+        if by_side_task:
+            _remember(self._side_follows, key, None)
+        else:
+            self._side_follows.pop(key, None)
+
+    def side_task_follows(self, key: SessionKey) -> bool:
+        """Whether the last time `key`'s turn ended, a side task took its slot right after."""
+        return key in self._side_follows
+
+    def continues(self, key: SessionKey, saved: SessionKey) -> None:
+        """`key`'s turn starts from the state `saved` left (a chat without an id is known by another name at each
+        turn): what followed that state's turn is expected to follow this one's."""
+        if saved in self._side_follows:
+            _remember(self._side_follows, key, None)
 
     def known(self, key: SessionKey, side: bool) -> Known:
         """What is known of `key` as its turn starts; a conversation's turn (not a side task's) is told what became
@@ -96,10 +118,13 @@ class Bringer:
         self.token_lookup_ms = 0.0
 
     async def bring_in(self, slot: SlotState, lease: SlotLease, in_slot: Sequence[Link],
-                       previous: SessionKey | None, extended: bool, tokens: TokenSource | None) -> None:
+                       previous: SessionKey | None, extended: bool, tokens: TokenSource | None,
+                       saving: asyncio.Future[float] | None = None) -> None:
         """Find the saved states the request could start from, each with the tokens it shares with the request
         (the chains first; the request's exact tokens when they cannot tell), and do what the planner says
-        (planner.py): restore the state that shares the most, or keep what the slot holds."""
+        (planner.py): restore the state that shares the most, or keep what the slot holds. `saving`: the backend's
+        write of the slot's previous occupant, begun by the pool; the look-ups run beside it, and what the planner
+        says is done once it is over (its time is the turn's `save_ms`)."""
         started = time.perf_counter()
         key = lease.key
         known = self._notes.known(key, lease.side)
@@ -155,6 +180,9 @@ class Bringer:
                           system_saved=found.system_saved, worth_cutting=system is not None and self._worth(system))
         chosen = plan(request, rules, InSlot(slot_tokens, kept, previous == key), saved)
         lease.cache.decide_ms = (time.perf_counter() - started) * 1000
+        if saving is not None:
+            # Shielded: a turn given up now still lets the save end (the pool waits for it before the slot is free).
+            lease.cache.save_ms = await asyncio.shield(saving)
         await self._act(slot, lease, chosen, found, known, in_slot, kept, previous)
 
     async def _ask(self, tokens: TokenSource) -> Tokens | None:
@@ -227,6 +255,8 @@ class Bringer:
             return
         snapshot = chosen.restore.snapshot
         await self._restore(slot, lease, snapshot, chosen.outcome, chosen.owes, chosen.restore.tier)
+        if not lease.side and lease.cache.restored_tokens > 0:
+            self._notes.continues(lease.key, snapshot.key)
         if lease.side and lease.cache.outcome is not CacheOutcome.COLD:
             lease.cache.detail = (f"started from a saved state sharing {chosen.owes} tokens with the task "
                                   f"({snapshot.kind} {snapshot.session_id})")

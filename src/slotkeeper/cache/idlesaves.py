@@ -26,7 +26,8 @@ IDLE_SAVE_FLOOR_SECONDS = 0.25
 class IdleSaves:
     def __init__(self, saver: Saver, slots: Sequence[SlotState], save_idle_seconds: float,
                  health: BackendHealth | None, give_back: Callable[[SlotState], None],
-                 cut_back: Callable[[SlotState], Awaitable[None]]) -> None:
+                 cut_back: Callable[[SlotState], Awaitable[None]],
+                 side_task_follows: Callable[[SlotState], bool] = lambda slot: False) -> None:
         self._saver = saver
         self._slots = slots
         # The longest a changed slot stays idle unsaved; negative: never saved when idle (only on a switch, at exit).
@@ -36,6 +37,8 @@ class IdleSaves:
         # The pool's: a slot taken for a save is handed back through it (so a waiting request gets it at once).
         self._give_back = give_back
         self._cut_back = cut_back  # the warm-ups': what a saved slot marked for a cut goes through next
+        # The pool's: whether a side task is expected to take the slot right after its occupant's turn.
+        self._side_task_follows = side_task_follows
         self._timers: set[asyncio.Task[None]] = set()
 
     def schedule(self, slot: SlotState) -> None:
@@ -50,14 +53,19 @@ class IdleSaves:
         conversation that comes back within that finds its slot unsaved and hot; one that comes back later, or
         another conversation that needs the slot, finds the state on disk already and waits for no save. A side
         task's state is saved at once: no conversation comes back to it, and the next request, which needs the slot,
-        often follows within milliseconds (OpenWebUI's tasks, one after another)."""
+        often follows within milliseconds (OpenWebUI's tasks, one after another). So is a conversation's whose slot
+        a side task took right after its last turn: OpenWebUI sends its follow-up and tag tasks after every answer,
+        and each would otherwise wait for the save."""
         cap = self._save_idle_seconds
-        if slot.kind is SnapshotKind.SIDE:
+        if self._at_once(slot):
             return 0.0
         expected = self._saver.expected_seconds(slot.n_tokens)
         if expected is None:
             return cap
         return min(cap, max(IDLE_SAVE_FLOOR_SECONDS, 2 * expected))
+
+    def _at_once(self, slot: SlotState) -> bool:
+        return slot.kind is SnapshotKind.SIDE or self._side_task_follows(slot)
 
     async def aclose(self) -> None:
         """Stop the timers (and the saves and cuts they run), and wait until they are stopped."""
@@ -72,7 +80,7 @@ class IdleSaves:
         task.add_done_callback(self._timers.discard)
 
     async def _save_when_idle(self, slot: SlotState, generation: int) -> None:
-        delay = self.delay(slot)
+        at_once, delay = self._at_once(slot), self.delay(slot)
         await asyncio.sleep(delay)
         if delay < self._save_idle_seconds and any(s.busy for s in self._slots if s is not slot):
             # The backend writes a slot between decode steps of every slot: while another slot generates, the save
@@ -94,7 +102,9 @@ class IdleSaves:
             if slot.generation == generation and slot.occupant == key:
                 slot.dirty = True
             return
-        if slot.cut is not None and slot.generation == generation:
+        if slot.cut is not None and slot.generation == generation and not at_once:
+            # Not after a save at once: the side task expected next would wait for the cut. As when such a task
+            # takes the slot before the idle save, the conversation's next turn marks the slot for the cut again.
             await self._cut_back(slot)
 
     async def _save_held(self, slot: SlotState) -> asyncio.Task[bool] | None:

@@ -103,7 +103,7 @@ class SlotPool:
         self.warmups = WarmUps(client, self.saver, snapshots, self.policy, self.slots, self.floor,
                                self.give_back, self.notes)
         self.idle_saves = IdleSaves(self.saver, self.slots, save_idle_seconds, health, self.give_back,
-                                    self.warmups.cut_back)
+                                    self.warmups.cut_back, self._side_task_follows)
         self.bringer = Bringer(snapshots, self.policy, self.evidence, self.restorer, self.notes, self.warmups.worth,
                                min_restore_tokens, n_ctx_slot, system_snapshots, self.costs)
 
@@ -155,10 +155,13 @@ class SlotPool:
 
     async def _lease(self, slot: SlotState, key: SessionKey, chain: Sequence[Link], side: bool,
                      system: SystemPrompt | None, tokens: TokenSource | None) -> SlotLease:
-        """The slot is taken for `key`'s request: save its changed occupant, bring in what the request starts from
-        (bringing.py), and lease it."""
+        """The slot is taken for `key`'s request: save its changed occupant (while the request's look-ups run), bring
+        in what the request starts from (bringing.py), and lease it."""
         previous, previous_dirty, in_slot = slot.occupant, slot.dirty, slot.chain
         held = Held.of(slot)
+        if (previous is not None and held.kind is SnapshotKind.SESSION
+                and time.monotonic() - slot.last_used <= SIDE_FOLLOWS_SECONDS):
+            self.notes.taken_after_turn(previous, side)
         extended = _extends(in_slot, chain, previous == key and not side)
         slot.occupant, slot.kind, slot.dirty = (None if side else key), SnapshotKind.SESSION, False
         slot.side_content = False
@@ -183,13 +186,21 @@ class SlotPool:
             lease.tokens = slot.tokens
             lease.cut_system = pending_cut is not None  # still to be cut once the conversation pauses
             return lease
+        saving: asyncio.Task[float] | None = None
         try:
             if previous is not None and previous_dirty:
-                lease.cache.save_ms = await self.saver.save(slot.slot_id, previous, held, wait=False)
+                if slot.domain == key.domain:
+                    # The request's look-ups and the planner's decision need nothing of the save: they run while
+                    # the backend writes, and the restore waits for the write (bringing.py).
+                    saving = self.saver.begin(slot.slot_id, previous, held)
+                if saving is None:
+                    lease.cache.save_ms = await self.saver.save(slot.slot_id, previous, held, wait=False)
             if await self._enter_domain(slot, key.domain):
                 in_slot, extended = [], False
-            await self.bringer.bring_in(slot, lease, in_slot, previous, extended, tokens)
+            await self.bringer.bring_in(slot, lease, in_slot, previous, extended, tokens, saving)
         except BaseException:
+            if saving is not None and not saving.done():
+                await asyncio.wait({saving})  # the backend's write of the occupant ends before the slot is handed on
             lease.release(TurnEnd.FAILED)
             raise
         return lease
@@ -207,6 +218,10 @@ class SlotPool:
         slot.domain = domain
         log.debug("slot %d erased: it held another cache domain's tokens", slot.slot_id)
         return True
+
+    def _side_task_follows(self, slot: SlotState) -> bool:
+        """Whether a side task is expected to take the slot right after its occupant's turn, as one did last time."""
+        return slot.occupant is not None and self.notes.side_task_follows(slot.occupant)
 
     def _may_be_followed(self) -> bool:
         """Whether a conversation's request may follow a side task: none is running, and none was just answered."""

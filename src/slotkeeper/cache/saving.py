@@ -56,10 +56,31 @@ class Saver:
         kind = held.kind if kind is None else kind
         self._evidence.saving()
         n_prompt = held.n_prompt
-        if kind is SnapshotKind.SESSION and self._policy.prompt_end_saves and not held.at_prompt_end and (
-                held.replay is not None):
+        if self._steps_back(held, kind):
+            assert held.replay is not None
             n_prompt = await self._to_prompt_end(slot_id, key, held.replay) or n_prompt
         return await self._snapshots.start_save(slot_id, key, held.chain, kind, n_prompt=n_prompt)
+
+    def begin(self, slot_id: int, key: SessionKey, held: Held) -> asyncio.Task[float] | None:
+        """`save(wait=False)` for a caller with other work to do while the backend writes (a turn's look-ups): the
+        save is a pending write once this returns, so a look-up made meanwhile that could find the snapshot waits
+        for it. Returns a task whose result is `save`'s; None when the slot must first be brought back to its
+        prompt's end (a step that changes what the slot holds: then `save` alone)."""
+        if self._steps_back(held, held.kind):
+            return None
+        started = time.perf_counter()
+        self._evidence.saving()
+        written, _ = self._snapshots.begin_save(slot_id, key, held.chain, held.kind, n_prompt=held.n_prompt)
+
+        async def waited() -> float:
+            return (time.perf_counter() - started) * 1000 if await asyncio.shield(written) else 0.0
+
+        return asyncio.ensure_future(waited())
+
+    def _steps_back(self, held: Held, kind: SnapshotKind) -> bool:
+        """Whether a save of what the slot holds first brings the slot back to its last prompt's end."""
+        return (kind is SnapshotKind.SESSION and self._policy.prompt_end_saves and not held.at_prompt_end
+                and held.replay is not None)
 
     def expected_seconds(self, n_tokens: int) -> float | None:
         """How long the backend's write of a slot of `n_tokens` is expected to take (at the last save's rate), or

@@ -184,6 +184,15 @@ class Snapshots:
         """Have the backend write the slot's state, and commit it as `key`'s snapshot in the background. Returns the
         commit's task (its result: whether the save succeeded, failures logged and counted), or None when the
         backend's write failed. The commit goes on if the caller stops waiting for it."""
+        written, done = self.begin_save(slot_id, key, chain, kind, n_prompt=n_prompt)
+        return done if await asyncio.shield(written) else None
+
+    def begin_save(self, slot_id: int, key: SessionKey, chain: Sequence[Link],
+                   kind: SnapshotKind = SnapshotKind.SESSION, *,
+                   n_prompt: int = 0) -> tuple[asyncio.Future[bool], asyncio.Task[bool]]:
+        """`start_save` without waiting: the save is a pending write of the snapshot once this returns (a look-up
+        made meanwhile waits for it where it could find the snapshot). Returns the backend's write (its result:
+        whether it succeeded) and the whole save's task, commit included."""
         temp = self._store.temp_name(key, self._fingerprint, kind)
         started = time.perf_counter()
         written: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -210,9 +219,8 @@ class Snapshots:
 
         # The whole save is one pending write, from before the backend writes the file: a reader of the snapshot
         # (the session back on another slot while its old slot is being saved) waits for it, never reads the
-        # snapshot the save replaces. Shielded: a caller that gives up waiting does not stop the save.
-        done = self._writes.start(sid, write, chain, at_once=True)
-        return done if await asyncio.shield(written) else None
+        # snapshot the save replaces. A caller that gives up waiting does not stop the save.
+        return written, self._writes.start(sid, write, chain, at_once=True)
 
     async def _backend_save(self, slot_id: int, key: SessionKey, temp: str) -> SlotActionResult:
         """Have the backend write the slot into `temp`: into the RAM dir when there is one with room; a save there
