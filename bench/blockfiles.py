@@ -170,6 +170,15 @@ def upload_counter(client: httpx.Client, url: str) -> float | None:
     return sum(float(v) for _, v in found) if found else None
 
 
+_SAVE_BYTES = re.compile(r"^slotkeeper_save_bytes_sum(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def backend_save_bytes(client: httpx.Client, url: str) -> int:
+    """The bytes of every file the backend wrote for a committed save (slotkeeper's save-size histogram's sum), from
+    /metrics."""
+    return int(sum(float(v) for v in _SAVE_BYTES.findall(client.get(f"{url}/metrics").text)))
+
+
 def bucket_listing(store: ObjectStoreServer, prefix: str) -> dict[str, tuple[int, str]]:
     """key -> (size, ETag) of every object under `prefix`."""
     s3 = store.client()

@@ -16,8 +16,10 @@ own, every turn sent to every mode in rotating order.
 4. Parts 1 and 2 run for every block size in BLOCK_SIZES (`--small`: 64 only, the default).
 
 Parts 1 and 2 run with a RAM dir (as slotkeeper sets itself up in launch mode): the backend writes its save into
-tmpfs and only what the store keeps reaches the slot dir. Without one, the backend's whole file is written into the
-slot dir first in both modes, and the block store cuts it there (not measured here)."""
+tmpfs and only what the store keeps reaches the slot dir. Part 2 runs once more for blocks of ATTACH_BLOCKS tokens
+without a RAM dir (attach mode without `--ram-dir`): the backend writes each save's whole file into the slot dir,
+where the block store cuts it and removes it, so what is written there is that file (from slotkeeper's
+/metrics: the saves' sizes) and the blocks and tail."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import httpx
 import numpy as np
 
 from bench.blockfiles import (
+    backend_save_bytes,
     bucket_listing,
     common_prefix,
     current,
@@ -76,6 +79,8 @@ RAM_BUDGET = "2G"
 # today with a RAM dir, switch: 1.14x without the pause; 0.93x with the two alone, taking turns; 1.06x with it.
 SETTLE_SECONDS = 0.5
 BUCKET_PREFIX = "bench"
+# Part 2 without a RAM dir: the block size it is run for.
+ATTACH_BLOCKS = 64
 
 
 @dataclass(frozen=True)
@@ -126,12 +131,16 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
     long = long_conversation(config, shape, modes, model, root / "long", samples)
     timings["long_conversation_s"] = time.monotonic() - started
     started = time.monotonic()
+    attach = long_conversation(config, shape, [ATTACH_BLOCKS], model, root / "long-no-ram-dir", samples,
+                               ram_dir=False)
+    timings["long_conversation_no_ram_dir_s"] = time.monotonic() - started
+    started = time.monotonic()
     switching, restarting = ttft_parts(config, shape, model, root / "ttft", samples)
     timings["ttft_s"] = time.monotonic() - started
     return {"scenario": "blocks", "config": config.as_json(), "machine": machine(), "shape": asdict(shape),
             "modes": [mode_name(b) for b in modes], "ram_budget": RAM_BUDGET, "part_seconds": timings,
             "samples": samples,
-            "summary": {"shared_prompt": shared, "long_conversation": long,
+            "summary": {"shared_prompt": shared, "long_conversation": long, "long_conversation_no_ram_dir": attach,
                         "ttft": {"switch": switching, "restart": restarting},
                         "by_block_tokens": by_block_tokens(shape, shared, long)}}
 
@@ -139,12 +148,13 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
 # -- measuring a slot dir ----------------------------------------------------------------------------------------------
 
 
-def start_modes(procs: Processes, modes: list[int], ctx: int, label: str, *extra: str) -> dict[int, Slotkeeper]:
+def start_modes(procs: Processes, modes: list[int], ctx: int, label: str, *extra: str,
+                ram_dir: bool = True) -> dict[int, Slotkeeper]:
     keepers = {}
     with httpx.Client(timeout=120) as client:
         for b in modes:
             name = f"{label}-{b}"
-            backend = procs.backend(f"{name}-behind", cache_ram=0, ctx_per_slot=ctx, ram_dir=True)
+            backend = procs.backend(f"{name}-behind", cache_ram=0, ctx_per_slot=ctx, ram_dir=ram_dir)
             prime(client, backend.url)
             keepers[b] = procs.slotkeeper(name, backend, "--block-tokens", str(b), "--ram-budget", RAM_BUDGET, *extra)
     return keepers
@@ -200,7 +210,9 @@ def shared_prompt(config: BenchConfig, shape: Shape, modes: list[int], model: Pa
 
 
 def long_conversation(config: BenchConfig, shape: Shape, modes: list[int], model: Path, root: Path,
-                      samples: list[dict[str, Any]]) -> dict[str, Any]:
+                      samples: list[dict[str, Any]], ram_dir: bool = True) -> dict[str, Any]:
+    """Part 2. Without a RAM dir (`ram_dir` False), a turn's written bytes also count the whole file the backend
+    wrote into the slot dir for the save, which the block store cut and removed."""
     ctx = shape.long_opening + shape.long_turns * 120 + 1024
     store = ObjectStoreServer(root / "s3.log")
     root.mkdir(parents=True, exist_ok=True)
@@ -214,7 +226,7 @@ def long_conversation(config: BenchConfig, shape: Shape, modes: list[int], model
             prefix = f"{BUCKET_PREFIX}-{b}"
             keepers.update(start_modes(procs, [b], ctx, "long", "--save-idle-seconds", DEFAULT_SAVE_IDLE_SECONDS,
                                        "--shared-store", f"s3://{store.bucket}/{prefix}", "--shared-endpoint",
-                                       store.url))
+                                       store.url, ram_dir=ram_dir))
         messages = opening(session, shape.long_opening, 4242)
         previous: dict[int, np.ndarray] = {b: np.empty(0, dtype=np.int32) for b in modes}
         for turn in range(1, shape.long_turns + 1):
@@ -222,6 +234,7 @@ def long_conversation(config: BenchConfig, shape: Shape, modes: list[int], model
                 messages = next_turn(messages, 60_000 + 100 * turn)
             before: dict[int, tuple[int, dict[str, tuple[int, int, int]], float | None,
                                     dict[str, tuple[int, str]]]] = {}
+            backend_before = {b: backend_save_bytes(client, keepers[b].url) for b in modes}
             for b in modes:
                 prefix = f"{BUCKET_PREFIX}-{b}/"
                 before[b] = (current(client, keepers[b].url)["saves"], slot_files(slot_dir_of(keepers[b])),
@@ -245,11 +258,16 @@ def long_conversation(config: BenchConfig, shape: Shape, modes: list[int], model
                 tokens = state_tokens(slot_dir, row)
                 shared_n = common_prefix(previous[b], tokens)
                 previous[b] = tokens
-                sample = {"part": "long", "mode": mode_name(b), "turn": turn, "ttft_ms": results[b].ttft_ms,
-                          "prompt_n": results[b].prompt_n, "cache_n": results[b].cache_n,
-                          "tokens": int(tokens.size), "new_tokens": int(tokens.size) - shared_n,
-                          "state_bytes": row["bytes"], "stored_as": row["stored_as"], "tail_bytes": row["tail_bytes"],
-                          "written": written(files, after_files), "uploaded": uploaded(listing, after_listing)}
+                wrote = written(files, after_files)
+                if not ram_dir:  # the backend's own file, cut into blocks and removed before the listing
+                    wrote["backend_file"] = backend_save_bytes(client, keeper.url) - backend_before[b]
+                    wrote["total"] += wrote["backend_file"]
+                sample = {"part": "long" if ram_dir else "long, no RAM dir", "mode": mode_name(b), "turn": turn,
+                          "ttft_ms": results[b].ttft_ms, "prompt_n": results[b].prompt_n,
+                          "cache_n": results[b].cache_n, "tokens": int(tokens.size),
+                          "new_tokens": int(tokens.size) - shared_n, "state_bytes": row["bytes"],
+                          "stored_as": row["stored_as"], "tail_bytes": row["tail_bytes"], "written": wrote,
+                          "uploaded": uploaded(listing, after_listing)}
                 rows_out[b].append(sample)
                 samples.append(sample)
         kv = {b: kv_bytes_per_token(slot_dir_of(keepers[b]), saved_rows(client, keepers[b].url)[0], b,
@@ -286,6 +304,8 @@ def summarize_long(modes: list[int], rows: dict[int, list[dict[str, Any]]], kv: 
             "written_per_turn_bytes": describe([float(t["written_bytes"]) for t in later]),
             "uploaded_per_turn_bytes": describe([float(t["uploaded_bytes"]) for t in later]),
         }
+    if TODAY not in modes:
+        return out
     today = out["modes"][mode_name(TODAY)]["later_totals"]
     for entry in out["modes"].values():
         entry["written_over_today"] = ratio(entry["later_totals"]["written_bytes"], today["written_bytes"])

@@ -410,16 +410,28 @@ def blocks(r: dict[str, Any]) -> list[str]:
         "header, token list and the KV past its last full block). Totals over the resumed turns (the first writes "
         "the whole state in every mode). The bar for blocks: written / (new KV + tail) <= 1.2x.",
         "",
-        "| mode | written per turn (median KiB) | written MiB | new KV + tail MiB | written / (new KV + tail) "
-        "| written / today | uploaded MiB | uploaded / (new KV + tail) | uploaded / today |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | written per turn (median KiB) | written MiB | new KV MiB | new KV + tail MiB | written / new KV "
+        "| written / (new KV + tail) | written / today | uploaded MiB | uploaded / (new KV + tail) "
+        "| uploaded / today |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for mode, m in long["modes"].items():
+    today = long["modes"]["today"]["later_totals"]
+    attach = s.get("long_conversation_no_ram_dir", {}).get("modes", {})
+    rows = [*long["modes"].items(), *((f"{mode}, no RAM dir", m) for mode, m in attach.items())]
+    for mode, m in rows:
         t = m["later_totals"]
         lines.append(f"| {mode} | {m['written_per_turn_bytes']['median'] / 1024:,.0f} | {_mib(t['written_bytes'])} "
-                     f"| {_mib(t['new_kv_bytes'] + t['tail_bytes'])} | {m['written_over_new_kv_plus_tail']:.3f}x "
-                     f"| {m['written_over_today']:.3f}x | {_mib(t['uploaded_bytes'])} "
-                     f"| {m['uploaded_over_new_kv_plus_tail']:.3f}x | {m['uploaded_over_today']:.3f}x |")
+                     f"| {_mib(t['new_kv_bytes'])} | {_mib(t['new_kv_bytes'] + t['tail_bytes'])} "
+                     f"| {m['written_over_new_kv']:.3f}x | {m['written_over_new_kv_plus_tail']:.3f}x "
+                     f"| {t['written_bytes'] / today['written_bytes']:.3f}x | {_mib(t['uploaded_bytes'])} "
+                     f"| {m['uploaded_over_new_kv_plus_tail']:.3f}x "
+                     f"| {t['uploaded_bytes'] / today['uploaded_bytes']:.3f}x |")
+    if attach:
+        lines += ["", "*No RAM dir*: slotkeeper in attach mode without `--ram-dir`, the backend's `--slot-save-path` "
+                  "its slot dir. The backend writes each save's whole file there; the block store cuts it into "
+                  "blocks and a tail and removes it. Its written bytes count that file (the saves' sizes, from "
+                  "slotkeeper's /metrics) besides the blocks and tail. Whole files (today) write the same with "
+                  "or without a RAM dir: one file per save."]
     lines += [
         "",
         f"**Time to first token of resumed turns** (blocks of {shape['ttft_blocks']} tokens). *switch*: "

@@ -403,6 +403,17 @@ def test_blocks(blocks_results: Path) -> None:
         "written_bytes"]
     assert long["modes"]["today"]["later_totals"]["written_bytes"] >= long["modes"]["today"]["later_totals"][
         "state_bytes"]
+    # Without a RAM dir the backend writes each save's whole file into the slot dir before it is cut: what is
+    # written is that file and the same blocks and tail as with a RAM dir.
+    attach = summary["long_conversation_no_ram_dir"]["modes"]["blocks 64"]
+    attach_rows = [s for s in data["samples"] if s["part"] == "long, no RAM dir"]
+    assert [r["turn"] for r in attach_rows] == list(range(1, shape["long_turns"] + 1))
+    assert all(r["stored_as"] == "blocks" and r["written"]["backend_file"] == r["state_bytes"]
+               and r["written"]["total"] == r["written"]["backend_file"] + r["written"]["blocks"]
+               + r["written"]["tails"] for r in attach_rows), attach_rows
+    assert attach["later_totals"]["written_bytes"] > long["modes"]["blocks 64"]["later_totals"]["written_bytes"] + \
+        long["modes"]["blocks 64"]["later_totals"]["state_bytes"] // 2
+    assert "blocks 64, no RAM dir" in (blocks_results / "README.md").read_text()
 
     for workload, n in (("switch", data["config"]["sessions"] * data["config"]["rounds"]),
                         ("restart", data["config"]["sessions"])):
