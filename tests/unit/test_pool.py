@@ -889,19 +889,26 @@ async def test_a_new_session_restores_another_sessions_prefix(client: FakeClient
     fresh.release(TurnEnd.COMPLETED, 30)
 
 
-async def test_a_chat_known_by_a_new_name_at_each_turn_keeps_its_side_tasks_note(client: FakeClient,
-                                                                                  store: SnapshotStore) -> None:
-    """A chat without an id is known by another name at each turn: a turn that starts from the state a side task
-    followed is expected to be followed by one too, and is saved at once; one that starts from nothing is not."""
+async def test_only_a_conversations_own_side_tasks_say_they_follow_it(client: FakeClient,
+                                                                      store: SnapshotStore) -> None:
+    """Another chat's title task that takes an agent's slot right after its turn says nothing of the agent's next
+    turn (which comes back hot, and must not wait for an early save); a conversation's own side task does. A turn
+    that starts from the saved state of a conversation its side tasks follow (a new chat on the same system prompt)
+    is expected to be followed too; one that starts from nothing of it is not."""
     pool = make_pool(client, store, save_idle_seconds=30, min_restore_tokens=0)
     try:
+        agent = await pool.acquire(D, chain_of("d1"))
+        agent.release(TurnEnd.COMPLETED, 40)
+        title = await pool.acquire(C, side=True)  # another chat's title task, right after the agent's turn
+        title.release(TurnEnd.COMPLETED)
+        assert not pool.notes.side_task_follows(D)
         first = await pool.acquire(A, chain_of("a1"))
         first.release(TurnEnd.COMPLETED, 40)
-        task = await pool.acquire(D, side=True)  # A saved on its path: side tasks follow A
+        task = await pool.acquire(A, side=True)  # A's own follow-ups: side tasks follow A
         task.release(TurnEnd.COMPLETED)
         await pool.snapshots.settle()
         assert pool.notes.side_task_follows(A)
-        second = await pool.acquire(B, chain_of("a1", "r1", "a2"))  # the same chat under its next name
+        second = await pool.acquire(B, chain_of("a1", "r1", "a2"))  # starts from A's state
         assert second.cache.restored_from == "A"
         second.release(TurnEnd.COMPLETED, 60)
         assert pool.notes.side_task_follows(B) and pool.idle_saves.delay(pool.slots[0]) == 0

@@ -56,8 +56,8 @@ class SessionNotes:
         # What became of a session's state in its slot since its last turn: another session took the slot, or the
         # backend lost it (reason and words), for that session's next turn.
         self._left: OrderedDict[SessionKey, tuple[Reason, str]] = OrderedDict()
-        # The sessions whose slot was last taken, just after their turn, by a side task (OpenWebUI's follow-ups and
-        # tags come after every answer): their next turn's state is saved at once (idlesaves.py).
+        # The sessions whose slot was last taken, just after their turn, by a side task of theirs (OpenWebUI's
+        # follow-ups and tags come after every answer): their next turn's state is saved at once (idlesaves.py).
         self._side_follows: OrderedDict[SessionKey, None] = OrderedDict()
 
     def seen(self, key: SessionKey) -> None:
@@ -70,8 +70,8 @@ class SessionNotes:
         _remember(self._left, key, (reason, detail))
 
     def taken_after_turn(self, key: SessionKey, by_side_task: bool) -> None:
-        """`key`'s slot was taken just after its turn ended, by a side task or by a conversation's turn (its own
-        next one included)."""
+        """`key`'s slot was taken just after its turn ended, by a side task of its own or by anything else (its own
+        next turn, another conversation's turn or side task)."""
         if by_side_task:
             _remember(self._side_follows, key, None)
         else:

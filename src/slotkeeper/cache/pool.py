@@ -161,7 +161,9 @@ class SlotPool:
         held = Held.of(slot)
         if (previous is not None and held.kind is SnapshotKind.SESSION
                 and time.monotonic() - slot.last_used <= SIDE_FOLLOWS_SECONDS):
-            self.notes.taken_after_turn(previous, side)
+            # Only the conversation's own side tasks (sent under its id) say that they follow its turns: another
+            # chat's title task that comes after an agent's turn says nothing of the agent's next one.
+            self.notes.taken_after_turn(previous, side and key == previous)
         extended = _extends(in_slot, chain, previous == key and not side)
         slot.occupant, slot.kind, slot.dirty = (None if side else key), SnapshotKind.SESSION, False
         slot.side_content = False
