@@ -133,6 +133,7 @@ def run(config: BenchConfig, root: Path) -> dict[str, Any]:
     started = time.monotonic()
     attach = long_conversation(config, shape, [ATTACH_BLOCKS], model, root / "long-no-ram-dir", samples,
                                ram_dir=False)
+    over_today(attach, long["modes"][mode_name(TODAY)]["later_totals"])
     timings["long_conversation_no_ram_dir_s"] = time.monotonic() - started
     started = time.monotonic()
     switching, restarting = ttft_parts(config, shape, model, root / "ttft", samples)
@@ -234,7 +235,7 @@ def long_conversation(config: BenchConfig, shape: Shape, modes: list[int], model
                 messages = next_turn(messages, 60_000 + 100 * turn)
             before: dict[int, tuple[int, dict[str, tuple[int, int, int]], float | None,
                                     dict[str, tuple[int, str]]]] = {}
-            backend_before = {b: backend_save_bytes(client, keepers[b].url) for b in modes}
+            backend_before = {} if ram_dir else {b: backend_save_bytes(client, keepers[b].url) for b in modes}
             for b in modes:
                 prefix = f"{BUCKET_PREFIX}-{b}/"
                 before[b] = (current(client, keepers[b].url)["saves"], slot_files(slot_dir_of(keepers[b])),
@@ -304,13 +305,16 @@ def summarize_long(modes: list[int], rows: dict[int, list[dict[str, Any]]], kv: 
             "written_per_turn_bytes": describe([float(t["written_bytes"]) for t in later]),
             "uploaded_per_turn_bytes": describe([float(t["uploaded_bytes"]) for t in later]),
         }
-    if TODAY not in modes:
-        return out
-    today = out["modes"][mode_name(TODAY)]["later_totals"]
-    for entry in out["modes"].values():
+    if TODAY in modes:
+        over_today(out, out["modes"][mode_name(TODAY)]["later_totals"])
+    return out
+
+
+def over_today(long: dict[str, Any], today: dict[str, Any]) -> None:
+    """Each mode's written and uploaded bytes against whole files' (`today`: their later turns' totals)."""
+    for entry in long["modes"].values():
         entry["written_over_today"] = ratio(entry["later_totals"]["written_bytes"], today["written_bytes"])
         entry["uploaded_over_today"] = ratio(entry["later_totals"]["uploaded_bytes"], today["uploaded_bytes"])
-    return out
 
 
 # -- part 3: TTFT of resumed turns -------------------------------------------------------------------------------------

@@ -415,7 +415,6 @@ def blocks(r: dict[str, Any]) -> list[str]:
         "| uploaded / today |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    today = long["modes"]["today"]["later_totals"]
     attach = s.get("long_conversation_no_ram_dir", {}).get("modes", {})
     rows = [*long["modes"].items(), *((f"{mode}, no RAM dir", m) for mode, m in attach.items())]
     for mode, m in rows:
@@ -423,9 +422,8 @@ def blocks(r: dict[str, Any]) -> list[str]:
         lines.append(f"| {mode} | {m['written_per_turn_bytes']['median'] / 1024:,.0f} | {_mib(t['written_bytes'])} "
                      f"| {_mib(t['new_kv_bytes'])} | {_mib(t['new_kv_bytes'] + t['tail_bytes'])} "
                      f"| {m['written_over_new_kv']:.3f}x | {m['written_over_new_kv_plus_tail']:.3f}x "
-                     f"| {t['written_bytes'] / today['written_bytes']:.3f}x | {_mib(t['uploaded_bytes'])} "
-                     f"| {m['uploaded_over_new_kv_plus_tail']:.3f}x "
-                     f"| {t['uploaded_bytes'] / today['uploaded_bytes']:.3f}x |")
+                     f"| {m['written_over_today']:.3f}x | {_mib(t['uploaded_bytes'])} "
+                     f"| {m['uploaded_over_new_kv_plus_tail']:.3f}x | {m['uploaded_over_today']:.3f}x |")
     if attach:
         lines += ["", "*No RAM dir*: slotkeeper in attach mode without `--ram-dir`, the backend's `--slot-save-path` "
                   "its slot dir. The backend writes each save's whole file there; the block store cuts it into "

@@ -27,7 +27,7 @@ class IdleSaves:
     def __init__(self, saver: Saver, slots: Sequence[SlotState], save_idle_seconds: float,
                  health: BackendHealth | None, give_back: Callable[[SlotState], None],
                  cut_back: Callable[[SlotState], Awaitable[None]],
-                 side_task_follows: Callable[[SlotState], bool] = lambda slot: False) -> None:
+                 side_task_follows: Callable[[SlotState], bool]) -> None:
         self._saver = saver
         self._slots = slots
         # The longest a changed slot stays idle unsaved; negative: never saved when idle (only on a switch, at exit).
