@@ -11,6 +11,8 @@ import httpx
 import numpy as np
 import pytest
 
+from slotkeeper.cache.blocks import meta_matches
+from slotkeeper.cache.blockstore import BlockStore
 from slotkeeper.cache.capability import has_checkpoint_appendix
 from slotkeeper.cache.slotformat import SlotLayout, TokenRegion, parse_layout
 from slotkeeper.cache.tokens import read_tokens
@@ -81,7 +83,7 @@ def check_regions(path: Path, layout: SlotLayout) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_regions_per_arch(backend_kind: str, saves: dict[str, tuple[Path, int]], arch: str) -> None:
+def test_regions_per_arch(backend_kind: str, saves: dict[str, tuple[Path, int]], arch: str, tmp_path: Path) -> None:
     path, n_saved = saves[arch]
     tokens = read_tokens(path)
     assert tokens is not None and tokens.size == n_saved > 300
@@ -98,6 +100,26 @@ def test_regions_per_arch(backend_kind: str, saves: dict[str, tuple[Path, int]],
     row = 256 if arch == "llama" else 128
     assert [(r.n_outer, r.cell_bytes) for r in layout.regions] == [(1, row)] * EXPECTED_REGIONS[arch]
     check_regions(path, layout)
+    # One attention section is cut (gemma3's sliding window is not): its cell metadata says positions alone.
+    assert len(layout.meta) == 1
+    cut_and_assemble(path, tmp_path)
+
+
+def cut_and_assemble(path: Path, folder: Path) -> None:
+    """Through the block store: every cell in blocks, the cell metadata written by the assembly, the rest in the
+    tail; the assembled file is the saved one byte for byte."""
+    layout = parse_layout(path)
+    tokens = read_tokens(path)
+    assert layout is not None and tokens is not None
+    data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    assert all(meta_matches(data, layout, m) for m in layout.meta)
+    store = BlockStore(folder / "store", 64)
+    store.slot_dir.mkdir(parents=True, exist_ok=True)
+    split = store.split(path, "x.bin", tokens, "fingerprint", prompt_end=int(tokens.size) - 3)
+    assert split is not None and split.exact and split.cut.covered == layout.n_cells
+    assert split.cut.layout.meta == layout.meta
+    store.assemble("x.bin", folder / "assembled.bin")
+    assert (folder / "assembled.bin").read_bytes() == path.read_bytes()
 
 
 def region_array(path: Path, layout: SlotLayout, region: TokenRegion) -> np.ndarray:
@@ -118,6 +140,7 @@ def test_binary_v_transposed_and_quantized(backend_kind: str, saves: dict[str, t
     assert on is not None and off is not None and off_saved == n_saved == off.n_cells
     assert [(r.n_outer, r.cell_bytes) for r in off.regions] == [(1, 256)] * 4 + [(128, 2)] * 4
     check_regions(off_path, off)
+    cut_and_assemble(off_path, tmp_path / "fa-off-store")
     # The same prompt: the first layer's K and V do not depend on the attention kernel, so V read back from its
     # transposed runs equals V read from rows; later layers differ only by the kernels' rounding.
     for index, (a, b) in enumerate(zip(on.regions, off.regions, strict=True)):
@@ -133,3 +156,4 @@ def test_binary_v_transposed_and_quantized(backend_kind: str, saves: dict[str, t
     # 128 elements of q8_0: 4 blocks of 34 bytes.
     assert [(r.n_outer, r.cell_bytes) for r in q8.regions] == [(1, 136)] * 8
     check_regions(q8_path, q8)
+    cut_and_assemble(q8_path, tmp_path / "q8-store")

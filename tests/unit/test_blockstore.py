@@ -19,9 +19,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slotkeeper.cache import blockstore as blockstore_module
-from slotkeeper.cache.blocks import Cut, block_payload, block_prefixes, place_block, place_tail, plan_cut, tail_pieces
+from slotkeeper.cache.blocks import (
+    Cut,
+    Positions,
+    block_payload,
+    cut_limit,
+    follow_ends,
+    grid_ends,
+    place_block,
+    place_tail,
+    tail_pieces,
+)
 from slotkeeper.cache.blockstore import TAIL_SUFFIX, BlockStore, DamagedState
-from slotkeeper.cache.slotformat import SlotLayout, TokenRegion
+from slotkeeper.cache.slotformat import CellMeta, SlotLayout, TokenRegion, cell_meta_bytes
 from slotkeeper.cache.store import QUARANTINE_DIR, SnapshotStore
 from slotkeeper.cache.tokens import as_tokens
 from slotkeeper.errors import SnapshotError
@@ -61,18 +71,22 @@ def _regions_of(data: bytes, layout: SlotLayout) -> list[np.ndarray]:
 
 @settings(max_examples=60, deadline=None)
 @given(n_cells=st.integers(1, 300), block=st.sampled_from([4, 16, 64]),
-       regions=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 9)), min_size=1, max_size=4))
-def test_cutting_and_placing_back_gives_the_same_bytes(n_cells: int, block: int,
-                                                       regions: list[tuple[int, int]]) -> None:
+       regions=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 9)), min_size=1, max_size=4),
+       stored=st.sets(st.integers(1, 300), max_size=12), n_tokens=st.integers(1, 300))
+def test_cutting_and_placing_back_gives_the_same_bytes(n_cells: int, block: int, regions: list[tuple[int, int]],
+                                                       stored: set[int], n_tokens: int) -> None:
+    """Any cut, on the grid or following stored blocks that end anywhere, cells left in the tail or not."""
     data, layout, _ = _file(n_cells, regions)
-    cut = plan_cut(layout, n_cells, block)
-    if n_cells < block:
-        assert cut is None
+    limit = cut_limit(layout, n_tokens, block)
+    if min(n_cells, n_tokens) < block:
+        assert limit == 0
         return
-    assert cut is not None
+    assert limit == min(n_cells, n_tokens)
+    cut = Cut(layout, block, follow_ends(limit, block, lambda start: stored))
+    assert cut.covered == limit
     buffer = np.frombuffer(data, dtype=np.uint8)
     tail = b"".join(bytes(p) for p in tail_pieces(buffer, cut))
-    assert len(tail) == cut.tail_size == len(data) - cut.n_blocks * cut.block_bytes
+    assert len(tail) == cut.tail_size == len(data) - sum(map(cut.block_bytes, range(cut.n_blocks)))
     out = np.zeros(len(data), dtype=np.uint8)
     place_tail(out, cut, tail)
     for b in range(cut.n_blocks):
@@ -80,19 +94,63 @@ def test_cutting_and_placing_back_gives_the_same_bytes(n_cells: int, block: int,
     assert out.tobytes() == data
 
 
-def test_prefixes_chain_every_token_the_fingerprint_and_the_kv_types() -> None:
+def _keys(tokens: list[int], layout: SlotLayout, fingerprint: str = FINGERPRINT) -> list[str]:
+    positions = Positions(as_tokens(tokens), len(tokens), 128, fingerprint, layout)
+    return [positions.block_key(0, 128), positions.block_key(128, 256), positions.block_key(100, 200),
+            positions.opens(100), positions.opens(128)]
+
+
+def test_keys_hash_every_token_before_them_the_span_the_fingerprint_and_the_kv_types() -> None:
     _, layout, _ = _file(8, [(1, 2)])
-    a = block_prefixes(as_tokens(range(256)), 2, 128, FINGERPRINT, layout)
-    b = block_prefixes(as_tokens([*range(255), 9999]), 2, 128, FINGERPRINT, layout)
-    c = block_prefixes(as_tokens([7, *range(1, 256)]), 2, 128, FINGERPRINT, layout)
-    assert a[0] == b[0] and a[1] != b[1]  # the same first block; the second differs in its last token
-    assert a[0] != c[0] and a[1] != c[1]  # a change in block 0 changes every later prefix
-    assert block_prefixes(as_tokens(range(256)), 2, 128, "other", layout) != a
+    a = _keys(list(range(256)), layout)
+    b = _keys([*range(255), 9999], layout)
+    c = _keys([7, *range(1, 256)], layout)
+    d = _keys([*range(150), 9999, *range(151, 256)], layout)
+    assert a[0] == b[0] and a[2:] == b[2:] and a[1] != b[1]  # only the keys that reach the last token differ
+    assert not set(a) & set(c)  # a change in the first token changes every key
+    assert a[0] == d[0] and a[3:] == d[3:] and a[1] != d[1] and a[2] != d[2]
+    assert len(set(a)) == len(a)  # spans and positions never share a key
+    # A position's key is the same whatever the cut: it depends on the tokens before it, not on where blocks end.
+    short = Positions(as_tokens(range(140)), 140, 128, FINGERPRINT, layout)
+    assert short.opens(100) == a[3] and short.opens(128) == a[4] and short.grid_opens[1] == a[4]
+    assert not set(_keys(list(range(256)), layout, "other")) & set(a)
     # f16 (type 1) and bf16 (type 30) rows are of one size: the types alone tell them apart.
     f16 = SlotLayout(8, (TokenRegion(10, 1, 2, 1),), 100)
     bf16 = SlotLayout(8, (TokenRegion(10, 1, 2, 30),), 100)
-    assert block_prefixes(as_tokens(range(256)), 2, 128, FINGERPRINT, f16) != \
-        block_prefixes(as_tokens(range(256)), 2, 128, FINGERPRINT, bf16)
+    assert not set(_keys(list(range(256)), f16)) & set(_keys(list(range(256)), bf16))
+
+
+_GRID = (16, 32, 48, 64, 80, 96)
+
+
+@pytest.mark.parametrize(("limit", "stored", "ends"), [
+    (100, {}, (*_GRID, 100)),  # the grid, and the cells after its last line
+    (16, {}, (16,)),
+    (100, {96: [100]}, (*_GRID, 100)),  # the last save ended at 100, and this one too: its last block
+    (150, {96: [100]}, (*_GRID, 100, 112, 128, 144, 150)),  # then to the grid from where it ended
+    (150, {96: [98, 100, 99]}, (*_GRID, 100, 112, 128, 144, 150)),  # the longest stored block
+    (99, {96: [100]}, (*_GRID, 99)),  # a stored block past the limit is not this state's
+    (150, {0: [10], 10: [16], 64: [70]}, (10, 16, 32, 48, 64, 70, 80, 96, 112, 128, 144, 150)),
+    (150, {96: [100], 100: [105]}, (*_GRID, 100, 105, 112, 128, 144, 150)),  # two saves ended in one step
+    (150, {96: [113]}, (*_GRID, 112, 128, 144, 150)),  # never across a grid line
+])
+def test_a_cut_follows_the_blocks_stored_before_and_else_the_grid(limit: int, stored: dict[int, list[int]],
+                                                                 ends: tuple[int, ...]) -> None:
+    assert follow_ends(limit, 16, lambda start: stored.get(start, ())) == ends
+
+
+@pytest.mark.parametrize(("limit", "prompt_end", "stored", "ends"), [
+    (150, 100, {}, (*_GRID, 100, 112, 128, 144, 150)),  # a block ends where the prompt does
+    (150, 96, {}, (*_GRID, 112, 128, 144, 150)),  # on a grid line: nothing more
+    (150, 0, {}, (*_GRID, 112, 128, 144, 150)),  # not known
+    (150, 150, {}, (*_GRID, 112, 128, 144, 150)),  # nothing generated
+    (150, 100, {96: [98]}, (*_GRID, 98, 100, 112, 128, 144, 150)),
+    # The next turn: the last save's prompt (100) is sent back, its answer (100-130) not as it was generated.
+    (200, 160, {96: [100]}, (*_GRID, 100, 112, 128, 144, 160, 176, 192, 200)),
+])
+def test_a_block_ends_where_the_prompt_does_so_that_the_next_save_names_it(
+        limit: int, prompt_end: int, stored: dict[int, list[int]], ends: tuple[int, ...]) -> None:
+    assert follow_ends(limit, 16, lambda start: stored.get(start, ()), prompt_end) == ends
 
 
 @pytest.fixture()
@@ -113,10 +171,52 @@ def test_a_split_state_assembles_byte_for_byte(store: BlockStore, tmp_path: Path
     split = store.split(store.slot_dir / "a.bin.src", "a.bin", toks, FINGERPRINT)
     assert split is not None and split.exact
     store.release(split.digests)
-    assert len(split.digests) == 100 // 16 and split.new_block_bytes == 6 * 16 * (8 + 6 + 8)
+    # 6 blocks on the grid and the 4 cells after it: every cell in a block.
+    assert split.cut.ends == (16, 32, 48, 64, 80, 96, 100) and split.new_block_bytes == 100 * (8 + 6 + 8)
     assert split.tail_bytes == len(data) - split.new_block_bytes
     n, checksum = store.assemble("a.bin", tmp_path / "out.bin")
     assert (tmp_path / "out.bin").read_bytes() == data and n == len(data) and checksum == split.checksum
+
+
+def _with_meta(n_cells: int, regions: list[tuple[int, int]], seq_id: int, wrong_cell: int | None = None
+               ) -> tuple[bytes, SlotLayout, np.ndarray]:
+    """A slot-file-like buffer whose attention section has its cell metadata before its regions, as llama-server
+    writes it (positions 0..n-1 of `seq_id`); `wrong_cell`: that cell's position is off by one."""
+    rng = np.random.default_rng(seq_id)
+    toks = rng.integers(0, 1000, n_cells).astype("<i4")
+    out = bytearray(struct.pack("<III", 0x67677371, 4, toks.size) + toks.tobytes() + b"\x01\x00\x00\x00")
+    meta_at = len(out)
+    meta = cell_meta_bytes(n_cells, seq_id).copy()
+    if wrong_cell is not None:
+        meta.view("<i4")[3 * wrong_cell] += 1
+    out += meta.tobytes() + rng.integers(0, 256, 16, dtype=np.uint8).tobytes()
+    layout_regions = []
+    for n_outer, cell_bytes in regions:
+        out += rng.integers(0, 256, 12, dtype=np.uint8).tobytes()
+        layout_regions.append(TokenRegion(len(out), n_outer, cell_bytes))
+        out += rng.integers(0, 256, n_outer * n_cells * cell_bytes, dtype=np.uint8).tobytes()
+    out += b"appendix"
+    return bytes(out), SlotLayout(n_cells, tuple(layout_regions), len(out), (CellMeta(meta_at, seq_id),)), toks
+
+
+@pytest.mark.parametrize("regions", [[(1, 8), (1, 4)], [(1, 8), (3, 2)]])  # rows; and runs (V transposed)
+def test_cell_metadata_of_positions_alone_is_written_by_the_assembly_and_left_out_of_the_tail(
+        store: BlockStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, regions: list[tuple[int, int]]) -> None:
+    cell = sum(k * c for k, c in regions)
+    store.slot_dir.mkdir(parents=True)
+    for seq_id, wrong, left_out in ((3, None, 12 * 90), (4, 17, 0)):  # metadata that says more stays in the tail
+        data, layout, toks = _with_meta(90, regions, seq_id, wrong)
+        source = store.slot_dir / f"{seq_id}.src"
+        source.write_bytes(data)
+        _use_layout(monkeypatch, {source.name: layout})
+        split = store.split(source, f"{seq_id}.bin", toks, FINGERPRINT)
+        assert split is not None and split.exact and split.cut.covered == 90
+        assert split.tail_bytes == len(data) - 90 * cell - left_out, seq_id
+        assert len(split.cut.layout.meta) == (1 if left_out else 0)
+        assert store.manifest(f"{seq_id}.bin").cut == split.cut
+        store.assemble(f"{seq_id}.bin", tmp_path / "out.bin")
+        assert (tmp_path / "out.bin").read_bytes() == data, seq_id
+        store.release(split.digests)
 
 
 def test_a_shared_prefix_is_stored_once(store: BlockStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,6 +328,62 @@ def test_states_share_blocks_and_a_block_goes_with_the_last_state_naming_it(tmp_
     assert not list(store.slot_dir.glob("*" + TAIL_SUFFIX))
 
 
+def test_a_state_saved_again_with_more_tokens_writes_only_the_cells_after_its_last_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turn after turn, the index offers each save the blocks the last one stored: it names them, the one that ended
+    between two grid lines too, and writes only its new cells, in blocks up to the next grid line and on from there.
+    Every turn's state assembles byte for byte."""
+    regions, cell = [(1, 8), (3, 2)], 8 + 3 * 2
+    full, full_layout, toks = _file(130, regions, seed=20)
+    key = SessionKey("m", "a")
+    layouts: dict[str, SlotLayout] = {}
+    store = _snapshot_store(tmp_path, monkeypatch, layouts)
+    before = (0, 0)
+    # (tokens, the blocks this save adds): 40 = 16 + 16 + 8; 75 = the 8 to the grid line, 16, 11; then 5 + 10; 6 + 16
+    # + 16 + 2.
+    for turn, (n, new_blocks) in enumerate([(40, 3), (75, 3), (90, 2), (130, 4)]):
+        data, layout, _ = _file(n, regions, seed=21 + turn, tokens=toks[:n].tolist(), shared_cells=n,
+                                base=_regions_of(full, full_layout))
+        layouts[key.file_stem(FINGERPRINT, _kind())] = layout
+        snapshot = store.commit(key, _save(store, key, data), FINGERPRINT, n)
+        count, n_bytes = store.blocks.usage()
+        added = (count - before[0], n_bytes - before[1])
+        cells = n - (before[1] - before[0] * blockstore_module.BLOCK_HEADER_BYTES) // cell
+        assert added == (new_blocks, new_blocks * blockstore_module.BLOCK_HEADER_BYTES + cells * cell), turn
+        assert cells == n - (0, 40, 75, 90)[turn]
+        before = (count, n_bytes)
+        with store.open_whole(snapshot) as fh:
+            assert fh.read() == data
+    assert len(list(store.slot_dir.glob("*" + TAIL_SUFFIX))) == 1  # each save replaced the one before
+
+
+def test_a_tail_written_before_cuts_followed_stored_blocks_still_assembles(store: BlockStore, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest of the grid-only format (SKTAIL02: a count of full blocks, the cells after them in the tail)."""
+    import json
+
+    import xxhash
+
+    data, layout, toks = _file(64, [(1, 8), (2, 4)], seed=30)
+    store.slot_dir.mkdir(parents=True)
+    (store.slot_dir / "a.src").write_bytes(data)
+    _use_layout(monkeypatch, {"a.src": layout})
+    split = store.split(store.slot_dir / "a.src", "a.bin", toks, FINGERPRINT)
+    assert split is not None and split.cut.ends == (16, 32, 48, 64)
+    manifest = store.manifest("a.bin")
+    tail = store.read_tail(manifest, "a.bin")
+    cut = json.loads(json.dumps(blockstore_module.layout_to_json(split.cut)))
+    del cut["ends"]
+    cut["n_blocks"] = 4
+    body = json.dumps({"cut": cut, "prefixes": list(manifest.prefixes), "digests": list(manifest.digests),
+                       "tail_checksum": manifest.tail_checksum, "checksum": manifest.checksum}).encode()
+    trailer = blockstore_module._TRAILER.pack(len(body), xxhash.xxh3_128_digest(body), b"SKTAIL02")
+    store.tail_path("a.bin").write_bytes(tail + body + trailer)
+    assert store.manifest("a.bin").cut == split.cut
+    store.assemble("a.bin", tmp_path / "out.bin")
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
 def test_a_restore_gets_an_assembled_file_and_a_damaged_block_sends_the_state_to_quarantine(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data, layout, _ = _file(48, [(2, 4)], seed=5)
@@ -277,11 +433,12 @@ def _kind() -> SnapshotKind:
     return SnapshotKind.SESSION
 
 
-def test_a_cut_needs_a_full_block_of_cells_and_tokens() -> None:
+def test_a_cut_needs_a_grid_step_of_cells_and_tokens() -> None:
     _, layout, _ = _file(40, [(1, 4)])
-    assert plan_cut(layout, 40, 64) is None
-    assert plan_cut(layout, 10, 8) == Cut(layout, 8, 1)
-    assert plan_cut(None, 100, 8) is None
+    assert cut_limit(layout, 40, 64) == 0
+    assert cut_limit(layout, 10, 8) == 10 and grid_ends(10, 8) == (8, 10)
+    assert cut_limit(layout, 100, 8) == 40  # the cells a file holds
+    assert cut_limit(None, 100, 8) == 0
 
 
 def test_the_disk_budget_counts_a_shared_block_once_and_frees_what_only_the_evicted_state_names(
@@ -547,3 +704,31 @@ def test_a_damaged_block_met_by_an_export_is_removed_so_that_the_next_save_of_it
     store.restored(checked)
     with store.open_whole(snap_b) as fh:
         assert fh.read() == data
+
+
+def test_an_index_from_before_cuts_followed_stored_blocks_gains_their_columns_and_offers_its_old_blocks_by_none(
+        tmp_path: Path) -> None:
+    """Its rows stay (their blocks still dedupe by digest); only rows with a position key are offered to a save."""
+    import sqlite3
+
+    from slotkeeper.cache.index import BlockRef, SnapshotIndex
+
+    path = tmp_path / "index.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE block_refs (filename TEXT NOT NULL, position INTEGER NOT NULL, digest TEXT NOT NULL,
+            prefix TEXT, PRIMARY KEY (filename, position)) WITHOUT ROWID;
+        INSERT INTO block_refs (filename, position, digest, prefix) VALUES ('old.bin', 0, 'd0', 'p0');
+    """)
+    db.commit()
+    db.close()
+    index = SnapshotIndex(path)
+    try:
+        assert index.stored_from(["p0", "o1"]) == {}
+        index.replace(SessionKey("m", "a"), SnapshotKind.SESSION, "a.bin", FINGERPRINT, 40, 1000, "c",
+                      block_refs=[BlockRef("d1", "k1", 500, "o1", 16), BlockRef("d2", "k2", 300, "o2", 9),
+                                  BlockRef("d3", None, 200)])
+        assert index.stored_from(["o1", "o2", "o3"]) == {"o1": [(16, "k1", "d1")], "o2": [(9, "k2", "d2")]}
+        assert index.referenced(["d0", "d1", "d3", "dx"]) == {"d0", "d1", "d3"}
+    finally:
+        index.close()

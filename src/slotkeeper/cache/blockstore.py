@@ -1,19 +1,22 @@
 """The block store's files: KV blocks under `blocks/` in the slot dir, and each saved state's tail beside its name.
 
-- `blocks/<2 hex>/<digest>.blk`: one block of B tokens' KV (blocks.py says which bytes), named by its *digest*, the
+- `blocks/<2 hex>/<digest>.blk`: one block of tokens' KV (blocks.py says which bytes), named by its *digest*, the
   xxh3-128 of its bytes. A name is its content: a block is written once (temp name, fsync, rename) and never
   rewritten, and a block whose bytes do not hash to its name is damaged, whoever wrote it. A 32-byte header (magic,
   payload length, the digest again) comes first, so every read checks size and digest before the bytes are used.
 - `<the state's file name>.tail` (`<40 hex>-<8 hex>.bin.tail`): the tail of the state's file (its bytes outside
-  every full block, in file order: it starts with the slot file's header and token list, so the tokens are read
-  from it as from a whole file), then a manifest (the cut, each block's prefix and digest, the tail's checksum),
-  then a trailer (the manifest's length and checksum, a magic). Written once, after every block it names is durable.
+  every block, in file order, but the cell metadata that says only which positions the cells hold: it starts with
+  the slot file's header and token list, so the tokens are read from it as from a whole file), then a manifest (the
+  cut, each block's key and digest, the tail's checksum), then a trailer (the manifest's length and checksum, a
+  magic). Written once, after every block it names is durable.
 
-A block's *prefix* (blocks.py: its tokens, the fingerprint, the KV's shape and types) says which KV it stands for.
-The index keeps, for the states this host saved itself, which digest each prefix was stored as: a later save of that
-prefix names that block rather than storing its own float noise again (`split`'s `reuse`). States brought from
-elsewhere (an import, the shared tier) name their blocks by digest only, and their blocks are offered to no other
-state: a block shared by prefix is always one this host's backend wrote.
+A block's *key* (blocks.py: its tokens, its span, the fingerprint, the KV's shape and types) says which KV it stands
+for. The index keeps, for the states this host saved itself, which blocks start at each position's key and which
+digest each block key was stored as (`split`'s `stored`): a later save cuts its blocks where those end (a
+conversation's next save names its last save's blocks, the last one too, and writes only the cells after them), and
+names a stored block rather than storing its own float noise of the same key again. States brought from elsewhere
+(an import, the shared tier) name their blocks by digest only, and their blocks are offered to no other state: a
+block shared by key is always one this host's backend wrote.
 
 What is alive is decided in one place, under one lock: the blocks named by committed states (the index's rows) and
 the blocks held by work in flight (a save between its split and its commit, an upload, a download before its
@@ -34,7 +37,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,20 +45,23 @@ import xxhash
 
 from slotkeeper.cache.blocks import (
     Cut,
+    Positions,
     block_payload,
-    block_prefixes,
     block_writes,
+    cut_limit,
+    follow_ends,
+    grid_ends,
     layout_from_json,
     layout_to_json,
+    meta_matches,
     place_block,
     place_block_runs,
     place_tail,
-    plan_cut,
     tail_pieces,
     tail_writes,
 )
 from slotkeeper.cache.quarantine import move_aside
-from slotkeeper.cache.slotformat import parse_layout
+from slotkeeper.cache.slotformat import SlotLayout, parse_layout
 from slotkeeper.cache.tokens import Tokens
 from slotkeeper.files import fsync_dir, make_private_dir, unlink_quietly
 
@@ -66,7 +72,8 @@ TAIL_SUFFIX = ".tail"
 _BLOCK_MAGIC = b"SKKVBLK2"
 _BLOCK_HEADER = struct.Struct("<8sQ16s")
 BLOCK_HEADER_BYTES = _BLOCK_HEADER.size
-_TAIL_MAGIC = b"SKTAIL02"
+_TAIL_MAGIC = b"SKTAIL03"
+_TAIL_MAGICS = (_TAIL_MAGIC, b"SKTAIL02")  # 02: blocks on the grid only (a count of blocks, not their ends)
 _TRAILER = struct.Struct("<Q16s8s")
 _MANIFEST_MAX = 64 << 20
 _HEX32 = frozenset("0123456789abcdef")
@@ -79,8 +86,9 @@ WRITERS = 8
 TEMP_MARGIN_SECONDS = 5.0
 _HOST = xxhash.xxh3_64_hexdigest(socket.gethostname().encode())[:8]
 
-# Which digest each prefix is stored as, for the prefixes asked (the index's, for this host's own saves).
-Reuse = Callable[[Sequence[str]], Mapping[str, str]]
+# The blocks this host's own saves stored from each position asked (its key, `Positions.opens`): for each, its
+# cells, its block key and its digest (the index's).
+Stored = Callable[[Sequence[str]], Mapping[str, Sequence[tuple[int, str, str]]]]
 
 
 def is_digest(text: str) -> bool:
@@ -108,12 +116,13 @@ class SplitFailed(OSError):
 
 @dataclass(frozen=True, slots=True)
 class Split:
-    """What a save stored: its cut, each block's prefix and digest, the bytes written, and the checksum of the file
-    its blocks and tail assemble into (the saved file's own, unless a block stored for a prefix earlier holds other
-    float noise). Its digests are held until the caller's `release`."""
+    """What a save stored: its cut, each block's key, the key of the position it starts at, and its digest, the bytes
+    written, and the checksum of the file its blocks and tail assemble into (the saved file's own, unless a block
+    stored for a key earlier holds other float noise). Its digests are held until the caller's `release`."""
 
     cut: Cut
     prefixes: tuple[str, ...]
+    opens: tuple[str, ...]
     digests: tuple[str, ...]
     tail_bytes: int
     new_block_bytes: int
@@ -151,21 +160,29 @@ class BlockStore:
     # -- saving -----------------------------------------------------------------------------------------------
 
     def split(self, source: Path, filename: str, tokens: Tokens | None, fingerprint: str,
-              reuse: Reuse | None = None) -> Split | None:
+              stored: Stored | None = None, prompt_end: int = 0) -> Split | None:
         """Store the slot file `source` as blocks (those the store lacks) and the tail `<filename>.tail`; None when
-        the file cannot be cut (an unknown layout, no full block): then it is kept whole. A prefix `reuse` offers a
-        stored digest for is named by that block instead of this file's own bytes, if that block is intact. The
-        digests are held until `release`."""
+        the file cannot be cut (an unknown layout, fewer cells than a block): then it is kept whole. Blocks end where
+        blocks of the same tokens that `stored` names end (blocks.py `follow_ends`), else on the grid and at
+        `prompt_end` (the prompt's token count, 0: not known); a block whose
+        key `stored` offers a digest for is named by that block instead of this file's own bytes, if that block is
+        intact. The digests are held until `release`."""
         if self.block_tokens <= 0 or tokens is None:
             return None
-        cut = plan_cut(parse_layout(source), int(tokens.size), self.block_tokens)
-        if cut is None:
+        layout = parse_layout(source)
+        limit = cut_limit(layout, int(tokens.size), self.block_tokens)
+        if layout is None or not limit:
             return None
-        prefixes = tuple(block_prefixes(tokens, cut.n_blocks, cut.block_tokens, fingerprint, cut.layout))
-        offered = dict(reuse(prefixes)) if reuse is not None else {}
+        layout = _exact_meta(source, layout)
+        positions = Positions(tokens, limit, self.block_tokens, fingerprint, layout)
+        ends, offered = _plan(positions, limit, self.block_tokens, stored, prompt_end)
+        cut = Cut(layout, self.block_tokens, ends)
+        spans = [cut.span(b) for b in range(cut.n_blocks)]
+        prefixes = tuple(positions.block_key(start, end) for start, end in spans)
+        opens = tuple(positions.opens(start) for start, _ in spans)
         held: list[str] = []
         try:
-            return self._split(source, filename, cut, prefixes, offered, held)
+            return self._split(source, filename, cut, prefixes, opens, offered, held)
         except Exception as exc:
             self.release(held)
             raise SplitFailed(exc, tuple(held)) from exc
@@ -173,8 +190,8 @@ class BlockStore:
             self.release(held)
             raise
 
-    def _split(self, source: Path, filename: str, cut: Cut, prefixes: tuple[str, ...], offered: Mapping[str, str],
-               held: list[str]) -> Split:
+    def _split(self, source: Path, filename: str, cut: Cut, prefixes: tuple[str, ...], opens: tuple[str, ...],
+               offered: Mapping[str, str], held: list[str]) -> Split:
         # A numpy map of the file (not an mmap closed by hand: views of it may outlive an error's traceback), read
         # through a plain array view of it, which slices without the memmap subclass's per-slice bookkeeping.
         buffer = np.memmap(source, dtype=np.uint8, mode="r").view(np.ndarray)
@@ -189,7 +206,7 @@ class BlockStore:
         checksum = self._assembled_checksum(manifest, pieces) if differs else xxhash.xxh3_128_hexdigest(buffer.data)
         manifest = Manifest(cut, prefixes, digests, tail_checksum, checksum)
         self._write_tail(filename, pieces, manifest)
-        return Split(cut, prefixes, digests, cut.tail_size, new_bytes, checksum, not differs)
+        return Split(cut, prefixes, opens, digests, cut.tail_size, new_bytes, checksum, not differs)
 
     def _store_blocks(self, buffer: np.ndarray, cut: Cut, prefixes: Sequence[str], offered: Mapping[str, str],
                       held: list[str]) -> tuple[tuple[str, ...], int, bool]:
@@ -295,7 +312,7 @@ class BlockStore:
                     raise DamagedState("its tail is too short")
                 fh.seek(size - _TRAILER.size)
                 length, digest, magic = _TRAILER.unpack(fh.read(_TRAILER.size))
-                if magic != _TAIL_MAGIC or length > min(_MANIFEST_MAX, size - _TRAILER.size):
+                if magic not in _TAIL_MAGICS or length > min(_MANIFEST_MAX, size - _TRAILER.size):
                     raise DamagedState("its tail has no manifest this code reads")
                 fh.seek(size - _TRAILER.size - length)
                 body = fh.read(length)
@@ -506,6 +523,42 @@ class BlockStore:
                         count += 1
                         total += entry.stat(follow_symlinks=False).st_size
         return count, total
+
+
+def _exact_meta(source: Path, layout: SlotLayout) -> SlotLayout:
+    """`layout` with the cell metadata the assembly is to write only where the file holds it byte for byte (the
+    parser read it so; checked again, so that a file is never assembled otherwise than it was saved)."""
+    if not layout.meta:
+        return layout
+    buffer = np.memmap(source, dtype=np.uint8, mode="r").view(np.ndarray)
+    kept = tuple(m for m in layout.meta if meta_matches(buffer, layout, m))
+    return layout if kept == layout.meta else replace(layout, meta=kept)
+
+
+def _plan(positions: Positions, limit: int, block_tokens: int, stored: Stored | None,
+          prompt_end: int) -> tuple[tuple[int, ...], dict[str, str]]:
+    """Where a save's blocks end, and the digest stored for each block key found on the way. The blocks stored from
+    every grid line are asked at once; those from a position between two lines (where an earlier save ended) as the
+    cut reaches it."""
+    offered: dict[str, str] = {}
+    if stored is None:
+        return grid_ends(limit, block_tokens, prompt_end), offered
+    known: dict[str, Sequence[tuple[int, str, str]]] = dict.fromkeys(positions.grid_opens, ())
+    known.update(stored(positions.grid_opens))
+
+    def ends_from(start: int) -> list[int]:
+        key = positions.opens(start)
+        if key not in known:
+            known[key] = stored([key]).get(key, ())
+        found = []
+        for n_cells, block_key, digest in known[key]:
+            end = start + n_cells
+            if n_cells > 0 and end <= limit and positions.block_key(start, end) == block_key:
+                found.append(end)
+                offered.setdefault(block_key, digest)
+        return found
+
+    return follow_ends(limit, block_tokens, ends_from, prompt_end), offered
 
 
 def _pwrite_all(fd: int, writes: Iterable[tuple[int, memoryview]]) -> None:

@@ -32,11 +32,15 @@ _PROBES_KEPT = 64
 
 @dataclass(frozen=True, slots=True)
 class BlockRef:
-    """One block a state names: its digest, and its prefix when another save of this host may name it by that
-    prefix (None: a block brought from elsewhere, named by this state only by its bytes)."""
+    """One block a state names: its digest and size, and, when another save of this host may name it, its key and
+    the key of the position it starts at, and its cell count (None: a block brought from elsewhere, named by this
+    state only by its bytes). blocks.py says what the keys hash."""
 
     digest: str
     prefix: str | None
+    n_bytes: int
+    opens: str | None = None
+    n_cells: int = 0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (
@@ -81,6 +85,8 @@ CREATE TABLE IF NOT EXISTS block_refs (
     position    INTEGER NOT NULL,
     digest      TEXT NOT NULL,
     prefix      TEXT,
+    opens       TEXT,
+    n_cells     INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (filename, position)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS block_refs_by_digest ON block_refs (digest);
@@ -156,6 +162,12 @@ class SnapshotIndex:
             self._db.execute("ALTER TABLE snapshots ADD COLUMN tail_bytes INTEGER NOT NULL DEFAULT 0")
         if "domain" not in columns:  # an index from before cache domains: every state in the one domain ("")
             self._add_domains()
+        if "opens" not in {row[1] for row in self._db.execute("PRAGMA table_info(block_refs)")}:
+            # An index from before cuts followed stored blocks: its blocks are named by prefixes of another hash, so
+            # no later save finds them by key (their bytes still dedupe by digest).
+            self._db.execute("ALTER TABLE block_refs ADD COLUMN opens TEXT")
+            self._db.execute("ALTER TABLE block_refs ADD COLUMN n_cells INTEGER NOT NULL DEFAULT 0")
+        self._db.execute("CREATE INDEX IF NOT EXISTS block_refs_by_opens ON block_refs (opens) WHERE opens IS NOT NULL")
         # Side tasks' states were conversations' rows under reserved ids before they became a kind of their own.
         self._db.execute("UPDATE snapshots SET kind = 'side' WHERE kind = 'session' AND session_id GLOB"
                          " '~side-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*'")
@@ -204,7 +216,7 @@ class SnapshotIndex:
                 n_bytes: int, checksum: str, chain: Sequence[Link] = (),
                 n_prompt: int = 0, blocks: Sequence[int] | None = None, version: Version | None = None,
                 fence: int | None = None, tail_bytes: int = 0, block_refs: Sequence[BlockRef] = (),
-                block_bytes: int = 0, keep_branches: bool = False) -> tuple[list[Snapshot], Snapshot]:
+                keep_branches: bool = False) -> tuple[list[Snapshot], Snapshot]:
         """Index `filename` as the key's snapshot, with its chain and its token blocks (tokens.py; None: its tokens
         could not be read), in one transaction; returns the rows it replaced (their files are now the caller's to
         remove) and the new one. The replaced row's `created` and `hits` carry over.
@@ -241,10 +253,11 @@ class SnapshotIndex:
                  max(n_prompt, 0), 0 if blocks is None else len(blocks), version.fence, version.stamp, tail_bytes,
                  key.domain),
             )
-            self._db.executemany("INSERT INTO block_refs (filename, position, digest, prefix) VALUES (?, ?, ?, ?)",
-                                 [(filename, i, ref.digest, ref.prefix) for i, ref in enumerate(block_refs)])
+            self._db.executemany(
+                "INSERT INTO block_refs (filename, position, digest, prefix, opens, n_cells) VALUES (?, ?, ?, ?, ?, ?)",
+                [(filename, i, ref.digest, ref.prefix, ref.opens, ref.n_cells) for i, ref in enumerate(block_refs)])
             self._db.executemany("INSERT OR IGNORE INTO block_sizes (digest, n_bytes) VALUES (?, ?)",
-                                 [(ref.digest, block_bytes) for ref in block_refs])
+                                 [(ref.digest, ref.n_bytes) for ref in block_refs])
             self._db.executemany(
                 "INSERT INTO chains (filename, position, digest, chars) VALUES (?, ?, ?, ?)",
                 [(filename, i, link.digest, link.chars) for i, link in enumerate(chain)],
@@ -331,14 +344,17 @@ class SnapshotIndex:
                     self._db.execute("DELETE FROM block_sizes WHERE digest=?", (d,))
         return found
 
-    def stored_for(self, prefixes: Sequence[str]) -> dict[str, str]:
-        """For each of `prefixes` this host's own saves stored, a digest it was stored as (blockstore.py `Reuse`)."""
-        found: dict[str, str] = {}
+    def stored_from(self, opens: Sequence[str]) -> dict[str, list[tuple[int, str, str]]]:
+        """For each position key in `opens`, the blocks this host's own saves stored starting there: each block key
+        once, with its cell count and a digest it was stored as (blockstore.py `Stored`)."""
+        found: dict[str, list[tuple[int, str, str]]] = {}
         with self._lock:
-            for prefix in dict.fromkeys(prefixes):
-                row = self._db.execute("SELECT digest FROM block_refs WHERE prefix=? LIMIT 1", (prefix,)).fetchone()
-                if row is not None:
-                    found[prefix] = str(row[0])
+            for key in dict.fromkeys(opens):
+                rows = self._db.execute(
+                    "SELECT n_cells, prefix, MIN(digest) FROM block_refs WHERE opens=? AND prefix IS NOT NULL"
+                    " GROUP BY prefix LIMIT 64", (key,)).fetchall()
+                if rows:
+                    found[key] = [(int(n), str(prefix), str(digest)) for n, prefix, digest in rows]
         return found
 
     def block_usage(self) -> tuple[int, int]:

@@ -44,14 +44,38 @@ class TokenRegion:
 
 
 @dataclass(frozen=True, slots=True)
+class CellMeta:
+    """The cell metadata of an attention section whose regions are taken, when it says no more than that its cells
+    are positions 0..n_cells-1 of the one sequence `seq_id`: per cell i32 pos = i, u32 n_seq_id = 1, i32 seq id (no
+    cell ext). Its bytes follow from these numbers (`cell_meta_bytes`)."""
+
+    offset: int
+    seq_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class SlotLayout:
     """The regions of a slot file whose cells are positions 0..n_cells-1 of its one sequence, in file order and
     disjoint; every other byte (header, token list, cell metadata, recurrent and sliding-window states, the
-    checkpoint appendix) is outside them."""
+    checkpoint appendix) is outside them. `meta`: the cell metadata of the sections those regions are in, where it
+    follows from the positions alone."""
 
     n_cells: int
     regions: tuple[TokenRegion, ...]
     file_size: int
+    meta: tuple[CellMeta, ...] = ()
+
+
+META_CELL_BYTES = 12
+
+
+def cell_meta_bytes(n_cells: int, seq_id: int) -> np.ndarray:
+    """The bytes of a section's cell metadata for positions 0..n_cells-1 of the sequence `seq_id` (`CellMeta`)."""
+    words = np.empty((n_cells, 3), dtype="<i4")
+    words[:, 0] = np.arange(n_cells, dtype="<i4")
+    words[:, 1] = 1
+    words[:, 2] = seq_id
+    return words.reshape(-1).view(np.uint8)
 
 
 _MAGIC = 0x67677371  # "ggsq"
@@ -69,8 +93,9 @@ _U64 = struct.Struct("<Q")
 _TYPED_ROW = struct.Struct("<iQ")  # a tensor's type and row size
 _TYPED_EL = struct.Struct("<iII")  # a transposed V: type, element size, n_embd_v_gqa
 
-# One reading of an attention section: (n_cells, regions) when its cells are positions 0..n-1 of one sequence.
-_Qualified = tuple[int, tuple[TokenRegion, ...]] | None
+# One reading of an attention section: (n_cells, regions, its cell metadata when that follows from the positions)
+# when its cells are positions 0..n-1 of one sequence.
+_Qualified = tuple[int, tuple[TokenRegion, ...], CellMeta | None] | None
 
 
 class _Bad(Exception):
@@ -113,19 +138,21 @@ def _attention(r: _Reader, at: int, ext: bool, has_v: bool) -> tuple[int, _Quali
     at += 4
     if not 1 <= n_stream <= _MAX_STREAMS:
         raise _Bad
-    filled: list[tuple[int, tuple[TokenRegion, ...]] | None] = []
+    filled: list[_Qualified] = []
     for _ in range(n_stream):
         n_cells = r.u32(at)
         at += 4
         if n_cells == 0:
             continue
+        meta_at = at
         meta = r.words(at, n_cells, 6 if ext else 3)
         at += meta.nbytes
         if (meta[:, 1] != 1).any() or (meta[:, -1] < 0).any():
             raise _Bad
         ordered = bool((meta[:, 0] == np.arange(n_cells)).all() and (meta[:, -1] == meta[0, -1]).all())
         at, regions = _attention_data(r, at, n_cells, has_v)
-        filled.append((n_cells, regions) if ordered else None)
+        plain = None if ext else CellMeta(meta_at, int(meta[0, -1]))
+        filled.append((n_cells, regions, plain) if ordered else None)
     return at, filled[0] if len(filled) == 1 else None
 
 
@@ -228,9 +255,10 @@ def _layout(qualified: list[_Qualified], size: int) -> SlotLayout | None:
     found = [q for q in qualified if q is not None]
     if not found:
         return None
-    n_cells = max(n for n, _ in found)  # the full cache; a sliding window holding fewer cells is left out
-    regions = tuple(region for n, rs in found if n == n_cells for region in rs)
-    return SlotLayout(n_cells, regions, size)
+    n_cells = max(n for n, _, _ in found)  # the full cache; a sliding window holding fewer cells is left out
+    regions = tuple(region for n, rs, _ in found if n == n_cells for region in rs)
+    meta = tuple(m for n, _, m in found if n == n_cells and m is not None)
+    return SlotLayout(n_cells, regions, size, meta)
 
 
 def _parse(r: _Reader) -> SlotLayout | None:

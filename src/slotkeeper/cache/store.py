@@ -118,7 +118,7 @@ class SnapshotStore:
         source = (self.ram.path if in_ram and self.ram is not None else self.slot_dir) / temp_name
         tokens = read_tokens(source)
         try:
-            split = self._split(source, final_name, tokens, block_scope(fingerprint, key.domain), n_written)
+            split = self._split(source, final_name, tokens, block_scope(fingerprint, key.domain), n_written, n_prompt)
         except OSError as exc:
             self.discard_temp(temp_name)
             self.blocks.remove_tail(final_name)
@@ -126,10 +126,14 @@ class SnapshotStore:
                 self.blocks.collect(exc.digests, self._index.referenced)
             raise SnapshotError(f"could not store the blocks of the snapshot of {key}: {exc}") from exc
         if split is not None:
-            # Only a save this host's backend wrote offers its blocks to later saves by prefix; a copy brought in
+            # Only a save this host's backend wrote offers its blocks to later saves by key; a copy brought in
             # (`version` given: an import, the shared tier) names its own blocks by their bytes alone.
-            refs = [BlockRef(d, p if version is None else None) for p, d in zip(split.prefixes, split.digests,
-                                                                                 strict=True)]
+            own = version is None
+            refs = [BlockRef(d, p if own else None, split.cut.block_bytes(b) + BLOCK_HEADER_BYTES,
+                             o if own else None, end - start if own else 0)
+                    for b, (p, o, d, (start, end)) in enumerate(zip(
+                        split.prefixes, split.opens, split.digests, map(split.cut.span, range(split.cut.n_blocks)),
+                        strict=True))]
             return self._commit_split(key, kind, temp_name, final_name, fingerprint, n_tokens, split, refs, in_ram,
                                       chain, n_prompt, tokens, version, fence)
         try:
@@ -173,13 +177,13 @@ class SnapshotStore:
             self.trim_ram()
 
     def _split(self, source: Path, final_name: str, tokens: Tokens | None, scope: str,
-               n_written: int | None) -> Split | None:
-        """Store a save as KV blocks and a tail (blockstore.py), its blocks' prefixes under `scope` (the fingerprint
-        and the cache domain: blocks.py); None when it is kept whole."""
+               n_written: int | None, n_prompt: int) -> Split | None:
+        """Store a save as KV blocks and a tail (blockstore.py), its blocks' keys under `scope` (the fingerprint and
+        the cache domain: blocks.py), a block ending at the prompt's end; None when it is kept whole."""
         if self.blocks.block_tokens <= 0:
             return None
         _check_size(source.stat().st_size, n_written)
-        return self.blocks.split(source, final_name, tokens, scope, self._index.stored_for)
+        return self.blocks.split(source, final_name, tokens, scope, self._index.stored_from, max(n_prompt, 0))
 
     def _commit_split(self, key: SessionKey, kind: SnapshotKind, temp_name: str, final_name: str, fingerprint: str,
                       n_tokens: int, split: Split, refs: Sequence[BlockRef], in_ram: bool, chain: Sequence[Link],
@@ -204,8 +208,7 @@ class SnapshotStore:
             try:
                 replaced, snapshot = self._index.replace(
                     key, kind, final_name, fingerprint, n_tokens, n_bytes, split.checksum, chain, n_prompt, blocks,
-                    version, fence, tail_bytes=split.tail_bytes, block_refs=refs,
-                    block_bytes=split.cut.block_bytes + BLOCK_HEADER_BYTES, keep_branches=key.is_derived)
+                    version, fence, tail_bytes=split.tail_bytes, block_refs=refs, keep_branches=key.is_derived)
             except OlderVersion:
                 self._unlink_snapshot_files(final_name)
                 raise
