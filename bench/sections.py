@@ -407,8 +407,8 @@ def blocks(r: dict[str, Any]) -> list[str]:
         "committed, the bytes of files new or changed in the slot dir (written), and once the shared tier's uploads "
         "settled, the bytes of objects new in the S3-compatible bucket (moto on loopback; uploaded). New KV = KV "
         "bytes of the tokens past the common prefix with the previous saved state; tail = the state's tail (its "
-        "header, token list and the KV past its last full block). Totals over the resumed turns (the first writes "
-        "the whole state in every mode). The bar for blocks: written / (new KV + tail) <= 1.2x.",
+        "header and token list, and any KV no block holds). Totals over the resumed turns (the first writes the "
+        "whole state in every mode). The bar for blocks (issue #41): written / new KV <= 1.2x.",
         "",
         "| mode | written per turn (median KiB) | written MiB | new KV MiB | new KV + tail MiB | written / new KV "
         "| written / (new KV + tail) | written / today | uploaded MiB | uploaded / (new KV + tail) "

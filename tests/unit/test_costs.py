@@ -71,6 +71,13 @@ TRUSTED = dataclasses.replace(MEASURED, trusted=(Tier.RAM, Tier.DISK))
     (61, MIB, Tier.DISK, MEASURED, None, True),
     # a tier not measured borrows the slowest measured one
     (50, MIB, Tier.RAM, Costs(0.2, ((Tier.DISK, RestoreCost(8.0, 4.0 / MIB)),)), None, False),
+    # no restore measured yet: the saves' fit stands in (1 MiB written in 6 ms: 100 tokens' 20 ms pays, 20 tokens'
+    # 4 ms does not); a measured restore, on any tier, replaces it
+    (100, MIB, Tier.RAM, Costs(0.2, stand_in=RestoreCost(5.0, 1.0 / MIB)), None, True),
+    (20, MIB, Tier.DISK, Costs(0.2, stand_in=RestoreCost(5.0, 1.0 / MIB)), None, False),
+    (100, MIB, Tier.RAM, Costs(stand_in=RestoreCost(5.0, 1.0 / MIB)), None, False),  # no prefill measured
+    (100, MIB, Tier.RAM, Costs(0.2, ((Tier.DISK, RestoreCost(30.0, 0.0)),), stand_in=RestoreCost(5.0, 0.0)), None,
+     False),
 ])
 def test_a_restore_pays_when_it_costs_less_than_the_prefill_it_saves(
         shared: int, n_bytes: int, tier: Tier, costs: Costs, fixed: int | None, expected: bool) -> None:
@@ -137,6 +144,27 @@ def test_the_meter_learns_from_restores_and_prefills() -> None:
     assert ram.ms_per_byte == pytest.approx(1.0 / MIB)
     assert costs.restore_cost(Tier.DISK) == ram  # borrowed
     assert floor_tokens(costs, None) == 26
+
+
+def test_the_backends_saves_stand_in_for_restores_until_one_is_measured() -> None:
+    """A day's first side tasks come before its first restore: what the backend's writes cost says whether a small
+    state pays (a save moves the same bytes, through the same server), and says nothing more once a restore says."""
+    meter = CostMeter()
+    for n in (1, 2, 3):
+        meter.saved(n * MIB, n * 512, 5.0 + n)
+        meter.prefilled(100 * n, 20.0 * n)
+    meter.saved(0, 0, 1.0)  # a write that moved nothing says nothing
+    costs = meter.now()
+    assert costs.restore == () and costs.trusted == ()
+    assert costs.stand_in == RestoreCost(pytest.approx(5.0), pytest.approx(1.0 / MIB))  # type: ignore[arg-type]
+    assert costs.restore_cost(Tier.RAM) == costs.restore_cost(Tier.DISK) == costs.stand_in
+    assert costs.bytes_per_token == pytest.approx(2048.0)
+    assert floor_tokens(costs, None) == 26 < PRIOR_TOKENS
+    assert pays(100, MIB, Tier.RAM, costs, None) and not pays(20, MIB, Tier.RAM, costs, None)
+    meter.restored(Tier.RAM, 4 * MIB, 2048, 120.0)  # the first restore: far slower than the writes said
+    costs = meter.now()
+    assert costs.stand_in is None and costs.restore_cost(Tier.DISK) == RestoreCost(0.0, 30.0 / MIB)
+    assert not pays(100, MIB, Tier.RAM, costs, None)  # 1 MiB now costs 30 ms, more than 100 tokens' 20 ms
 
 
 def test_a_tier_is_trusted_to_skip_a_large_restore_after_enough_restores() -> None:

@@ -165,6 +165,22 @@ class SlowSaves(FakeClient):
         return result
 
 
+async def test_the_backends_writes_stand_in_for_restores_in_the_cost_meter_until_one_is_measured(
+        client: FakeClient, store: SnapshotStore) -> None:
+    """A day's first side tasks come before its first restore: the pool's meter hears of every write the backend
+    made, with its bytes and time, and the first restore replaces what they said."""
+    pool = make_pool(client, store)
+    client.save_delay = 0.02
+    await turn(pool, A)
+    await turn(pool, B)  # A saved on the switch: 256 bytes in 20 ms or more
+    await pool.snapshots.settle()
+    costs = pool.costs.now()
+    assert costs.restore == () and costs.stand_in is not None
+    assert costs.stand_in.ms(256) >= 20.0 and costs.bytes_per_token == 256 / client.save_tokens
+    await turn(pool, A)  # restored
+    assert client.actions("restore") and pool.costs.now().stand_in is None
+
+
 async def test_a_switch_looks_up_while_the_backend_writes_and_restores_after(store: SnapshotStore,
                                                                              slot_dir: Path) -> None:
     client = SlowSaves(slot_dir)

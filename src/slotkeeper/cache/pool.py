@@ -98,7 +98,7 @@ class SlotPool:
         self.restorer = Restorer(client, snapshots, self.events, self.policy, n_ctx_slot, self.costs)
         snapshots.attach(client, fingerprint, budget or DiskBudget(), self.events,
                          lambda: [snapshot_id(s.occupant, s.kind) for s in self.slots if s.occupant is not None],
-                         self.evidence.inspect)
+                         self.evidence.inspect, self.costs.saved)
         # What a slot goes through between leases: its system part kept as a system state, and its idle save.
         self.warmups = WarmUps(client, self.saver, snapshots, self.policy, self.slots, self.floor,
                                self.give_back, self.notes)

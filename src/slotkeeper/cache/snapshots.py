@@ -96,6 +96,7 @@ class Snapshots:
         # Seconds per token of the last backend write (the part of a save the slot waits for), None before one: how
         # long the next save of a slot is expected to take (idle saves, idlesaves.py).
         self.write_seconds_per_token: float | None = None
+        self._written: Callable[[int, int, float], None] | None = None
         self._gone: OrderedDict[SnapshotId, None] = OrderedDict()
         self._gone_lock = threading.Lock()  # budget enforcement runs in worker threads, several at once
 
@@ -113,11 +114,14 @@ class Snapshots:
 
     def attach(self, client: UpstreamClient, fingerprint: str, budget: DiskBudget, events: CacheEvents,
                occupants: Callable[[], Iterable[SnapshotId]],
-               inspect: Callable[[Snapshot], None] | None = None) -> None:
+               inspect: Callable[[Snapshot], None] | None = None,
+               written: Callable[[int, int, float], None] | None = None) -> None:
         """The backend these snapshots belong to, and what the pool lends them: its slots' occupants (kept from the
-        budget), its event counters, and a look at each saved file."""
+        budget), its event counters, a look at each saved file, and its cost meter, told of each write the backend
+        made (bytes, tokens, ms: costs.py)."""
         self._client, self._fingerprint = client, fingerprint
         self.budget, self.events, self._occupants, self._inspect = budget, events, occupants, inspect
+        self._written = written
         self._lookups.attach(fingerprint)
         self.transfers.attach(fingerprint, inspect)
 
@@ -203,8 +207,11 @@ class Snapshots:
             ok = False
             try:
                 result = await self._backend_save(slot_id, key, temp)
+                elapsed = time.perf_counter() - started
                 if result.n_tokens > 0:
-                    self.write_seconds_per_token = (time.perf_counter() - started) / result.n_tokens
+                    self.write_seconds_per_token = elapsed / result.n_tokens
+                if self._written is not None:
+                    self._written(result.n_bytes, result.n_tokens, elapsed * 1000)
                 ok = True
             except (UpstreamError, UpstreamUnavailable) as exc:
                 await asyncio.to_thread(self._store.discard_temp, temp)
