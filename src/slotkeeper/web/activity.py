@@ -170,6 +170,9 @@ def _costs(pool: SlotPool) -> dict[str, Any]:
         "restore": {tier.name.lower(): {"fixed_ms": fit.fixed_ms, "ms_per_mib": fit.ms_per_byte * 2**20}
                     for tier, fit in costs.restore},
         "bytes_per_token": costs.bytes_per_token,
+        # until the first restore: the backend's saves, fitted the same way, stand in for a restore's cost
+        "saves_stand_in": None if costs.stand_in is None else {
+            "fixed_ms": costs.stand_in.fixed_ms, "ms_per_mib": costs.stand_in.ms_per_byte * 2**20},
         "floor_tokens": pool.floor(),
         # the tiers measured often enough that a large restore from them is skipped when it clearly loses
         "trusted": [tier.name.lower() for tier in costs.trusted],
