@@ -13,7 +13,7 @@ import pytest
 
 from slotkeeper.cache.blockstore import TAIL_SUFFIX
 from tests.conftest import Stack
-from tests.support import REPO, Conversation, Slotkeeper, chat, wait_until, words
+from tests.support import REPO, Conversation, Slotkeeper, chat, timings, wait_until, words
 
 pytestmark = pytest.mark.backend
 
@@ -80,9 +80,12 @@ def test_byte_budget_evicts_the_least_recently_used_but_not_pinned_or_active(sta
     d.turn()
     idle_saved(keeper, "d")
     assert set(rows(keeper)) == {"a", "d"}
-    # An evicted session is prefilled again, nothing worse.
+    # An evicted session is prefilled again, nothing worse: its own state is gone (it would give all but the new
+    # message, about 580 tokens). It may start from a state that shares the conversations' common opening (69
+    # tokens): the system part's or another conversation's, whose restore the measured costs say pays (before any
+    # restore is measured, the backend's saves stand in for its cost).
     again = chat(client, c.messages, "c")
-    assert again.status_code == 200 and again.headers["x-slotkeeper-cache"] == "cold"
+    assert again.status_code == 200 and timings(again)["cache_n"] < 128, (again.headers, timings(again))
 
     with httpx.Client(base_url=keeper.url) as http:
         disk = http.get("/api/sessions/disk").json()
