@@ -22,6 +22,7 @@ from slotkeeper.cache import blockstore as blockstore_module
 from slotkeeper.cache.blocks import (
     Cut,
     Positions,
+    StoredBlock,
     block_payload,
     cut_limit,
     follow_ends,
@@ -718,6 +719,7 @@ def test_an_index_from_before_cuts_followed_stored_blocks_gains_their_columns_an
     db.executescript("""
         CREATE TABLE block_refs (filename TEXT NOT NULL, position INTEGER NOT NULL, digest TEXT NOT NULL,
             prefix TEXT, PRIMARY KEY (filename, position)) WITHOUT ROWID;
+        CREATE INDEX block_refs_by_prefix ON block_refs (prefix) WHERE prefix IS NOT NULL;
         INSERT INTO block_refs (filename, position, digest, prefix) VALUES ('old.bin', 0, 'd0', 'p0');
     """)
     db.commit()
@@ -728,7 +730,13 @@ def test_an_index_from_before_cuts_followed_stored_blocks_gains_their_columns_an
         index.replace(SessionKey("m", "a"), SnapshotKind.SESSION, "a.bin", FINGERPRINT, 40, 1000, "c",
                       block_refs=[BlockRef("d1", "k1", 500, "o1", 16), BlockRef("d2", "k2", 300, "o2", 9),
                                   BlockRef("d3", None, 200)])
-        assert index.stored_from(["o1", "o2", "o3"]) == {"o1": [(16, "k1", "d1")], "o2": [(9, "k2", "d2")]}
+        assert index.stored_from(["o1", "o2", "o3"]) == {"o1": [StoredBlock(16, "k1", "d1")],
+                                                         "o2": [StoredBlock(9, "k2", "d2")]}
         assert index.referenced(["d0", "d1", "d3", "dx"]) == {"d0", "d1", "d3"}
     finally:
         index.close()
+    # The index saves no longer read (by key alone) is gone; the one they read (by position) is there.
+    db = sqlite3.connect(path)
+    names = {n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    db.close()
+    assert "block_refs_by_prefix" not in names and "block_refs_by_opens" in names

@@ -111,6 +111,16 @@ def follow_ends(limit: int, block_tokens: int, stored: Callable[[int], Iterable[
     return tuple(ends)
 
 
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    """A block a save stored from a position (the index's row of it): how many cells it holds, its key (the
+    `Positions.block_key` of its start and end) and the digest of its bytes."""
+
+    n_cells: int
+    key: str
+    digest: str
+
+
 class Positions:
     """Keys of positions in one token list, the same whatever the cut: position p's key hashes every token before it,
     the fingerprint, the grid and the KV's shape and ggml types (so a block is never read into another layout or

@@ -46,6 +46,7 @@ import xxhash
 from slotkeeper.cache.blocks import (
     Cut,
     Positions,
+    StoredBlock,
     block_payload,
     block_writes,
     cut_limit,
@@ -86,9 +87,8 @@ WRITERS = 8
 TEMP_MARGIN_SECONDS = 5.0
 _HOST = xxhash.xxh3_64_hexdigest(socket.gethostname().encode())[:8]
 
-# The blocks this host's own saves stored from each position asked (its key, `Positions.opens`): for each, its
-# cells, its block key and its digest (the index's).
-Stored = Callable[[Sequence[str]], Mapping[str, Sequence[tuple[int, str, str]]]]
+# The blocks this host's own saves stored from each position asked (its key, `Positions.opens`), from the index.
+Stored = Callable[[Sequence[str]], Mapping[str, Sequence[StoredBlock]]]
 
 
 def is_digest(text: str) -> bool:
@@ -173,7 +173,12 @@ class BlockStore:
         limit = cut_limit(layout, int(tokens.size), self.block_tokens)
         if layout is None or not limit:
             return None
-        layout = _exact_meta(source, layout)
+        # A numpy map of the file (not an mmap closed by hand: views of it may outlive an error's traceback), read
+        # through a plain array view of it, which slices without the memmap subclass's per-slice bookkeeping.
+        buffer = np.memmap(source, dtype=np.uint8, mode="r").view(np.ndarray)
+        if buffer.size != layout.file_size:
+            raise SplitFailed(OSError(f"{source} changed while it was cut"), ())
+        layout = _exact_meta(buffer, layout)
         positions = Positions(tokens, limit, self.block_tokens, fingerprint, layout)
         ends, offered = _plan(positions, limit, self.block_tokens, stored, prompt_end)
         cut = Cut(layout, self.block_tokens, ends)
@@ -182,7 +187,7 @@ class BlockStore:
         opens = tuple(positions.opens(start) for start, _ in spans)
         held: list[str] = []
         try:
-            return self._split(source, filename, cut, prefixes, opens, offered, held)
+            return self._split(buffer, filename, cut, prefixes, opens, offered, held)
         except Exception as exc:
             self.release(held)
             raise SplitFailed(exc, tuple(held)) from exc
@@ -190,13 +195,8 @@ class BlockStore:
             self.release(held)
             raise
 
-    def _split(self, source: Path, filename: str, cut: Cut, prefixes: tuple[str, ...], opens: tuple[str, ...],
-               offered: Mapping[str, str], held: list[str]) -> Split:
-        # A numpy map of the file (not an mmap closed by hand: views of it may outlive an error's traceback), read
-        # through a plain array view of it, which slices without the memmap subclass's per-slice bookkeeping.
-        buffer = np.memmap(source, dtype=np.uint8, mode="r").view(np.ndarray)
-        if buffer.size != cut.layout.file_size:
-            raise OSError(f"{source} changed while it was cut")
+    def _split(self, buffer: np.ndarray, filename: str, cut: Cut, prefixes: tuple[str, ...],
+               opens: tuple[str, ...], offered: Mapping[str, str], held: list[str]) -> Split:
         digests, new_bytes, differs = self._store_blocks(buffer, cut, prefixes, offered, held)
         pieces = list(tail_pieces(buffer, cut))
         tail_checksum = xxhash.xxh3_128_hexdigest(b"".join(pieces))
@@ -525,12 +525,11 @@ class BlockStore:
         return count, total
 
 
-def _exact_meta(source: Path, layout: SlotLayout) -> SlotLayout:
-    """`layout` with the cell metadata the assembly is to write only where the file holds it byte for byte (the
-    parser read it so; checked again, so that a file is never assembled otherwise than it was saved)."""
+def _exact_meta(buffer: np.ndarray, layout: SlotLayout) -> SlotLayout:
+    """`layout` with the cell metadata the assembly is to write only where the file's bytes (`buffer`) hold it byte
+    for byte (the parser read it so; checked again, so that a file is never assembled otherwise than it was saved)."""
     if not layout.meta:
         return layout
-    buffer = np.memmap(source, dtype=np.uint8, mode="r").view(np.ndarray)
     kept = tuple(m for m in layout.meta if meta_matches(buffer, layout, m))
     return layout if kept == layout.meta else replace(layout, meta=kept)
 
@@ -543,7 +542,7 @@ def _plan(positions: Positions, limit: int, block_tokens: int, stored: Stored | 
     offered: dict[str, str] = {}
     if stored is None:
         return grid_ends(limit, block_tokens, prompt_end), offered
-    known: dict[str, Sequence[tuple[int, str, str]]] = dict.fromkeys(positions.grid_opens, ())
+    known: dict[str, Sequence[StoredBlock]] = dict.fromkeys(positions.grid_opens, ())
     known.update(stored(positions.grid_opens))
 
     def ends_from(start: int) -> list[int]:
@@ -551,11 +550,11 @@ def _plan(positions: Positions, limit: int, block_tokens: int, stored: Stored | 
         if key not in known:
             known[key] = stored([key]).get(key, ())
         found = []
-        for n_cells, block_key, digest in known[key]:
-            end = start + n_cells
-            if n_cells > 0 and end <= limit and positions.block_key(start, end) == block_key:
+        for block in known[key]:
+            end = start + block.n_cells
+            if block.n_cells > 0 and end <= limit and positions.block_key(start, end) == block.key:
                 found.append(end)
-                offered.setdefault(block_key, digest)
+                offered.setdefault(block.key, block.digest)
         return found
 
     return follow_ends(limit, block_tokens, ends_from, prompt_end), offered

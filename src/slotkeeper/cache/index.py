@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slotkeeper.cache.blocks import StoredBlock
 from slotkeeper.cache.budget import DiskBudget
 from slotkeeper.cache.chain import Link, common_messages
 from slotkeeper.cache.kvprobe import KvProbe
@@ -90,7 +91,6 @@ CREATE TABLE IF NOT EXISTS block_refs (
     PRIMARY KEY (filename, position)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS block_refs_by_digest ON block_refs (digest);
-CREATE INDEX IF NOT EXISTS block_refs_by_prefix ON block_refs (prefix) WHERE prefix IS NOT NULL;
 CREATE TABLE IF NOT EXISTS block_sizes (
     digest      TEXT PRIMARY KEY,
     n_bytes     INTEGER NOT NULL
@@ -168,6 +168,9 @@ class SnapshotIndex:
             self._db.execute("ALTER TABLE block_refs ADD COLUMN opens TEXT")
             self._db.execute("ALTER TABLE block_refs ADD COLUMN n_cells INTEGER NOT NULL DEFAULT 0")
         self._db.execute("CREATE INDEX IF NOT EXISTS block_refs_by_opens ON block_refs (opens) WHERE opens IS NOT NULL")
+        # Saves found the blocks stored before them by their key alone until they asked by position (`stored_from`):
+        # that index is written on every save and read by nothing now.
+        self._db.execute("DROP INDEX IF EXISTS block_refs_by_prefix")
         # Side tasks' states were conversations' rows under reserved ids before they became a kind of their own.
         self._db.execute("UPDATE snapshots SET kind = 'side' WHERE kind = 'session' AND session_id GLOB"
                          " '~side-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*'")
@@ -344,17 +347,17 @@ class SnapshotIndex:
                     self._db.execute("DELETE FROM block_sizes WHERE digest=?", (d,))
         return found
 
-    def stored_from(self, opens: Sequence[str]) -> dict[str, list[tuple[int, str, str]]]:
+    def stored_from(self, opens: Sequence[str]) -> dict[str, list[StoredBlock]]:
         """For each position key in `opens`, the blocks this host's own saves stored starting there: each block key
         once, with its cell count and a digest it was stored as (blockstore.py `Stored`)."""
-        found: dict[str, list[tuple[int, str, str]]] = {}
+        found: dict[str, list[StoredBlock]] = {}
         with self._lock:
             for key in dict.fromkeys(opens):
                 rows = self._db.execute(
                     "SELECT n_cells, prefix, MIN(digest) FROM block_refs WHERE opens=? AND prefix IS NOT NULL"
                     " GROUP BY prefix LIMIT 64", (key,)).fetchall()
                 if rows:
-                    found[key] = [(int(n), str(prefix), str(digest)) for n, prefix, digest in rows]
+                    found[key] = [StoredBlock(int(n), str(prefix), str(digest)) for n, prefix, digest in rows]
         return found
 
     def block_usage(self) -> tuple[int, int]:
