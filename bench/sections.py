@@ -544,27 +544,33 @@ def turns(r: dict[str, Any]) -> list[str]:
         "task's whole time) minus llama-server's, median of the rounds. Of slotkeeper's: the time until its lease "
         "(the queue, the save of the slot's occupant, the decision, the restore), and *other*: the rest beside the "
         "backend's own prompt time (the proxy, and the backend's request handling), next to llama-server's. A "
-        "restore's *added over hot* is its time to first token minus llama-server's for the same next turn in a slot "
-        "that holds the conversation; its *floor* the time to read the restored bytes from tmpfs on this machine. "
+        "restore's *added over hot* is its time to first token minus that of the same next turn in a slot that holds "
+        "the conversation: llama-server alone's, and slotkeeper's own (the same backend process, whose speed does "
+        "not differ, and the proxy in both); its *floor* the time to read the restored bytes from tmpfs on this "
+        "machine, and *restore call* the backend's restore request alone. "
         f"{_model(r)}",
         "",
         "| kind | llama-server ms | slotkeeper ms | added ms | slotkeeper cache | decide ms | save ms | restore ms "
         "| lease ms | other ms (alone / slotkeeper) | prompt_n (alone / slotkeeper) | restored MiB | floor ms "
-        "| added over hot ms | over floor |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| added over hot ms (alone / own) | over floor (alone / own) | restore call over floor |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for kind, k in kinds.items():
         restored = f"{k['restored_bytes'] / 2**20:.1f}" if "restored_bytes" in k else "-"
         floor = _fmt(k["read_floor_ms"], 2) if "read_floor_ms" in k else "-"
         over_hot = _fmt(k["added_over_hot_ms"], 1) if "added_over_hot_ms" in k else "-"
-        over_floor = f"{k['added_over_floor']:.0f}x" if k.get("added_over_floor") is not None else "-"
+        if "added_over_own_hot_ms" in k:
+            over_hot += f" / {_fmt(k['added_over_own_hot_ms'], 1)}"
+        over_floor = " / ".join(f"{k[name]:.1f}x" for name in ("added_over_floor", "own_added_over_floor")
+                                if k.get(name) is not None) or "-"
+        call = f"{k['restore_call_over_floor']:.1f}x" if k.get("restore_call_over_floor") is not None else "-"
         lines.append(
             f"| {kind} | {_fmt(k['llama_server_ttft_ms'], 1)} | {_fmt(k['slotkeeper_ttft_ms'], 1)} "
             f"| {k['added_ms']:+.1f} | {', '.join(k['slotkeeper_cache'])} | {_fmt(k['decide_ms'], 1)} "
             f"| {_fmt(k['save_ms'], 1)} | {_fmt(k['restore_ms'], 1)} | {_fmt(k['lease_ms'], 1)} "
             f"| {_fmt(k['llama_server_other_ms'], 1)} / {_fmt(k['slotkeeper_other_ms'], 1)} "
             f"| {k['llama_server_prompt_n']:g} / {k['slotkeeper_prompt_n']:g} | {restored} | {floor} | {over_hot} "
-            f"| {over_floor} |")
+            f"| {over_floor} | {call} |")
     return [*lines, ""]
 
 

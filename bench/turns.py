@@ -18,7 +18,9 @@ Per kind: the median time to first token (TTFT) of each target and of their diff
 record of the turn (planning, the save of the slot's occupant on the path, the restore); and beside each restore,
 its physical floor: the time to read the restored state's bytes from tmpfs (where the RAM dir keeps them), measured
 on this machine. A restore's added time is slotkeeper's TTFT minus llama-server alone's TTFT of the same request
-in a slot that already holds the conversation (the `hot` kind of the same round).
+in a slot that already holds the conversation (the `hot` kind of the same round), and again minus slotkeeper's own
+`hot` turn of the round: the same backend process, whose speed then does not differ (separate llama-server processes
+differ by up to about 15%), and slotkeeper's proxy in both.
 """
 
 from __future__ import annotations
@@ -222,6 +224,7 @@ def summarize(samples: list[dict[str, Any]], bytes_per_token: float,
 
     kinds: dict[str, Any] = {}
     hot_alone = {s["round"]: s["ttft_ms"] for s in of("llama-server", "hot")}
+    hot_own = {s["round"]: s["ttft_ms"] for s in of("slotkeeper", "hot")}
     for kind in KINDS:
         alone, keeper = of("llama-server", kind), of("slotkeeper", kind)
         if not alone or not keeper:
@@ -256,5 +259,14 @@ def summarize(samples: list[dict[str, Any]], bytes_per_token: float,
                 row["added_over_hot_ms"] = statistics.median(over_hot)
                 row["added_over_floor"] = (row["added_over_hot_ms"] / row["read_floor_ms"]
                                            if row["read_floor_ms"] > 0 else None)
+            over_own = [s["ttft_ms"] - hot_own[s["round"]] for s in restored
+                        if s["round"] in hot_own and kind in ("restore", "switch")]
+            if over_own:
+                row["added_over_own_hot_ms"] = statistics.median(over_own)
+                row["own_added_over_floor"] = (row["added_over_own_hot_ms"] / row["read_floor_ms"]
+                                               if row["read_floor_ms"] > 0 else None)
+                # The backend's restore call alone (slotkeeper's `restore_ms`: the request and its answer).
+                row["restore_call_over_floor"] = (row["restore_ms"] / row["read_floor_ms"]
+                                                  if row["read_floor_ms"] > 0 else None)
         kinds[kind] = row
     return {"kinds": kinds}

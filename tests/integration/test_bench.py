@@ -484,7 +484,7 @@ def test_turns(tmp_path: Path) -> None:
         assert k["slotkeeper_cache"] == ["restored"]
         assert k["slotkeeper_prompt_n"] < 150 < k["llama_server_prompt_n"]
         assert k["restored_bytes"] > 0 and positive(k["read_floor_ms"]) and positive(k["restore_ms"])
-        assert "added_over_hot_ms" in k
+        assert "added_over_hot_ms" in k and "added_over_own_hot_ms" in k and positive(k["restore_call_over_floor"])
     assert kinds["switch"]["save_ms"] > 0 and kinds["restore"]["save_ms"] == 0  # the pause let the idle save run
     assert kinds["cold"]["slotkeeper_prompt_n"] == kinds["cold"]["llama_server_prompt_n"]
     assert all(positive(k["lease_ms"]) or k["slotkeeper_cache"] == ["hot"] for k in kinds.values())
