@@ -253,20 +253,20 @@ def summarize(samples: list[dict[str, Any]], bytes_per_token: float,
             n_bytes = int(statistics.median(s["restored"] for s in restored) * bytes_per_token)
             row["restored_bytes"] = n_bytes
             row["read_floor_ms"] = floor(n_bytes)
-            over_hot = [s["ttft_ms"] - hot_alone[s["round"]] for s in restored
-                        if s["round"] in hot_alone and kind in ("restore", "switch")]
-            if over_hot:
-                row["added_over_hot_ms"] = statistics.median(over_hot)
-                row["added_over_floor"] = (row["added_over_hot_ms"] / row["read_floor_ms"]
-                                           if row["read_floor_ms"] > 0 else None)
-            over_own = [s["ttft_ms"] - hot_own[s["round"]] for s in restored
-                        if s["round"] in hot_own and kind in ("restore", "switch")]
-            if over_own:
-                row["added_over_own_hot_ms"] = statistics.median(over_own)
-                row["own_added_over_floor"] = (row["added_over_own_hot_ms"] / row["read_floor_ms"]
-                                               if row["read_floor_ms"] > 0 else None)
+            if kind in ("restore", "switch"):
+                floor_ms = row["read_floor_ms"]
+                for hot, added, ratio in ((hot_alone, "added_over_hot_ms", "added_over_floor"),
+                                          (hot_own, "added_over_own_hot_ms", "own_added_over_floor")):
+                    deltas = [s["ttft_ms"] - hot[s["round"]] for s in restored if s["round"] in hot]
+                    if deltas:
+                        row[added] = statistics.median(deltas)
+                        row[ratio] = _times(row[added], floor_ms)
                 # The backend's restore call alone (slotkeeper's `restore_ms`: the request and its answer).
-                row["restore_call_over_floor"] = (row["restore_ms"] / row["read_floor_ms"]
-                                                  if row["read_floor_ms"] > 0 else None)
+                row["restore_call_over_floor"] = _times(row["restore_ms"], floor_ms)
         kinds[kind] = row
     return {"kinds": kinds}
+
+
+def _times(ms: float, floor_ms: float) -> float | None:
+    """`ms` as a multiple of the read floor (None when the floor is not positive)."""
+    return ms / floor_ms if floor_ms > 0 else None
